@@ -1,0 +1,1 @@
+"""Wire protocol, authentication, host parsing and settings shared by driver and workers."""

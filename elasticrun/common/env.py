@@ -1,0 +1,32 @@
+"""Names of the environment variables through which the driver configures a worker.
+
+The environment (not the command line) carries the secret, so it never shows in ``ps``.
+"""
+
+from __future__ import annotations
+
+# The assignment at launch (horovod's HOROVOD_* equivalents).
+HOSTNAME = "ELASTICRUN_HOSTNAME"
+RANK = "ELASTICRUN_RANK"
+SIZE = "ELASTICRUN_SIZE"
+LOCAL_RANK = "ELASTICRUN_LOCAL_RANK"
+LOCAL_SIZE = "ELASTICRUN_LOCAL_SIZE"
+CROSS_RANK = "ELASTICRUN_CROSS_RANK"
+CROSS_SIZE = "ELASTICRUN_CROSS_SIZE"
+
+# How to reach the driver, and who this worker is.
+JOB_ID = "ELASTICRUN_JOB_ID"
+SECRET = "ELASTICRUN_SECRET"  # hex; removed from os.environ by the worker once read
+CONTROL_ADDR = "ELASTICRUN_CONTROL_ADDR"  # driver ROUTER: rendezvous, store, heartbeats
+NOTIFY_ADDR = "ELASTICRUN_NOTIFY_ADDR"  # driver PUB: host updates, round aborts
+WORKER_ID = "ELASTICRUN_WORKER_ID"
+SLOT = "ELASTICRUN_SLOT"
+
+# Timeouts (seconds) the worker must respect.
+COLLECTIVE_TIMEOUT = "ELASTICRUN_COLLECTIVE_TIMEOUT"
+RENDEZVOUS_TIMEOUT = "ELASTICRUN_RENDEZVOUS_TIMEOUT"
+HEARTBEAT_INTERVAL = "ELASTICRUN_HEARTBEAT_INTERVAL"
+DRIVER_TIMEOUT = "ELASTICRUN_DRIVER_TIMEOUT"
+LOG_LEVEL = "ELASTICRUN_LOG_LEVEL"
+
+ASSIGNMENT_VARS = (HOSTNAME, RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE)

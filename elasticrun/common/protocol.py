@@ -1,0 +1,120 @@
+"""Authenticated control-plane messages between the driver and its workers.
+
+A frame on the wire is ``MAC (32 bytes) || payload``, where payload is UTF-8 JSON::
+
+    {"v": 1, "t": type, "job": job_id, "from": sender, "seq": n, "to": recipient|null, "body": {...}}
+
+and MAC is HMAC-SHA256(secret, payload). Why this shape:
+
+* The MAC is checked *before* the payload is parsed, so a forged or corrupted frame is
+  dropped without touching a parser; bodies are plain JSON data, never pickles.
+* ``seq`` strictly increases per sender, and the receiver remembers the last ``seq`` it
+  accepted from every sender, so a captured frame cannot be replayed. Senders are random
+  per process, so a restarted worker starts a fresh sequence under a new name.
+* ``to`` binds a reply to one recipient, so a reply captured on one worker's connection
+  cannot be replayed to another; ``job`` stops cross-talk between two jobs that happen to
+  share a secret or a port.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+MAC_BYTES = 32
+#: Frames larger than this are refused (ZeroMQ also drops the connection of a peer that
+#: sends one, via ``zmq.MAXMSGSIZE``). Control messages are small; 1 MiB is generous.
+MAX_FRAME_BYTES = 1 << 20
+
+
+class ProtocolError(Exception):
+    """A frame was refused: bad MAC, malformed, wrong job, replayed or too large."""
+
+
+def new_secret() -> bytes:
+    """A fresh per-job secret (256 bits)."""
+    return os.urandom(32)
+
+
+def new_sender_id(prefix: str) -> str:
+    return f"{prefix}-{os.urandom(6).hex()}"
+
+
+@dataclass(frozen=True)
+class Message:
+    type: str
+    sender: str
+    seq: int
+    body: dict[str, Any]
+    to: str | None = None
+
+
+@dataclass
+class Codec:
+    """Encodes and verifies frames for one socket (thread-safe).
+
+    Use one Codec per socket, never one shared by two sockets: sequence numbers are only
+    ordered within one FIFO connection, so a counter or replay table shared across sockets
+    would see honest frames out of order and reject them as replays.
+    """
+
+    secret: bytes
+    job_id: str
+    sender: str
+    _counter: Any = field(default_factory=lambda: itertools.count(1), repr=False)
+    _last_seen: dict[str, int] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def encode(self, type_: str, body: dict[str, Any] | None = None, to: str | None = None) -> bytes:
+        with self._lock:
+            seq = next(self._counter)
+        payload = json.dumps(
+            {"v": PROTOCOL_VERSION, "t": type_, "job": self.job_id, "from": self.sender,
+             "seq": seq, "to": to, "body": body or {}},
+            separators=(",", ":"),
+        ).encode()
+        if len(payload) + MAC_BYTES > MAX_FRAME_BYTES:
+            raise ProtocolError(f"message {type_!r} is {len(payload)} bytes, over the {MAX_FRAME_BYTES} limit")
+        return hmac.new(self.secret, payload, hashlib.sha256).digest() + payload
+
+    def decode(self, frame: bytes) -> Message:
+        """Verify and parse one frame; raise ProtocolError (without parsing) if it is not genuine."""
+        if len(frame) > MAX_FRAME_BYTES:
+            raise ProtocolError(f"frame of {len(frame)} bytes is over the {MAX_FRAME_BYTES} limit")
+        if len(frame) <= MAC_BYTES:
+            raise ProtocolError("frame too short to carry a MAC")
+        mac, payload = frame[:MAC_BYTES], frame[MAC_BYTES:]
+        expected = hmac.new(self.secret, payload, hashlib.sha256).digest()
+        if not hmac.compare_digest(mac, expected):
+            raise ProtocolError("bad MAC (wrong secret or tampered frame)")
+        try:
+            obj = json.loads(payload)
+            version, type_, job, sender, seq, to, body = (
+                obj["v"], obj["t"], obj["job"], obj["from"], obj["seq"], obj.get("to"), obj["body"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ProtocolError(f"malformed payload: {exc}") from None
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+        if job != self.job_id:
+            raise ProtocolError(f"message for job {job!r}, this is job {self.job_id!r}")
+        if not isinstance(seq, int) or not isinstance(sender, str) or not isinstance(body, dict):
+            raise ProtocolError("malformed header fields")
+        if to is not None and to != self.sender:
+            raise ProtocolError(f"message addressed to {to!r}, not to {self.sender!r}")
+        with self._lock:
+            if seq <= self._last_seen.get(sender, 0):
+                raise ProtocolError(f"replayed or reordered frame from {sender!r} (seq {seq})")
+            self._last_seen[sender] = seq
+        return Message(type=type_, sender=sender, seq=seq, body=body, to=to)
+
+    def forget(self, sender: str) -> None:
+        """Drop the replay entry of a peer that is gone (keeps the table bounded)."""
+        with self._lock:
+            self._last_seen.pop(sender, None)

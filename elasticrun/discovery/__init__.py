@@ -1,0 +1,1 @@
+"""Host discovery: discovery sources and the pure host manager (order, blacklist, cooldown)."""

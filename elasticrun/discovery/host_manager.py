@@ -1,0 +1,131 @@
+"""The set of usable hosts: join order, blacklist and cooldown (pure state, injected clock).
+
+Why join order matters: ranks are assigned host by host in this order, so hosts that have
+been in the job longest (whose workers hold the newest committed state) keep the lowest
+ranks, and rank 0, the source of every ``state.sync()``, is always a survivor when one
+exists. A host that leaves (removed from discovery, or blacklisted) loses its place; when it
+comes back it is appended at the end like any new host, because it has no state to offer.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class HostChange:
+    """What one discovery result changed in the set of usable hosts."""
+
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    resized: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed or self.resized)
+
+
+@dataclass
+class _Blacklisting:
+    count: int
+    until: float | None  # None: permanent
+
+
+def cooldown_delay(count: int, low: float, high: float, jitter: float) -> float:
+    """Delay before the ``count``-th blacklisting of a host expires.
+
+    Doubles with every blacklisting, so a host that keeps failing is tried less and less
+    often; ``jitter`` in [0, 1) spreads hosts that failed together so they do not all return
+    (and fail) at the same moment. Clamped to [low, high].
+    """
+    delay = low * (2 ** min(count - 1, 62)) * (1.0 + 0.25 * jitter)
+    return max(low, min(high, delay))
+
+
+@dataclass
+class HostManager:
+    """Discovered hosts, their join order and the blacklist.
+
+    ``cooldown_range=None`` makes blacklisting permanent (horovodrun's default).
+    """
+
+    cooldown_range: tuple[float, float] | None = None
+    rng: random.Random = field(default_factory=random.Random)
+    _discovered: dict[str, int] = field(default_factory=dict)
+    _order: list[str] = field(default_factory=list)
+    _blacklist: dict[str, _Blacklisting] = field(default_factory=dict)
+    _now: float = float("-inf")
+
+    # -- inputs ---------------------------------------------------------------------------
+    def update(self, discovered: Mapping[str, int], now: float) -> HostChange:
+        """Take a new discovery result; return how the usable hosts changed."""
+        before = dict(self.available())
+        self._discovered = dict(discovered)
+        self._now = max(self._now, now)
+        self._order = [h for h in self._order if h in self._discovered and not self._is_blocked(h)]
+        for host in self._discovered:
+            if host not in self._order and not self._is_blocked(host):
+                self._order.append(host)
+        return self._diff(before)
+
+    def blacklist(self, host: str, now: float) -> float | None:
+        """Blacklist ``host`` after a failure; return when it may come back (None: never)."""
+        self._now = max(self._now, now)
+        entry = self._blacklist.get(host)
+        count = (entry.count if entry else 0) + 1
+        until = None
+        if self.cooldown_range is not None:
+            low, high = self.cooldown_range
+            until = now + cooldown_delay(count, low, high, self.rng.random())
+        self._blacklist[host] = _Blacklisting(count, until)
+        if host in self._order:
+            self._order.remove(host)
+        return until
+
+    def refresh(self, now: float) -> HostChange:
+        """Let hosts whose cooldown has ended back in; return what that changed."""
+        return self.update(self._discovered, now)
+
+    # -- queries --------------------------------------------------------------------------
+    def available(self) -> list[tuple[str, int]]:
+        """Usable hosts with their slots, in assignment order."""
+        return [(h, self._discovered[h]) for h in self._order]
+
+    def is_blacklisted(self, host: str) -> bool:
+        return self._is_blocked(host)
+
+    def blacklisted(self) -> list[str]:
+        return sorted(self._blacklist)
+
+    def discovered(self) -> dict[str, int]:
+        return dict(self._discovered)
+
+    def all_blacklisted(self) -> bool:
+        """Every discovered host is blacklisted (and there is at least one)."""
+        return bool(self._discovered) and all(self._is_blocked(h) for h in self._discovered)
+
+    def next_expiry(self) -> float | None:
+        """The earliest time a blacklisted, discovered host may come back."""
+        times = [e.until for h, e in self._blacklist.items()
+                 if e.until is not None and e.until > self._now and h in self._discovered]
+        return min(times) if times else None
+
+    def is_permanent(self) -> bool:
+        return self.cooldown_range is None
+
+    # -- internals ------------------------------------------------------------------------
+    def _is_blocked(self, host: str) -> bool:
+        entry = self._blacklist.get(host)
+        if entry is None:
+            return False
+        # The entry (and its count) stays after expiry so that the next cooldown doubles.
+        return entry.until is None or self._now < entry.until
+
+    def _diff(self, before: dict[str, int]) -> HostChange:
+        after = dict(self.available())
+        return HostChange(
+            added=tuple(h for h in after if h not in before),
+            removed=tuple(h for h in before if h not in after),
+            resized=tuple(h for h in after if h in before and before[h] != after[h]),
+        )

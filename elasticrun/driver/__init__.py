@@ -1,0 +1,1 @@
+"""The elastic driver: rank assignment, registry, rendezvous, notifications, launchers."""

@@ -1,0 +1,55 @@
+"""Rank assignment for a round (pure).
+
+Ranks fill host by host in the host manager's join order, slot by slot, up to ``max_np``.
+Because a worker's slot index on its host is its local rank, and surviving hosts come first,
+a surviving worker keeps its (host, slot) and the lowest ranks go to the oldest hosts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """One process's place in a round (horovod's rank/local/cross triple)."""
+
+    host: str
+    slot: int  # == local_rank
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int  # index of this host among hosts that have this local_rank
+    cross_size: int  # number of hosts that have this local_rank
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.host, self.slot)
+
+    def as_dict(self) -> dict[str, int | str]:
+        return {"host": self.host, "slot": self.slot, "rank": self.rank, "size": self.size,
+                "local_rank": self.local_rank, "local_size": self.local_size,
+                "cross_rank": self.cross_rank, "cross_size": self.cross_size}
+
+
+def assign(hosts: Sequence[tuple[str, int]], max_np: int | None) -> list[SlotInfo]:
+    """Assign ranks to ``hosts`` (``[(host, slots), ...]`` in order), at most ``max_np`` in all."""
+    budget = max_np if max_np is not None else sum(s for _, s in hosts)
+    used: list[tuple[str, int]] = []
+    for host, slots in hosts:
+        take = min(slots, budget - sum(n for _, n in used))
+        if take <= 0:
+            break
+        used.append((host, take))
+    size = sum(n for _, n in used)
+    out: list[SlotInfo] = []
+    rank = 0
+    for host, local_size in used:
+        for slot in range(local_size):
+            peers = [h for h, n in used if n > slot]  # hosts that have a worker at this local rank
+            out.append(SlotInfo(host=host, slot=slot, rank=rank, size=size, local_rank=slot,
+                                local_size=local_size, cross_rank=peers.index(host), cross_size=len(peers)))
+            rank += 1
+    return out

@@ -1,0 +1,346 @@
+"""The elastic driver: one event loop around the pure Registry.
+
+The loop owns both ZeroMQ sockets (ROUTER for requests, PUB for notifications) and is the
+only thread that touches the Registry, so no decision ever races another. Other threads
+(discovery, process watchers, output pumps) only post events to a queue and wake the loop
+through a pipe that the ZeroMQ poller watches alongside the sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import zmq
+
+from elasticrun.common import env
+from elasticrun.common.hosts import HostList
+from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, Message, ProtocolError, new_secret, new_sender_id
+from elasticrun.common.settings import JobSettings
+from elasticrun.discovery.host_manager import HostManager
+from elasticrun.discovery.sources import DiscoveryError
+from elasticrun.driver import registry as reg
+from elasticrun.driver.kvstore import KVStore
+from elasticrun.driver.launcher import LocalLauncher, is_local_host
+from elasticrun.driver.output import OutputSink
+
+log = logging.getLogger("elasticrun")
+
+
+class Source(Protocol):
+    def describe(self) -> str: ...
+    def discover(self) -> HostList: ...
+
+
+class JobFailed(Exception):
+    """The job ended unsuccessfully; the message is the paragraph shown to the user."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass
+class _Pending:
+    """A request whose reply is deferred (a rendezvous, or a store read of a missing key)."""
+
+    identity: bytes
+    sender: str
+    req: Any
+
+
+class ElasticDriver:
+    """Runs one elastic job to completion. ``run()`` returns the exit code."""
+
+    def __init__(self, settings: JobSettings, source: Source):
+        self.settings = settings
+        self.source = source
+        self.job_id = uuid.uuid4().hex[:12]
+        self._secret = new_secret()
+        self._events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._stop_discovery = threading.Event()
+        self._ids = (f"w{n}" for n in range(1, 1 << 62))
+        self.registry = reg.Registry(
+            reg.RegistryConfig(np=settings.np, min_np=settings.min_np, max_np=settings.max_np,
+                               reset_limit=settings.reset_limit, elastic_timeout=settings.elastic_timeout,
+                               start_timeout=settings.start_timeout),
+            HostManager(cooldown_range=settings.cooldown_range), new_id=lambda: next(self._ids))
+        self._sink = OutputSink(self._rank_of, settings.output_filename)
+        self._launcher = LocalLauncher(self._sink, on_exit=lambda wid, code: self._post("exit", (wid, code)))
+        self._pending_rdzv: dict[str, _Pending] = {}
+        self._updates: deque[tuple[float, bool, bool]] = deque(maxlen=16)
+        self._last_ts = 0.0
+        self._abort_reason = ""
+        self._last_discovery_problems: tuple[str, ...] = ()
+        self._started = time.monotonic()
+
+    # --- plumbing --------------------------------------------------------------------------
+    def _post(self, kind: str, payload: Any) -> None:
+        self._events.put((kind, payload))
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full: the loop is already awake
+
+    def _rank_of(self, worker_id: str) -> int:
+        w = self.registry.workers.get(worker_id)
+        return w.rank if w is not None else -1
+
+    # --- main loop -------------------------------------------------------------------------
+    def run(self) -> int:
+        first = self._first_discovery()
+        ctx = zmq.Context()
+        self._router = ctx.socket(zmq.ROUTER)
+        self._pub = ctx.socket(zmq.PUB)
+        for sock in (self._router, self._pub):
+            sock.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        host = "127.0.0.1"
+        self._control_addr = f"tcp://{host}:{self._router.bind_to_random_port(f'tcp://{host}')}"
+        self._notify_addr = f"tcp://{host}:{self._pub.bind_to_random_port(f'tcp://{host}')}"
+        self._rx = Codec(self._secret, self.job_id, new_sender_id("driver-rx"))
+        self._pub_codec = Codec(self._secret, self.job_id, new_sender_id("driver-pub"))
+        self._store = KVStore()
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._execute(self.registry.discovered(first.hosts, time.monotonic()))
+            if self.settings.discovery_script:
+                threading.Thread(target=self._discovery_loop, name="elasticrun-discovery", daemon=True).start()
+            finished = self._loop()
+            return self._conclude(finished)
+        except _Interrupted as exc:
+            log.warning("received %s: stopping %d worker(s)", exc, len(self.registry.live()))
+            self._shutdown()
+            return 128 + exc.signum
+        except BaseException:
+            self._shutdown()
+            raise
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self._stop_discovery.set()
+            self._router.close(0)
+            self._pub.close(0)
+            ctx.term()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._sink.close()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        raise _Interrupted(signum)
+
+    def _first_discovery(self) -> HostList:
+        try:
+            found = self.source.discover()
+        except DiscoveryError as exc:
+            raise JobFailed(f"The discovery script is misconfigured: its first run failed.\n{exc}", 2) from None
+        self._report_discovery_problems(found)
+        if not found.hosts:
+            log.warning("%s found no hosts yet; waiting up to --start-timeout %g s",
+                        self.source.describe(), self.settings.start_timeout)
+        return found
+
+    def _discovery_loop(self) -> None:
+        while not self._stop_discovery.wait(self.settings.discovery_interval):
+            try:
+                self._post("discovered", self.source.discover())
+            except DiscoveryError as exc:
+                self._post("discovery_failed", str(exc))
+
+    def _report_discovery_problems(self, found: HostList) -> None:
+        problems = tuple(found.errors + found.warnings)
+        if problems != self._last_discovery_problems:  # say it once, not every interval
+            for p in found.errors:
+                log.warning("%s: skipped invalid line, %s", self.source.describe(), p)
+            for p in found.warnings:
+                log.warning("%s: %s", self.source.describe(), p)
+        self._last_discovery_problems = problems
+
+    def _loop(self) -> reg.Finish:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while True:
+            now = time.monotonic()
+            deadlines = [d for d in (self.registry.next_deadline(), self._store.next_deadline()) if d is not None]
+            timeout = min([0.5] + [max(0.0, d - now) for d in deadlines])
+            events = dict(poller.poll(int(timeout * 1000) + 1))
+            if self._wake_r in events:
+                os.read(self._wake_r, 4096)
+            while True:
+                try:
+                    kind, payload = self._events.get_nowait()
+                except queue.Empty:
+                    break
+                self._on_event(kind, payload)
+            if self._router in events:
+                for _ in range(1000):  # drain what is there, then look at the other sources again
+                    try:
+                        identity, frame = self._router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except ValueError:
+                        continue
+                    self._on_frame(identity, frame)
+            now = time.monotonic()
+            self._execute(self.registry.tick(now))
+            self._send_store_replies(self._store.expire(now))
+            if self.registry.finished is not None:
+                return self.registry.finished
+
+    def _on_event(self, kind: str, payload: Any) -> None:
+        now = time.monotonic()
+        if kind == "discovered":
+            self._report_discovery_problems(payload)
+            self._execute(self.registry.discovered(payload.hosts, now))
+        elif kind == "discovery_failed":
+            if payload not in self._last_discovery_problems:
+                log.warning("discovery failed, keeping the last known hosts: %s", payload)
+            self._last_discovery_problems = (payload,)
+        elif kind == "exit":
+            worker_id, code = payload
+            self._pending_rdzv.pop(worker_id, None)
+            self._execute(self.registry.exited(worker_id, code, now))
+
+    # --- requests from workers -------------------------------------------------------------
+    def _on_frame(self, identity: bytes, frame: bytes) -> None:
+        try:
+            msg = self._rx.decode(frame)
+        except ProtocolError as exc:
+            log.warning("dropped a control frame: %s", exc)
+            return
+        body = msg.body
+        if msg.type == "heartbeat":
+            self._reply(identity, msg, "heartbeat_ack", {
+                "round": self.registry.round, "aborted": self.registry.aborted, "reason": self._abort_reason,
+                "updates": [list(u) for u in self._updates]})
+        elif msg.type == "store":
+            pending = _Pending(identity, msg.sender, body.get("req"))
+            self._send_store_replies(self._store.handle(pending, body, time.monotonic()))
+        elif msg.type == "rendezvous":
+            worker_id = str(body.get("worker"))
+            self._pending_rdzv[worker_id] = _Pending(identity, msg.sender, body.get("req"))
+            self._execute(self.registry.rendezvous(worker_id, time.monotonic()))
+        else:
+            log.warning("ignored a %r message from %s", msg.type, msg.sender)
+
+    def _reply(self, identity: bytes, msg: Message | _Pending, type_: str, body: dict[str, Any]) -> None:
+        req = msg.body.get("req") if isinstance(msg, Message) else msg.req
+        try:
+            self._router.send_multipart([identity, self._rx.encode(type_, dict(body, re=req), to=msg.sender)],
+                                        zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError):
+            pass  # the worker is gone (ROUTER_MANDATORY makes that an error, not a silent drop)
+
+    def _send_store_replies(self, replies: list[tuple[Any, str, dict]]) -> None:
+        for pending, type_, body in replies:
+            self._reply(pending.identity, pending, type_, body)
+
+    def _publish(self, type_: str, body: dict[str, Any]) -> None:
+        self._pub.send(self._pub_codec.encode(type_, body))
+
+    # --- carrying out the registry's decisions ----------------------------------------------
+    def _execute(self, actions: list[reg.Action]) -> None:
+        for act in actions:
+            if isinstance(act, reg.Event):
+                log.info("%s", act.message)
+            elif isinstance(act, reg.Launch):
+                self._launch(act)
+            elif isinstance(act, reg.Assign):
+                pending = self._pending_rdzv.pop(act.worker_id, None)
+                if pending is not None:
+                    self._reply(pending.identity, pending, "assignment", dict(
+                        act.info.as_dict(), round=act.round, notify_ts=self._last_ts, new_members=act.new_members))
+                if act.info.rank == 0:
+                    self._forget_old_rounds(act.round)
+            elif isinstance(act, reg.Dismiss):
+                pending = self._pending_rdzv.pop(act.worker_id, None)
+                if pending is not None:
+                    self._reply(pending.identity, pending, "dismiss", {"reason": act.reason})
+            elif isinstance(act, reg.Kill):
+                self._launcher.signal(act.worker_id, signal.SIGKILL)
+            elif isinstance(act, reg.Notify):
+                # Strictly increasing even within one clock tick, so no update is mistaken
+                # for one already handled.
+                self._last_ts = max(time.time(), self._last_ts + 1e-6)
+                self._updates.append((self._last_ts, act.added, act.removed))
+                self._publish("hosts_updated", {"ts": self._last_ts, "added": act.added, "removed": act.removed})
+            elif isinstance(act, reg.AbortRound):
+                self._abort_reason = act.reason
+                log.warning("round %d aborted: %s", act.round, act.reason)
+                self._publish("round_aborted", {"round": act.round, "reason": act.reason})
+            elif isinstance(act, reg.Finish):
+                pass  # the loop notices registry.finished
+
+    def _forget_old_rounds(self, current: int) -> None:
+        keep = f"round{current}/"
+        self._store.data = {k: v for k, v in self._store.data.items() if k.startswith(keep)}
+
+    def _launch(self, act: reg.Launch) -> None:
+        info, s = act.info, self.settings
+        if not is_local_host(info.host):
+            self._post("exit", (act.worker_id, 255))
+            log.error("host %s is not this machine: launching on remote hosts needs the SSH launcher, "
+                      "which this version does not have", info.host)
+            return
+        worker_env = dict(os.environ)
+        worker_env.update(s.extra_env)
+        worker_env.update({
+            env.HOSTNAME: info.host, env.RANK: str(info.rank), env.SIZE: str(info.size),
+            env.LOCAL_RANK: str(info.local_rank), env.LOCAL_SIZE: str(info.local_size),
+            env.CROSS_RANK: str(info.cross_rank), env.CROSS_SIZE: str(info.cross_size),
+            env.SLOT: str(info.slot), env.WORKER_ID: act.worker_id, env.JOB_ID: self.job_id,
+            env.SECRET: self._secret.hex(), env.CONTROL_ADDR: self._control_addr, env.NOTIFY_ADDR: self._notify_addr,
+            env.COLLECTIVE_TIMEOUT: str(s.collective_timeout), env.RENDEZVOUS_TIMEOUT: str(s.elastic_wait_limit),
+            env.HEARTBEAT_INTERVAL: str(s.heartbeat_interval), env.DRIVER_TIMEOUT: str(s.driver_timeout),
+            env.LOG_LEVEL: s.log_level, "PYTHONUNBUFFERED": "1",
+        })
+        try:
+            self._launcher.launch(act.worker_id, s.command, worker_env)
+        except OSError as exc:
+            log.error("could not start %r on %s: %s", s.command[0], info.host, exc.strerror or exc)
+            self._post("exit", (act.worker_id, 127))
+
+    # --- the end -----------------------------------------------------------------------------
+    def _conclude(self, finished: reg.Finish) -> int:
+        if finished.ok:
+            # Stragglers (dismissed workers still exiting) get the grace period, then are stopped.
+            self._wait_for_exits(self.settings.stop_grace)
+        self._shutdown()
+        elapsed = time.monotonic() - self._started
+        if finished.ok:
+            log.info("job succeeded in %.1f s: %s", elapsed, finished.reason)
+            return 0
+        raise JobFailed(f"The job failed after {elapsed:.1f} s: {finished.reason}.")
+
+    def _wait_for_exits(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.registry.live() and time.monotonic() < deadline:
+            try:
+                kind, payload = self._events.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if kind == "exit":
+                self.registry.exited(payload[0], payload[1], time.monotonic())
+
+    def _shutdown(self) -> None:
+        self._stop_discovery.set()
+        self._launcher.stop_all(self.settings.stop_grace)
+        self._launcher.drain(2.0)

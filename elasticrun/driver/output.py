@@ -1,0 +1,61 @@
+"""Worker output: rank-prefixed lines on the console and per-rank log files.
+
+The prefix is the worker's rank *now* (ranks change across resets), looked up per line, so
+the console always reads like the current job. Per-rank files are opened in append mode,
+so a worker restarted into a rank never truncates what an earlier one wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import IO, Callable
+
+
+class OutputSink:
+    def __init__(self, rank_of: Callable[[str], int], directory: str | None = None,
+                 stdout: IO[str] | None = None, stderr: IO[str] | None = None):
+        self._rank_of = rank_of
+        self._dir = directory
+        self._console = {"stdout": stdout or sys.stdout, "stderr": stderr or sys.stderr}
+        self._files: dict[tuple[int, str], IO[str]] = {}
+        self._lock = threading.Lock()
+
+    def write(self, worker_id: str, stream: str, line: str) -> None:
+        rank = self._rank_of(worker_id)
+        text = line if line.endswith("\n") else line + "\n"
+        with self._lock:
+            console = self._console[stream]
+            console.write(f"[{rank}]<{stream}>:{text}")
+            console.flush()
+            if self._dir is not None and rank >= 0:
+                self._file(rank, stream).write(text)
+
+    def _file(self, rank: int, stream: str) -> IO[str]:
+        f = self._files.get((rank, stream))
+        if f is None:
+            path = os.path.join(self._dir or ".", f"rank.{rank}")
+            os.makedirs(path, exist_ok=True)
+            f = open(os.path.join(path, stream), "a", buffering=1, encoding="utf-8")
+            self._files[(rank, stream)] = f
+        return f
+
+    def close(self) -> None:
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+
+
+def pump(pipe: IO[bytes], worker_id: str, stream: str, sink: OutputSink) -> threading.Thread:
+    """Copy ``pipe`` line by line into ``sink`` on a daemon thread (ends at EOF)."""
+
+    def run() -> None:
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                sink.write(worker_id, stream, raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+
+    thread = threading.Thread(target=run, name=f"elasticrun-output-{worker_id}-{stream}", daemon=True)
+    thread.start()
+    return thread

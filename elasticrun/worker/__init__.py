@@ -1,0 +1,1 @@
+"""Runtime inside a training process: driver client, collectives, elastic state and run."""

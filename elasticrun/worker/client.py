@@ -1,0 +1,137 @@
+"""The worker's connections to the driver (no torch here).
+
+* :class:`DriverClient`: request/reply over a DEALER socket (rendezvous, store operations).
+  Every wait is bounded and can be cut short by an abort check, so a worker never blocks on
+  a driver or a round that is gone.
+* :class:`ControlChannel`: a daemon thread that receives notifications (PUB/SUB) and sends
+  heartbeats. The heartbeat replies repeat the latest notifications, so an update missed on
+  the PUB socket (a subscriber that connected late) still arrives within one interval; and a
+  driver that stops answering is noticed, so workers never outlive a dead driver.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import zmq
+
+from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, Message, ProtocolError, new_sender_id
+
+log = logging.getLogger("elasticrun.worker")
+
+
+class DriverTimeout(RuntimeError):
+    """The driver did not answer in time."""
+
+
+class Aborted(RuntimeError):
+    """A wait was abandoned because the round it belonged to was aborted."""
+
+
+def _socket(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    sock.connect(addr)
+    return sock
+
+
+class DriverClient:
+    """Thread-safe request/reply with the driver over one DEALER socket."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, secret: bytes, job_id: str, name: str):
+        self._codec = Codec(secret, job_id, new_sender_id(name))
+        self._sock = _socket(ctx, zmq.DEALER, addr)
+        self._lock = threading.Lock()
+        self._req = itertools.count(1)
+
+    def request(self, type_: str, body: dict[str, Any], timeout: float, what: str,
+                abort: Callable[[], str | None] | None = None) -> Message:
+        """Send a request and wait for its reply (at most ``timeout`` s, or until ``abort`` says why)."""
+        with self._lock:
+            req = next(self._req)
+            self._sock.send(self._codec.encode(type_, dict(body, req=req)))
+            deadline = time.monotonic() + timeout
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DriverTimeout(f"the driver did not answer {what} within {timeout:g} s")
+                # Short polls only bound how fast an abort is seen; a reply wakes us at once.
+                if self._sock.poll(int(min(remaining, 0.05) * 1000) + 1):
+                    try:
+                        msg = self._codec.decode(self._sock.recv())
+                    except ProtocolError as exc:
+                        log.warning("dropped a control frame: %s", exc)
+                        continue
+                    if msg.body.get("re") == req:
+                        return msg
+                    continue  # a late reply to an earlier, abandoned request
+                if abort is not None:
+                    reason = abort()
+                    if reason:
+                        raise Aborted(reason)
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close(0)
+
+
+class ControlChannel(threading.Thread):
+    """Receives notifications and sends heartbeats on a daemon thread.
+
+    ``on_message`` gets every authenticated notification and heartbeat reply;
+    ``on_driver_lost`` is called once if the driver stays silent for ``driver_timeout``.
+    """
+
+    def __init__(self, ctx: zmq.Context, control_addr: str, notify_addr: str, secret: bytes, job_id: str,
+                 heartbeat_body: Callable[[], dict[str, Any]], on_message: Callable[[Message], None],
+                 on_driver_lost: Callable[[float], None], interval: float, driver_timeout: float):
+        super().__init__(name="elasticrun-control", daemon=True)
+        self._sub = _socket(ctx, zmq.SUB, notify_addr)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub_codec = Codec(secret, job_id, new_sender_id("sub"))
+        self._hb = _socket(ctx, zmq.DEALER, control_addr)
+        self._hb_codec = Codec(secret, job_id, new_sender_id("hb"))
+        self._heartbeat_body = heartbeat_body
+        self._on_message = on_message
+        self._on_driver_lost = on_driver_lost
+        self._interval = interval
+        self._driver_timeout = driver_timeout
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._hb, zmq.POLLIN)
+        last_answer = time.monotonic()
+        next_beat = 0.0
+        try:
+            while not self._stopping.is_set():
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._hb.send(self._hb_codec.encode("heartbeat", self._heartbeat_body()))
+                    next_beat = now + self._interval
+                if now - last_answer > self._driver_timeout:
+                    self._on_driver_lost(now - last_answer)
+                    return
+                events = dict(poller.poll(int(max(0.0, min(next_beat - now, 0.1)) * 1000) + 1))
+                for sock, codec in ((self._sub, self._sub_codec), (self._hb, self._hb_codec)):
+                    if sock in events:
+                        try:
+                            msg = codec.decode(sock.recv())
+                        except ProtocolError as exc:
+                            log.warning("dropped a control frame: %s", exc)
+                            continue
+                        if sock is self._hb:
+                            last_answer = time.monotonic()
+                        self._on_message(msg)
+        finally:
+            self._sub.close(0)
+            self._hb.close(0)

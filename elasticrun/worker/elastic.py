@@ -1,0 +1,128 @@
+"""The elastic programming model: ``run``, ``State`` and ``ObjectState`` (horovod semantics).
+
+A training function wrapped in :func:`run` is called again, in the same process, after every
+reset. What survives a reset is the *state* object: ``commit()`` saves it (and checks for host
+updates), ``restore()`` rolls back to the last commit after a failure, ``sync()`` brings every
+rank to rank 0's state (rank 0 is always the longest-lived worker, so it holds the newest
+commit).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import time
+from typing import Any, Callable, Iterable, TypeVar
+
+from elasticrun.worker import collectives, runtime
+from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
+log = logging.getLogger("elasticrun.worker")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class State:
+    """Base class of elastic state: save / restore / sync, plus reset callbacks."""
+
+    def __init__(self) -> None:
+        self._reset_callbacks: list[Callable[[], None]] = []
+
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
+        """Call these after every reset (e.g. to scale the learning rate with the new size)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Save the state, then check (collectively) whether hosts changed."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise HostsUpdatedInterrupt on every rank at this same call if hosts changed."""
+        runtime.get().check_host_updates()
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+
+class ObjectState(State):
+    """State made of plain picklable attributes: ``ObjectState(epoch=0, batch=0)``.
+
+    ``save()`` keeps a deep copy (so later in-place changes to a list or dict do not leak
+    into the commit); ``sync()`` broadcasts rank 0's live values and commits them, so that a
+    new worker starts from a commit too.
+    """
+
+    def __init__(self, bcast_object: Callable[[Any], Any] | None = None, get_rank: Callable[[], int] | None = None,
+                 **kwargs: Any):
+        super().__init__()
+        self._bcast_object = bcast_object or (lambda obj: collectives.broadcast_object(obj, root_rank=0))
+        self._saved_state: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+        self._object_keys = list(kwargs)
+        self.save()
+
+    def _live(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self._object_keys}
+
+    def save(self) -> None:
+        self._saved_state = copy.deepcopy(self._live())
+
+    def restore(self) -> None:
+        for name, value in copy.deepcopy(self._saved_state).items():
+            setattr(self, name, value)
+
+    def sync(self) -> None:
+        if self._object_keys:
+            for name, value in self._bcast_object(self._live()).items():
+                setattr(self, name, value)
+        self.save()
+
+
+def run(func: F) -> F:
+    """Run ``func(state, ...)`` elastically: recover from failures and host changes in-process.
+
+    On ``HorovodInternalError`` the state is restored to the last commit; on
+    ``HostsUpdatedInterrupt`` the live state is kept (and the re-sync skipped when hosts were
+    only removed and nobody new joined). Then the worker re-rendezvouses, forms the new
+    round's group, runs the reset callbacks, syncs and calls ``func`` again. Any other
+    exception propagates and ends the worker with a non-zero exit.
+    """
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        rt = runtime.get()
+        skip_sync = False
+        while True:
+            try:
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except HorovodInternalError as exc:
+                log.warning("rank %d: %s; restoring the last commit", rt.rank, exc)
+                started = time.monotonic()
+                state.restore()
+                skip_sync = False
+            except HostsUpdatedInterrupt as exc:
+                started = time.monotonic()
+                skip_sync = exc.skip_sync
+            rt.rendezvous()
+            # Newcomers must receive the state even when the interrupt said "removals only":
+            # another change may have been folded into the same reset.
+            skip_sync = skip_sync and not rt.new_members
+            state.on_reset()
+            log.info("rank %d/%d: reset to round %d took %.1f ms", rt.rank, rt.size, rt.round,
+                     (time.monotonic() - started) * 1000)
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,22 @@
+"""The exceptions of the elastic programming model (horovod's names, so scripts port as-is)."""
+
+from __future__ import annotations
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed (a peer died, the round was aborted, or it timed out).
+
+    ``elastic.run`` answers it by restoring the last commit and re-forming the group.
+    """
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Hosts were added or removed; raised on every rank at the same commit/check.
+
+    ``skip_sync`` is True when hosts were only removed: every remaining rank already holds
+    the same live state, so the re-sync after the reset can be skipped.
+    """
+
+    def __init__(self, skip_sync: bool):
+        super().__init__("hosts updated" + (" (removals only)" if skip_sync else ""))
+        self.skip_sync = skip_sync

@@ -1,0 +1,243 @@
+"""The runtime inside a training process: membership, the process group, updates and aborts.
+
+One :class:`Runtime` per process (``init()`` creates it). It knows the worker's place in the
+current round, owns the round's gloo process group (formed on a fresh namespace of the
+driver-hosted store for every round), and hears from the driver on a control thread:
+
+* ``hosts_updated`` notifications, each with a strictly increasing timestamp. They are only
+  *recorded* here; ``check_host_updates()`` turns them into ``HostsUpdatedInterrupt`` on every
+  rank at the same call, by agreeing on the newest timestamp with one tiny allreduce.
+* ``round_aborted``: a member of the round failed. Collectives poll this and give up at once,
+  because ranks that were not talking to the dead peer would otherwise sit in their
+  collective until its timeout.
+
+Without the driver's environment (``python train.py``), the runtime runs a single-process
+job so scripts can be debugged without the launcher.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from elasticrun.common import env
+from elasticrun.common.protocol import Message
+from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout
+from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
+log = logging.getLogger("elasticrun.worker")
+
+
+def _drop_in_background(obj: Any) -> None:
+    """Release an old process group off the training thread (its teardown costs ~20-40 ms)."""
+    holder = [obj]
+    threading.Thread(target=holder.clear, name="elasticrun-drop-pg", daemon=True).start()
+
+
+class Runtime:
+    """A worker's view of the elastic job. Use :func:`init` / :func:`get`."""
+
+    def __init__(self) -> None:
+        self.standalone = env.CONTROL_ADDR not in os.environ
+        self.hostname = os.environ.get(env.HOSTNAME, socket.gethostname())
+        self.slot = int(os.environ.get(env.SLOT, "0"))
+        self.worker_id = os.environ.get(env.WORKER_ID, "standalone")
+        self.rank, self.size = int(os.environ.get(env.RANK, "0")), int(os.environ.get(env.SIZE, "1"))
+        self.local_rank = int(os.environ.get(env.LOCAL_RANK, "0"))
+        self.local_size = int(os.environ.get(env.LOCAL_SIZE, "1"))
+        self.cross_rank = int(os.environ.get(env.CROSS_RANK, "0"))
+        self.cross_size = int(os.environ.get(env.CROSS_SIZE, "1"))
+        self.collective_timeout = float(os.environ.get(env.COLLECTIVE_TIMEOUT, "60"))
+        self.rendezvous_timeout = float(os.environ.get(env.RENDEZVOUS_TIMEOUT, "900"))
+        self.round = -1
+        self.rendezvous_count = 0
+        self.new_members = True
+        self.pg: dist.ProcessGroup | None = None
+        self._store: Any = None
+        self._lock = threading.Lock()
+        self._updates: dict[float, tuple[bool, bool]] = {}
+        self._handled_ts = 0.0
+        self._aborted: dict[int, str] = {}
+        self._ctx: zmq.Context | None = None
+        self._client: DriverClient | None = None
+        self._control: ControlChannel | None = None
+        if not self.standalone:
+            self._connect()
+
+    # --- connection -------------------------------------------------------------------------
+    def _connect(self) -> None:
+        # The secret leaves os.environ so that the user's subprocesses do not inherit it.
+        secret = bytes.fromhex(os.environ.pop(env.SECRET))
+        job_id = os.environ[env.JOB_ID]
+        self._ctx = zmq.Context()
+        self._client = DriverClient(self._ctx, os.environ[env.CONTROL_ADDR], secret, job_id, "worker")
+        self._control = ControlChannel(
+            self._ctx, os.environ[env.CONTROL_ADDR], os.environ[env.NOTIFY_ADDR], secret, job_id,
+            heartbeat_body=lambda: {"worker": self.worker_id, "round": self.round},
+            on_message=self._on_message, on_driver_lost=self._on_driver_lost,
+            interval=float(os.environ.get(env.HEARTBEAT_INTERVAL, "1")),
+            driver_timeout=float(os.environ.get(env.DRIVER_TIMEOUT, "15")))
+        self._control.start()
+
+    def _on_message(self, msg: Message) -> None:
+        body = msg.body
+        with self._lock:
+            if msg.type == "hosts_updated":
+                self._updates[float(body["ts"])] = (bool(body["added"]), bool(body["removed"]))
+            elif msg.type == "round_aborted":
+                self._aborted[int(body["round"])] = str(body.get("reason", "round aborted"))
+            elif msg.type == "heartbeat_ack":
+                for ts, added, removed in body.get("updates", []):
+                    self._updates[float(ts)] = (bool(added), bool(removed))
+                if body.get("aborted"):
+                    self._aborted.setdefault(int(body["round"]), str(body.get("reason", "round aborted")))
+
+    def _on_driver_lost(self, silence: float) -> None:
+        sys.stderr.write(f"elasticrun: {self.hostname}[{self.slot}]: the driver has not answered for "
+                         f"{silence:.0f} s, so the job is gone; this worker exits.\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    # --- rounds -----------------------------------------------------------------------------
+    def abort_reason(self) -> str | None:
+        """Why the current round was aborted, or None while it is healthy."""
+        return self._aborted.get(self.round)
+
+    def rendezvous(self) -> None:
+        """Get this worker's place in the next round and form that round's process group."""
+        if self.standalone:
+            if self.pg is None:
+                self.round = 0
+                self.pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=self.collective_timeout))
+            return
+        assert self._client is not None
+        while True:
+            try:
+                msg = self._client.request("rendezvous", {"worker": self.worker_id, "after_round": self.round},
+                                           timeout=self.rendezvous_timeout, what="this worker's place in the next round")
+            except DriverTimeout as exc:
+                raise HorovodInternalError(str(exc)) from None
+            if msg.type == "dismiss":
+                sys.stderr.write(f"elasticrun: {self.hostname}[{self.slot}]: {msg.body.get('reason')}; "
+                                 f"exiting.\n")
+                sys.stderr.flush()
+                self.shutdown()
+                raise SystemExit(0)
+            a = msg.body
+            self.round, self.rank, self.size = int(a["round"]), int(a["rank"]), int(a["size"])
+            self.local_rank, self.local_size = int(a["local_rank"]), int(a["local_size"])
+            self.cross_rank, self.cross_size = int(a["cross_rank"]), int(a["cross_size"])
+            self.new_members = bool(a.get("new_members", True))
+            self.rendezvous_count += 1
+            with self._lock:
+                self._handled_ts = max(self._handled_ts, float(a.get("notify_ts", 0.0)))
+            try:
+                self._form_group()
+                return
+            except Exception as exc:
+                reason = self.abort_reason()
+                if reason is None:
+                    # Nobody died, so retrying would fail the same way: fail this worker loudly.
+                    raise RuntimeError(f"elasticrun: could not form the process group of round {self.round} "
+                                       f"as rank {self.rank}/{self.size}: {exc}") from exc
+                log.warning("round %d was aborted while its group formed (%s); asking for the next round",
+                            self.round, reason)
+
+    def _form_group(self) -> None:
+        from elasticrun.worker.store import DriverStore
+
+        old, self.pg = self.pg, None
+        if old is not None:
+            _drop_in_background(old)
+        assert self._client is not None
+        # Keep the Python store alive here: the C++ side holds only the trampoline, and once
+        # the Python object is collected its methods are gone ("Not implemented").
+        self._store = DriverStore(self._client, self.collective_timeout, self.abort_reason)
+        store = dist.PrefixStore(f"round{self.round}", self._store)
+        self.pg = dist.ProcessGroupGloo(store, self.rank, self.size, timedelta(seconds=self.collective_timeout))
+
+    def check_host_updates(self) -> None:
+        """Collective: raise HostsUpdatedInterrupt on every rank if any rank saw a newer update."""
+        if self.standalone:
+            return
+        with self._lock:
+            newer = {ts: flags for ts, flags in self._updates.items() if ts > self._handled_ts}
+        latest = max(newer, default=self._handled_ts)
+        added = any(a for a, _ in newer.values())
+        from elasticrun.worker import collectives
+
+        agreed = torch.tensor([latest, 1.0 if added else 0.0], dtype=torch.float64)
+        collectives.allreduce_inplace(agreed, dist.ReduceOp.MAX, "check_host_updates")
+        if agreed[0].item() > self._handled_ts:
+            with self._lock:
+                self._handled_ts = agreed[0].item()
+            raise HostsUpdatedInterrupt(skip_sync=agreed[1].item() == 0.0)
+
+    def shutdown(self) -> None:
+        if self._control is not None:
+            self._control.stop()
+            self._control.join(timeout=2)
+            self._control = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        self.pg = None
+
+
+_runtime: Runtime | None = None
+_init_lock = threading.Lock()
+
+
+def init() -> Runtime:
+    """Join the job (idempotent): connect to the driver and form the first round's group."""
+    global _runtime
+    with _init_lock:
+        if _runtime is None:
+            level = os.environ.get(env.LOG_LEVEL)
+            if level:
+                logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+            rt = Runtime()
+            rt.rendezvous()
+            _runtime = rt
+            atexit.register(shutdown)
+        return _runtime
+
+
+def get() -> Runtime:
+    if _runtime is None:
+        raise ValueError("elasticrun has not been initialized; call hvd.init() first")
+    return _runtime
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def shutdown() -> None:
+    global _runtime
+    with _init_lock:
+        if _runtime is not None:
+            _runtime.shutdown()
+            _runtime = None
+
+
+def rank() -> int:
+    return get().rank
+
+
+def size() -> int:
+    return get().size
