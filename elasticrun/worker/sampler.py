@@ -1,0 +1,258 @@
+"""A data sampler that survives changes of world size in the middle of an epoch.
+
+The point of elastic training is that workers may join or leave at any time without
+restarting the epoch. A plain ``DistributedSampler`` cannot do that: it partitions the
+whole epoch once, so after a resize every rank would start over and samples already
+trained would be trained again. :class:`ElasticSampler` instead remembers which dataset
+indices were processed in the current epoch and, on every :meth:`~ElasticSampler.reset`,
+partitions only the indices that are left over the ranks that exist now.
+
+Pure Python plus ``torch.Generator``: no I/O, no threads, no collectives. Synchronising
+the processed set between ranks is the caller's job (the elastic ``TorchState`` handler),
+see :class:`ElasticSampler`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+#: Returns ``(rank, size)`` of the current world; called on every reset.
+WorldProvider = Callable[[], tuple[int, int]]
+
+
+def _world_provider() -> tuple[int, int]:
+    """Default ``(rank, size)`` source: the worker runtime of this process.
+
+    Imported lazily so the sampler can be imported (and tested) without a runtime, and
+    looked up at call time so tests may replace this module-level hook.
+    """
+    from elasticrun.worker import runtime
+
+    return runtime.rank(), runtime.size()
+
+
+class ElasticSampler(Sampler[int]):
+    """Shards a map-style dataset over the ranks so each sample is trained once per epoch,
+    even when the set of ranks changes in the middle of the epoch.
+
+    **How it works.** The epoch order is a permutation of ``range(len(dataset))`` drawn from
+    a ``torch.Generator`` seeded with ``seed + epoch`` (or the identity when ``shuffle`` is
+    false), so every rank computes the same order without communicating. :meth:`reset`
+    removes the indices in :attr:`processed_indices` from that order (keeping the order)
+    and gives rank ``r`` of ``n`` the slice ``remaining[r::n]``. Because every rank derives
+    its partition from the same ``(epoch, processed_indices)``, the partitions are disjoint
+    and together cover every remaining index, and an index recorded as processed is never
+    handed out again in this epoch.
+
+    **Equal lengths (padding / drop_last).** Collectives stay in lockstep only if every
+    rank runs the same number of steps, so every rank gets the same number of indices:
+
+    * ``drop_last=False`` (default, like ``DistributedSampler``): when the number of
+      remaining indices does not divide evenly by ``num_replicas``, it is padded up to the
+      next multiple by repeating remaining indices from the start (fewer than
+      ``num_replicas`` extra samples). A padded index is therefore *trained twice* if both
+      copies run before the next reset. Recording it twice is harmless (the processed set
+      is a set), but the sample's gradient is counted twice in that epoch. No padding
+      happens when the remaining count divides ``num_replicas``, e.g. in an epoch without
+      mid-epoch resets over a dataset whose length divides the world size.
+    * ``drop_last=True``: the tail of fewer than ``num_replicas`` indices is left out of
+      the partition instead, so nothing is ever trained twice. The left-out indices stay
+      unprocessed: a later reset in the same epoch may hand them out again, and those still
+      left when the epoch ends are simply not trained in this epoch.
+
+    The exactly-once guarantee is therefore: with ``drop_last=True`` (or without padding)
+    no index is trained twice in an epoch, and the *committed* processed set (the one
+    saved by ``commit()``) contains each index that was trained in committed work exactly
+    once. Work done after the last commit is redone after a failure, and that is correct
+    because the model is rolled back to the same commit.
+
+    **Synchronising between ranks.** Each rank records only its own batches
+    (:meth:`record_batch` / :meth:`record_indices`) in its local :attr:`processed_indices`.
+    Before the state is saved (commit) or broadcast (sync), the caller must make the set
+    the union over all ranks, then repartition::
+
+        gathered = allgather_object(sampler.state_dict()["processed_indices"])
+        for part in gathered:
+            sampler.merge_processed(part)
+        sampler.reset()  # or load_state_dict() of the merged, broadcast state
+
+    Restoring (after a ``HorovodInternalError``) is ``load_state_dict(committed)``, which
+    resets, so the work since the commit is repartitioned and redone. A graceful resize
+    (``HostsUpdatedInterrupt``) keeps the live, merged state and just calls :meth:`reset`.
+    ``reset()`` must run on every rank with the same processed set, otherwise the ranks
+    disagree about what is left and an index could be assigned twice or never.
+
+    **Epochs.** :meth:`set_epoch` clears the processed set, so call it when an epoch is
+    *finished* (before the commit that ends the epoch), not at the top of the epoch loop:
+    at the top, a loop resumed after a restore would wipe the restored progress.
+
+    Typical loop::
+
+        for batch_idx, batch in enumerate(loader):   # loader uses this sampler
+            train_step(batch)
+            sampler.record_batch(batch_idx, batch_size)
+            if batch_idx % batches_per_commit == 0:
+                state.commit()
+        state.epoch += 1
+        sampler.set_epoch(state.epoch)
+        state.commit()
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        shuffle: bool = True,
+        seed: int = 0,
+        *,
+        drop_last: bool = False,
+        world: WorldProvider | None = None,
+    ) -> None:
+        """Create the sampler and partition epoch 0 for the current world.
+
+        ``world`` overrides where ``(rank, size)`` comes from (default: the worker
+        runtime); it is read again on every :meth:`reset`.
+        """
+        super().__init__()
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self._world = world
+
+        self.epoch: int = 0
+        #: Dataset indices processed in this epoch (by this rank, plus whatever was merged).
+        self.processed_indices: set[int] = set()
+        self.rank: int = 0
+        self.num_replicas: int = 1
+        #: The epoch order minus processed indices, as of the last reset (no padding).
+        self.remaining_indices: list[int] = []
+        #: This rank's partition of ``remaining_indices`` (padded or cut, see class doc).
+        self.indices: list[int] = []
+        # Length of the leading part of ``indices`` that is processed: where the next pass
+        # over the sampler resumes.
+        self._consumed = 0
+        # Position in ``indices`` where the latest pass started; batch numbers passed to
+        # record_batch count from here.
+        self._pass_start = 0
+        self.reset()
+
+    # ------------------------------------------------------------------ partitioning
+
+    def reset(self) -> None:
+        """Re-read rank and world size, and repartition the unprocessed indices.
+
+        Call on every rank after the processed set was merged (or restored), and after
+        the world changed. The next pass over the sampler starts at this rank's new
+        partition.
+        """
+        self.rank, self.num_replicas = self._read_world()
+        done = self.processed_indices
+        self.remaining_indices = [i for i in self._epoch_order() if i not in done]
+        self.indices = self._equalised(self.remaining_indices)[self.rank :: self.num_replicas]
+        self._consumed = 0
+        self._pass_start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch``: forget the processed set, reshuffle and repartition."""
+        self.epoch = int(epoch)
+        self.processed_indices = set()
+        self.reset()
+
+    def _read_world(self) -> tuple[int, int]:
+        provider = self._world if self._world is not None else _world_provider
+        rank, size = provider()
+        rank, size = int(rank), int(size)
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"invalid world: rank {rank} of size {size}")
+        return rank, size
+
+    def _epoch_order(self) -> list[int]:
+        """The order of this epoch; the same on every rank for the same seed and epoch."""
+        n = len(self.dataset)
+        if not self.shuffle:
+            return list(range(n))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(n, generator=generator).tolist()
+
+    def _equalised(self, remaining: list[int]) -> list[int]:
+        """Pad (or cut, with drop_last) ``remaining`` to a multiple of the world size."""
+        n = self.num_replicas
+        if self.drop_last:
+            return remaining[: len(remaining) - len(remaining) % n]
+        total = -(-len(remaining) // n) * n
+        # cycle() also covers the case of fewer remaining indices than ranks.
+        return list(itertools.islice(itertools.cycle(remaining), total))
+
+    # ------------------------------------------------------------------ iteration
+
+    def __iter__(self) -> Iterator[int]:
+        """Yield this rank's indices, skipping the ones already recorded since the reset.
+
+        So a pass restarted without a reset does not repeat processed work; batch numbers
+        given to :meth:`record_batch` count from the start of this pass.
+        """
+        self._pass_start = self._consumed
+        return iter(self.indices[self._consumed :])
+
+    def __len__(self) -> int:
+        """Number of indices the next pass will yield (shrinks as batches are recorded)."""
+        return len(self.indices) - self._consumed
+
+    # ------------------------------------------------------------------ recording
+
+    def get_indices(self, batch_idx: int, batch_size: int) -> list[int]:
+        """The dataset indices of batch ``batch_idx`` of the current pass on this rank.
+
+        Right after :meth:`reset` the pass starts at the beginning of the partition, so
+        this is ``indices[batch_idx * batch_size : (batch_idx + 1) * batch_size]``.
+        """
+        if batch_idx < 0 or batch_size < 1:
+            raise ValueError(f"invalid batch {batch_idx} of size {batch_size}")
+        start = self._pass_start + batch_idx * batch_size
+        return self.indices[start : start + batch_size]
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        """Mark this rank's batch ``batch_idx`` (of the current pass) as processed."""
+        self.record_indices(self.get_indices(batch_idx, batch_size))
+
+    def record_indices(self, indices: Iterable[int]) -> None:
+        """Mark explicit dataset indices as processed (idempotent)."""
+        self.processed_indices.update(self._checked(indices))
+        self._advance()
+
+    def merge_processed(self, other_indices: Iterable[int]) -> None:
+        """Add another rank's processed indices (union). Call :meth:`reset` afterwards,
+        on every rank, so the partitions reflect the merged set."""
+        self.record_indices(other_indices)
+
+    def _checked(self, indices: Iterable[int]) -> list[int]:
+        n = len(self.dataset)
+        out = [int(i) for i in indices]
+        bad = [i for i in out if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"indices out of range for a dataset of {n}: {bad[:5]}")
+        return out
+
+    def _advance(self) -> None:
+        done = self.processed_indices
+        while self._consumed < len(self.indices) and self.indices[self._consumed] in done:
+            self._consumed += 1
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch and processed indices as plain, picklable data (a sorted list of ints)."""
+        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices)}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Replace epoch and processed set with ``state_dict``'s, then :meth:`reset`."""
+        processed = set(self._checked(state_dict["processed_indices"]))
+        self.epoch = int(state_dict["epoch"])
+        self.processed_indices = processed
+        self.reset()
