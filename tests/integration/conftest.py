@@ -1,0 +1,125 @@
+"""Run real ``elasticrun`` jobs and prove they leave no process behind.
+
+Every job gets a unique ``ELASTICRUN_TEST_TAG`` in its environment; the driver, its workers
+and anything they start inherit it, so after the job a scan of /proc finds every survivor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TRAIN = SCRIPTS / "elastic_train.py"
+PROGRESS_DISCOVERY = SCRIPTS / "progress_discovery.sh"
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """PIDs of live processes whose environment carries ``tag``."""
+    needle = f"ELASTICRUN_TEST_TAG={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    with open(f"/proc/{entry}/stat", "rb") as s:
+                        if s.read().split(b") ")[-1][:1] != b"Z":  # zombies hold nothing
+                            found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def assert_nothing_left(tag: str, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        left = tagged_pids(tag)
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            for pid in left:  # do not leak them into the next test, but still fail this one
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            pytest.fail(f"processes left behind by the job: {left}")
+        time.sleep(0.05)
+
+
+@dataclass
+class JobResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    log: list[dict]
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+class Job:
+    """Builds and runs one elasticrun job in a temp dir."""
+
+    def __init__(self, tmp_path: Path):
+        self.tmp = tmp_path
+        self.tag = uuid.uuid4().hex
+        self.log = tmp_path / "rank0.jsonl"
+        self.progress = tmp_path / "progress"
+        self.markers = tmp_path / "markers"
+        self.markers.mkdir()
+        self.proc: subprocess.Popen | None = None
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ, ELASTICRUN_TEST_TAG=self.tag, PROGRESS_FILE=str(self.progress),
+                   OMP_NUM_THREADS="1", **extra)
+        env.pop("ELASTICRUN_CONTROL_ADDR", None)
+        return env
+
+    def train_cmd(self, *extra: str, epochs: int = 6, batches: int = 5, sleep: float = 0.02) -> list[str]:
+        return [sys.executable, str(TRAIN), "--log", str(self.log), "--progress", str(self.progress),
+                "--marker-dir", str(self.markers), "--epochs", str(epochs), "--batches", str(batches),
+                "--sleep", str(sleep), *extra]
+
+    def start(self, launcher_args: list[str], command: list[str], **env: str) -> subprocess.Popen:
+        self.proc = subprocess.Popen([sys.executable, "-m", "elasticrun", *launcher_args, *command],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=self.env(**env), cwd=self.tmp, start_new_session=True)
+        return self.proc
+
+    def finish(self, timeout: float = 120) -> JobResult:
+        assert self.proc is not None
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            out, err = self.proc.communicate()
+            pytest.fail(f"elasticrun did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+        assert_nothing_left(self.tag)
+        log = [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
+        return JobResult(self.proc.returncode, out, err, log)
+
+    def run(self, launcher_args: list[str], command: list[str], timeout: float = 120, **env: str) -> JobResult:
+        self.start(launcher_args, command, **env)
+        return self.finish(timeout)
+
+
+@pytest.fixture
+def job(tmp_path: Path):
+    j = Job(tmp_path)
+    yield j
+    if j.proc is not None and j.proc.poll() is None:
+        os.killpg(j.proc.pid, signal.SIGKILL)
+        j.proc.wait()
+    assert_nothing_left(j.tag)

@@ -1,0 +1,102 @@
+"""Test training script: elastic loop with injected faults, logging what rank 0 sees.
+
+Each epoch runs --batches allreduce steps and commits after every batch. Rank 0 appends one
+JSON line per epoch start to --log (epoch, rank, size, host, rendezvous count, round) and
+writes the epoch number to --progress, which the tests' discovery scripts read to change
+the host list as training advances.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import elasticrun.torch as hvd
+from elasticrun.worker import runtime
+
+p = argparse.ArgumentParser()
+p.add_argument("--epochs", type=int, default=6)
+p.add_argument("--batches", type=int, default=5)
+p.add_argument("--sleep", type=float, default=0.02)
+p.add_argument("--log", required=True)
+p.add_argument("--progress", default=None)
+p.add_argument("--fail", action="append", default=[],
+               help="HOST:SLOT@EPOCH:MODE (MODE exception|sigkill|exit); once per marker dir")
+p.add_argument("--marker-dir", default=None)
+p.add_argument("--await-size", action="append", default=[],
+               help="EPOCH:SIZE: at the start of EPOCH, wait (checking for host updates) until size() == SIZE")
+args = p.parse_args()
+
+hvd.init()
+rt = runtime.get()
+state = hvd.elastic.ObjectState(epoch=0, batch=0, total=0.0)
+
+
+def maybe_fail(epoch: int) -> None:
+    me = f"{rt.hostname}:{rt.slot}"
+    for spec in args.fail:
+        who, rest = spec.split("@")
+        at, mode = rest.split(":")
+        if who not in (me, "*") or int(at) != epoch:
+            continue
+        marker = os.path.join(args.marker_dir, f"{who.replace(':', '_')}-{at}-{mode}-{me.replace(':', '_')}")
+        if os.path.exists(marker):
+            continue
+        open(marker, "w").close()
+        print(f"injecting {mode} on {me} at epoch {epoch}", flush=True)
+        if mode == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "exit":
+            os._exit(3)
+        raise RuntimeError(f"injected failure on {me}")
+
+
+def await_size(state) -> None:
+    """Hold training at an epoch until the world has the expected size (makes tests deterministic)."""
+    for spec in args.await_size:
+        epoch, size = map(int, spec.split(":"))
+        if state.epoch != epoch:
+            continue
+        deadline = time.monotonic() + 90
+        while hvd.size() != size:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the world never reached size {size} at epoch {epoch}")
+            time.sleep(0.05)
+            state.check_host_updates()
+
+
+@hvd.elastic.run
+def train(state):
+    while state.epoch < args.epochs:
+        if state.batch == 0:
+            await_size(state)
+        if state.batch == 0 and hvd.rank() == 0:
+            with open(args.log, "a") as f:
+                f.write(json.dumps({"epoch": state.epoch, "rank": hvd.rank(), "size": hvd.size(),
+                                    "host": rt.hostname, "rendezvous": rt.rendezvous_count,
+                                    "round": rt.round}) + "\n")
+            if args.progress:
+                with open(args.progress + ".tmp", "w") as f:
+                    f.write(str(state.epoch))
+                os.replace(args.progress + ".tmp", args.progress)
+        while state.batch < args.batches:
+            maybe_fail(state.epoch)
+            t = torch.ones(8)
+            hvd.allreduce_(t, op=hvd.Sum)
+            assert int(t[0]) == hvd.size(), (t, hvd.size())
+            state.total += float(t[0])
+            state.batch += 1
+            time.sleep(args.sleep)
+            state.commit()
+        state.epoch += 1
+        state.batch = 0
+        state.commit()
+    return state.total
+
+
+total = train(state)
+print(f"finished rank={hvd.rank()} size={hvd.size()} epochs={state.epoch}", flush=True)

@@ -1,0 +1,47 @@
+"""Bad command lines fail at once with one clear line and exit code 2 (no job starts)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def elasticrun(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "elasticrun", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["-np", "2", "--min-np", "3", "-H", "localhost:4", "python", "x.py"], "--min-np 3 is more than -np 2"),
+    (["-np", "4", "--max-np", "2", "-H", "localhost:4", "python", "x.py"], "--max-np 2 is less than -np 4"),
+    (["-np", "2", "-H", "localhost:2"], "missing the training command"),
+    (["-np", "2", "-H", "localhost:x", "python", "x.py"], "slots 'x' is not a whole number"),
+    (["-np", "2", "-H", "bad host", "python", "x.py"], "is not a valid host name"),
+    (["-np", "2", "--host-discovery-script", "/nonexistent/discover.sh", "python", "x.py"], "no such file"),
+    (["-np", "0", "-H", "localhost", "python", "x.py"], "must be at least 1"),
+    (["-np", "3", "-H", "localhost:2", "python", "x.py"], "-np 3 needs 3 slots"),
+    (["python", "x.py"], "required"),
+    (["-np", "2", "-H", "localhost:2", "--blacklist-cooldown-range", "5", "1", "python", "x.py"],
+     "LOW is more than HIGH"),
+])
+def test_bad_arguments(args, expected):
+    r = elasticrun(*args)
+    assert r.returncode == 2, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], r.stderr
+
+
+def test_non_executable_discovery_script(tmp_path):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost\n")
+    script.chmod(0o644)
+    r = elasticrun("-np", "1", "--host-discovery-script", str(script), "python", "x.py")
+    assert r.returncode == 2 and "not executable" in r.stderr
+
+
+def test_long_aliases_and_module_entry_point():
+    r = elasticrun("--num-proc", "2", "--min-num-proc", "1", "--max-num-proc", "3", "--help")
+    assert r.returncode == 0 and "--host-discovery-script" in r.stdout

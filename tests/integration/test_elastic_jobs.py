@@ -1,0 +1,163 @@
+"""End-to-end elastic jobs on this machine: real driver, real workers, real gloo.
+
+``localhost``, ``127.0.0.1``, ``127.0.0.2``... are distinct hosts that all launch locally.
+Each test checks what rank 0 logged at every epoch start (rank, size, host, rendezvous
+count) and, through the ``job`` fixture, that no process of the job is left running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import PROGRESS_DISCOVERY
+
+pytestmark = pytest.mark.timeout(240)
+
+TWO = "localhost:{s},127.0.0.1:{s}"
+THREE = "localhost:{s},127.0.0.1:{s},127.0.0.2:{s}"
+
+
+def sizes(log: list[dict]) -> list[int]:
+    return [e["size"] for e in log]
+
+
+def discovery(schedule: str) -> dict[str, str]:
+    return {"HOSTS_SCHEDULE": schedule}
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_hosts_added_then_removed(job, slots):
+    """Grow from 2 to 3 hosts at epoch 2, shrink to 1 host at epoch 4; survivors keep training."""
+    schedule = (f"0:{TWO.format(s=slots)};2:{THREE.format(s=slots)};4:localhost:{slots}")
+    r = job.run(["-np", str(2 * slots), "--min-np", str(slots), "--max-np", str(3 * slots),
+                 "--host-discovery-script", str(PROGRESS_DISCOVERY), "--discovery-interval", "0.2"],
+                job.train_cmd(f"--await-size=3:{3 * slots}", f"--await-size=5:{slots}", epochs=7),
+                **discovery(schedule))
+    assert r.returncode == 0, r.output
+    by_epoch = {e["epoch"]: e for e in r.log}
+    assert sorted(by_epoch) == list(range(7)), r.log
+    assert by_epoch[0]["size"] == 2 * slots
+    assert by_epoch[3]["size"] == 3 * slots, r.log  # the added host joined
+    assert by_epoch[5]["size"] == by_epoch[6]["size"] == slots, r.log  # the removals took effect
+    assert all(e["rank"] == 0 and e["host"] == "localhost" for e in r.log)  # rank 0 never moved
+    assert r.log[-1]["rendezvous"] >= 3  # initial + grow + shrink, in the same process
+    assert "training finished" in r.stderr
+
+
+@pytest.mark.parametrize("mode", ["exception", "sigkill"])
+@pytest.mark.parametrize("hosts", ["discovery", "fixed"])
+def test_one_rank_fails_and_survivors_continue(job, mode, hosts):
+    if hosts == "discovery":
+        source = ["--host-discovery-script", str(PROGRESS_DISCOVERY)]
+        env = discovery(f"0:{THREE.format(s=1)}")
+    else:
+        source, env = ["-H", THREE.format(s=1)], {}
+    r = job.run(["-np", "3", "--min-np", "2", *source],
+                job.train_cmd(f"--fail=127.0.0.2:0@2:{mode}", epochs=5), **env)
+    assert r.returncode == 0, r.output
+    assert sizes(r.log)[:2] == [3, 3] and sizes(r.log)[-1] == 2, r.log
+    assert r.log[-1]["rendezvous"] == 2  # survivors re-formed in-process, once
+    assert "host 127.0.0.2 blacklisted" in r.stderr
+    assert "127.0.0.2[0] (rank 2) exited with code" in r.stderr
+
+
+def test_fixed_single_host_recovers_from_failure(job):
+    """-H with one host and --min-np: fault tolerance without scaling, on a single host."""
+    r = job.run(["-np", "2", "--min-np", "1", "-H", "localhost:2"],
+                job.train_cmd("--fail=localhost:1@1:exception", epochs=3))
+    # localhost[1] failing blacklists localhost, the only host: the job must fail clearly.
+    assert r.returncode == 1, r.output
+    assert "every host is blacklisted" in r.stderr or "all workers failed" in r.stderr, r.stderr
+
+
+def test_all_ranks_fail(job):
+    r = job.run(["-np", "2", "-H", TWO.format(s=1)], job.train_cmd("--fail=*@1:exit", epochs=3))
+    assert r.returncode == 1, r.output
+    assert "all workers failed" in r.stderr, r.stderr
+    assert "exit 3" in r.stderr
+
+
+def test_failure_on_every_host(job):
+    """Host failures in successive rounds exhaust the hosts: the job fails naming them."""
+    r = job.run(["-np", "2", "--min-np", "1", "-H", TWO.format(s=1)],
+                job.train_cmd("--fail=127.0.0.1:0@1:exception", "--fail=localhost:0@2:exception", epochs=4))
+    assert r.returncode == 1, r.output
+    assert "The job failed" in r.stderr
+    assert "blacklisted" in r.stderr
+
+
+def test_elastic_timeout_expires(job):
+    r = job.run(["-np", "2", "--min-np", "2", "-H", TWO.format(s=1), "--elastic-timeout", "1.5"],
+                job.train_cmd("--fail=127.0.0.1:0@1:sigkill", epochs=4))
+    assert r.returncode == 1, r.output
+    assert "timed out after 1.5 s (--elastic-timeout) waiting for 2 slots" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("limit,ok", [(1, False), (2, True)])
+def test_reset_limit(job, limit, ok):
+    """Two resets are needed (a failure, then a removal): limit 1 fails, limit 2 succeeds."""
+    schedule = f"0:{THREE.format(s=1)};3:localhost:1,127.0.0.2:1"  # at epoch 3, 127.0.0.1 leaves
+    r = job.run(["-np", "3", "--min-np", "1", "--host-discovery-script", str(PROGRESS_DISCOVERY),
+                 "--discovery-interval", "0.2", "--reset-limit", str(limit)],
+                job.train_cmd("--fail=127.0.0.2:0@1:exception", "--await-size=4:1", epochs=5),
+                **discovery(schedule))
+    if ok:
+        assert r.returncode == 0, r.output
+        assert sizes(r.log) == [3, 3, 2, 2, 2, 1], r.log  # epoch 1 is redone after the rollback
+    else:
+        assert r.returncode == 1, r.output
+        assert f"reset limit {limit} exceeded" in r.stderr, r.stderr
+
+
+def test_blacklisted_host_returns_after_cooldown(job):
+    r = job.run(["-np", "2", "--min-np", "1", "--host-discovery-script", str(PROGRESS_DISCOVERY),
+                 "--blacklist-cooldown-range", "1", "2", "--discovery-interval", "0.2"],
+                job.train_cmd("--fail=127.0.0.1:0@1:exception", "--await-size=3:2", epochs=4),
+                **discovery(f"0:{TWO.format(s=1)}"))
+    assert r.returncode == 0, r.output
+    s = sizes(r.log)
+    assert s[0] == 2 and 1 in s and s[-1] == 2, r.log  # lost the host, then got it back
+    assert r.log[-1]["rendezvous"] == 3  # the survivor stayed the same process throughout
+    assert "host 127.0.0.1 is back after its blacklist cooldown" in r.stderr
+
+
+def test_output_prefixes_and_per_rank_files(job):
+    out_dir = job.tmp / "logs"
+    r = job.run(["-np", "2", "-H", TWO.format(s=1), "--output-filename", str(out_dir)],
+                job.train_cmd(epochs=1, batches=2))
+    assert r.returncode == 0, r.output
+    assert "[0]<stdout>:finished rank=0" in r.stdout and "[1]<stdout>:finished rank=1" in r.stdout
+    assert "finished rank=1" in (out_dir / "rank.1" / "stdout").read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_every_worker(job, sig):
+    job.start(["-np", "2", "-H", TWO.format(s=1)], job.train_cmd(epochs=1000, batches=5, sleep=0.05))
+    deadline = time.monotonic() + 60
+    while not (job.log.exists() and job.log.read_text().count("\n") >= 2):  # training is under way
+        assert time.monotonic() < deadline, "the job never started training"
+        time.sleep(0.05)
+    os.kill(job.proc.pid, sig)
+    r = job.finish(timeout=30)  # asserts that nothing is left behind
+    assert r.returncode == 128 + sig, r.output
+
+
+def test_misconfigured_discovery_script_fails_at_once(job, tmp_path):
+    script = tmp_path / "broken.sh"
+    script.write_text("#!/bin/sh\necho 'cannot reach the scheduler' >&2\nexit 4\n")
+    script.chmod(0o755)
+    r = job.run(["-np", "2", "--host-discovery-script", str(script)], job.train_cmd(epochs=1))
+    assert r.returncode == 2, r.output
+    assert "misconfigured" in r.stderr and "exited with code 4" in r.stderr
+    assert "cannot reach the scheduler" in r.stderr
+
+
+def test_start_timeout_when_too_few_hosts(job):
+    r = job.run(["-np", "3", "--host-discovery-script", str(PROGRESS_DISCOVERY), "--start-timeout", "1"],
+                job.train_cmd(epochs=1), **discovery(f"0:{TWO.format(s=1)}"))
+    assert r.returncode == 1, r.output
+    assert "timed out after 1 s (--start-timeout) waiting for 3 slots" in r.stderr, r.stderr
