@@ -234,6 +234,10 @@ class ElasticDriver:
         elif msg.type == "store":
             pending = _Pending(identity, msg.sender, body.get("req"))
             self._send_store_replies(self._store.handle(pending, body, time.monotonic()))
+        elif msg.type == "failing":
+            self._reply(identity, msg, "ack", {})
+            self._execute(self.registry.failing(str(body.get("worker")), str(body.get("error", ""))[:500],
+                                                time.monotonic()))
         elif msg.type == "rendezvous":
             worker_id = str(body.get("worker"))
             self._pending_rdzv[worker_id] = _Pending(identity, msg.sender, body.get("req"))

@@ -60,6 +60,7 @@ class WorkerRecord:
     rank: int = -1
     exit_code: int | None = None
     exited: bool = False
+    why: str = ""  # how it failed, for the job's failure message
 
     @property
     def key(self) -> tuple[str, int]:
@@ -187,7 +188,7 @@ class Registry:
         if w is None or w.exited:
             return []
         w.exited, w.exit_code = True, code
-        if w.state is WorkerState.LEFT:
+        if w.state in (WorkerState.LEFT, WorkerState.FAILED):  # already accounted for
             return self._reconcile(now)
         if code == 0:
             w.state = WorkerState.SUCCEEDED
@@ -195,6 +196,13 @@ class Registry:
                 + self._reconcile(now)
         return self._fail(w, f"exited with code {code}" + (f": {detail}" if detail else ""), now) \
             + self._reconcile(now)
+
+    def failing(self, worker_id: str, error: str, now: float) -> list[Action]:
+        """A worker reports it is failing (before its exit, which is then only recorded)."""
+        w = self.workers.get(worker_id)
+        if w is None or w.state in _GONE:
+            return []
+        return self._fail(w, f"failed: {error}", now) + self._reconcile(now)
 
     def tick(self, now: float) -> list[Action]:
         """Time passed: cooldowns, start timeouts and waits may have expired."""
@@ -227,7 +235,7 @@ class Registry:
 
     def _fail(self, w: WorkerRecord, why: str, now: float) -> list[Action]:
         was_member = w.state is WorkerState.RUNNING and w.round == self.round
-        w.state = WorkerState.FAILED
+        w.state, w.why = WorkerState.FAILED, why
         until = self.hosts.blacklist(w.host, now)
         when = "permanently" if until is None else f"for {until - now:.1f} s"
         acts: list[Action] = [
@@ -281,7 +289,6 @@ class Registry:
                 acts.append(Kill(w.id, "start timeout"))
                 acts += self._fail(w, f"did not contact the driver within --start-timeout "
                                       f"{self.config.start_timeout:g} s", now)
-                w.exited = True  # its exit after the kill is expected, not news
 
         if self._succeeded():
             return acts + self._finishing()
@@ -333,7 +340,7 @@ class Registry:
         live = [w for w in self.workers.values() if w.state not in _GONE]
         failed = [w for w in self.workers.values() if w.state is WorkerState.FAILED]
         if not live and failed:
-            detail = ", ".join(f"{w.label} exit {w.exit_code}" for w in failed[-8:])
+            detail = "; ".join(f"{w.label} {w.why}" for w in failed[-8:])
             return self._finish(False, f"all workers failed ({detail})")
         if self.hosts.all_blacklisted() and self.hosts.is_permanent():
             return self._finish(False, "every host is blacklisted after failures: "

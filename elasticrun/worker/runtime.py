@@ -167,6 +167,20 @@ class Runtime:
         store = dist.PrefixStore(f"round{self.round}", self._store)
         self.pg = dist.ProcessGroupGloo(store, self.rank, self.size, timedelta(seconds=self.collective_timeout))
 
+    def report_failure(self, error: str) -> None:
+        """Tell the driver this worker is failing, before the slow interpreter teardown.
+
+        The driver can then abort the round and blacklist the host at once, instead of
+        waiting for the process to exit (~0.5 s for a Python process that imported torch).
+        """
+        if self._client is None:
+            return
+        try:
+            self._client.request("failing", {"worker": self.worker_id, "error": error[-2000:]}, timeout=1.0,
+                                 what="the failure report")
+        except Exception as exc:  # the exit code still tells the driver
+            log.debug("could not report the failure: %s", exc)
+
     def check_host_updates(self) -> None:
         """Collective: raise HostsUpdatedInterrupt on every rank if any rank saw a newer update."""
         if self.standalone:
@@ -214,7 +228,20 @@ def init() -> Runtime:
             rt.rendezvous()
             _runtime = rt
             atexit.register(shutdown)
+            if not rt.standalone:
+                _install_excepthook(rt)
         return _runtime
+
+
+def _install_excepthook(rt: Runtime) -> None:
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if not issubclass(kind, (KeyboardInterrupt, SystemExit)):
+            rt.report_failure(f"{kind.__name__}: {exc}")
+        previous(kind, exc, tb)
+
+    sys.excepthook = hook
 
 
 def get() -> Runtime:
