@@ -1,0 +1,560 @@
+"""``hvd.DistributedOptimizer`` and the broadcast helpers, with horovod.torch's semantics.
+
+Gradients are averaged (or summed) over the ranks while backward still runs: a
+post-accumulate-grad hook on every parameter marks its gradient ready, ready gradients are
+packed into fused buckets (DDP-style, in reverse parameter order, so the last layers, whose
+gradients arrive first, are reduced first) and each full bucket is allreduced
+asynchronously. ``step()`` waits for what is in flight, reduces what never became ready,
+and then steps the wrapped optimizer.
+
+Elasticity shapes the design:
+
+* Nothing about the world is cached. The size is read from the runtime at every
+  allreduce and the process group is looked up by ``collectives`` at every launch, so
+  the same optimizer object keeps working after ``elastic.run`` formed a new group.
+* A failed collective (``HorovodInternalError``) may surface inside ``backward()`` or in
+  ``step()``. Either way all pending state is dropped before the error propagates, and the
+  fused buffers are discarded rather than reused (an abandoned gloo operation may still
+  hold them), so the next backward starts clean. State left behind by an error raised
+  elsewhere is recognised as stale by its process group and dropped at the next hook.
+* Buckets are launched strictly in bucket order. gloo matches collectives by issue order,
+  so every rank must issue the same sequence even when some parameter got no gradient on
+  some rank (its bucket then waits for ``step()``, which launches the rest in order).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from elasticrun.worker import collectives, runtime
+from elasticrun.worker.collectives import Average, Handle, Sum
+
+__all__ = ["Compression", "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"]
+
+
+# --------------------------------------------------------------------------- compression
+
+
+class Compressor:
+    """Interface: ``compress(tensor) -> (tensor, ctx)`` before the allreduce, then
+    ``decompress(tensor, ctx)`` after it. ``compress`` may return its input unchanged."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    """Send the tensor as it is."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor
+
+
+class FP16Compressor(Compressor):
+    """Send floating-point tensors as float16: half the bytes on the wire, ~3 significant
+    digits. Scale the gradients (``gradient_predivide_factor``) if the sum may overflow."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
+            return tensor.to(torch.float16), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor if ctx is None else tensor.to(ctx)
+
+
+class Compression:
+    """``hvd.Compression.none`` / ``hvd.Compression.fp16``."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+
+
+# --------------------------------------------------------------------------- fused buckets
+
+#: The first bucket is small so that the first allreduce starts early in backward (as DDP).
+_FIRST_BUCKET_BYTES = 1 << 20
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """Gradients reduced together through one flat buffer (one dtype, one device)."""
+
+    index: int
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+    params: list[torch.Tensor] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    numel: int = 0
+    # Per-step state, reset by _DistributedOptimizer._dist_clear.
+    passes: list[int] = field(default_factory=list)  # backward passes seen per parameter
+    ready: int = 0  # parameters that saw backward_passes_per_step passes
+    launched: bool = False
+    handle: Handle | None = None  # None once launched: nothing to wait for (world of one)
+    ctx: Any = None
+    buffer: torch.Tensor | None = None  # reused across steps; dropped after an error
+
+    def add(self, p: torch.Tensor) -> None:
+        self.params.append(p)
+        self.offsets.append(self.numel)
+        self.numel += p.numel()
+        self.passes.append(0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Mixin placed in front of the wrapped optimizer's class (see DistributedOptimizer).
+
+    Never constructed through ``__init__``: the instance takes over the wrapped optimizer's
+    attributes, so ``param_groups``, ``state`` and ``defaults`` are the very same objects.
+    """
+
+    # --- setup ------------------------------------------------------------------------
+    def _dist_setup(self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None, compression: type[Compressor],
+                    backward_passes_per_step: int, op: str, gradient_predivide_factor: float,
+                    bucket_cap_mb: float) -> None:
+        if op not in (Average, Sum):
+            raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum, not {op!r}")
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor is only supported with op=Average")
+        if backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be >= 1")
+        self._dist_compression = compression
+        self._dist_op = op
+        # Horovod splits the average into a prescale before the sum and a postscale after
+        # it; collectives divides the postscale by the size for op=Average.
+        self._dist_prescale = 1.0 / gradient_predivide_factor
+        self._dist_postscale = float(gradient_predivide_factor)
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self._dist_bucket_cap = max(1, int(bucket_cap_mb * (1 << 20)))
+        self._dist_names = self._dist_check_names(named_parameters)
+        self._dist_buckets: list[_Bucket] = []
+        self._dist_slots: dict[torch.Tensor, tuple[_Bucket, int]] = {}
+        self._dist_hooks: dict[torch.Tensor, Any] = {}
+        self._dist_next = 0  # first bucket not launched yet (launch order = bucket order)
+        self._dist_cycle_pg: weakref.ref | None = None  # group of the step in progress
+        self._should_synchronize = True
+        self._synchronized = False
+        self._dist_build()
+
+    def _dist_check_names(self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None
+                          ) -> dict[torch.Tensor, str]:
+        """Names only label collectives in errors, but horovod validates them; so do we."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        if named_parameters is None:
+            return {p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
+        named = list(named_parameters)
+        if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+            raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
+                             "usually model.named_parameters()")
+        counts = collections.Counter(n for n, _ in named)
+        dupes = sorted(n for n, c in counts.items() if c > 1)
+        if dupes:
+            raise ValueError(f"parameter names in named_parameters must be unique; duplicates: {dupes}")
+        by_param = {p: n for n, p in named}
+        if any(p not in by_param for p in params):
+            raise ValueError("named_parameters was specified, but one or more model parameters were not named; "
+                             "pass all of them (model.named_parameters())")
+        return by_param
+
+    def _dist_build(self) -> None:
+        """Assign every trainable parameter to a bucket and hook it (idempotent)."""
+        self._dist_clear(discard=True)
+        params: list[torch.Tensor] = []
+        seen: set[torch.Tensor] = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p not in seen:
+                    seen.add(p)
+                    params.append(p)
+        buckets: list[_Bucket] = []
+        open_: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
+        for p in reversed(params):  # gradients of the last layers are ready first
+            key = (p.dtype, p.device)
+            b = open_.get(key)
+            cap = self._dist_bucket_cap
+            if b is not None and b is buckets[0]:
+                cap = min(cap, _FIRST_BUCKET_BYTES)
+            if b is None or (b.params and b.nbytes + p.numel() * p.element_size() > cap):
+                b = _Bucket(len(buckets), "", p.dtype, p.device)
+                buckets.append(b)
+                open_[key] = b
+            b.add(p)
+        for b in buckets:
+            first, last = self._dist_names.get(b.params[0], "?"), self._dist_names.get(b.params[-1], "?")
+            b.name = first if len(b.params) == 1 else f"gradient bucket {b.index} ({first} .. {last})"
+        self._dist_buckets = buckets
+        self._dist_slots = {p: (b, i) for b in buckets for i, p in enumerate(b.params)}
+        # Hooks hold the optimizer weakly: an optimizer that was dropped must not keep
+        # reducing gradients of a model that a new optimizer now trains.
+        self_ref = weakref.ref(self)
+        for p in params:
+            if p not in self._dist_hooks:
+                def hook(param: torch.Tensor, self_ref: weakref.ref = self_ref) -> None:
+                    opt = self_ref()
+                    if opt is not None:
+                        opt._dist_on_grad(param)
+                self._dist_hooks[p] = p.register_post_accumulate_grad_hook(hook)
+
+    # --- per-step state ---------------------------------------------------------------
+    def _dist_clear(self, discard: bool) -> None:
+        """Forget the step in progress. ``discard`` also drops the fused buffers: after an
+        error an abandoned collective may still write into them."""
+        for b in getattr(self, "_dist_buckets", ()):
+            b.passes = [0] * len(b.params)
+            b.ready, b.launched, b.handle, b.ctx = 0, False, None, None
+            if discard:
+                b.buffer = None
+        self._dist_next = 0
+        self._dist_cycle_pg = None
+
+    def _dist_has_handles(self) -> bool:
+        return any(b.handle is not None and not b.handle.done for b in self._dist_buckets)
+
+    def _dist_begin(self) -> None:
+        """Start (or continue) a step; state from another process group is stale."""
+        pg = runtime.get().pg
+        if self._dist_cycle_pg is not None and self._dist_cycle_pg() is not pg:
+            self._dist_clear(discard=True)
+        if self._dist_cycle_pg is None:
+            self._dist_cycle_pg = weakref.ref(pg) if pg is not None else None
+            self._synchronized = False
+
+    def _dist_on_grad(self, p: torch.Tensor) -> None:
+        slot = self._dist_slots.get(p)
+        if slot is None:
+            return
+        bucket, i = slot
+        try:
+            self._dist_begin()
+            if bucket.launched or bucket.passes[i] >= self.backward_passes_per_step:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before call to "
+                    "step(). Increase backward_passes_per_step to accumulate gradients locally.")
+            bucket.passes[i] += 1
+            if bucket.passes[i] == self.backward_passes_per_step:
+                bucket.ready += 1
+                self._dist_launch_ready()
+        except BaseException:
+            self._dist_clear(discard=True)
+            raise
+
+    def _dist_launch_ready(self) -> None:
+        buckets = self._dist_buckets
+        while self._dist_next < len(buckets) and buckets[self._dist_next].ready == len(buckets[self._dist_next].params):
+            self._dist_launch(buckets[self._dist_next])
+            self._dist_next += 1
+
+    def _dist_launch(self, b: _Bucket) -> None:
+        b.launched = True
+        if runtime.get().size == 1:
+            return  # Average and Sum over one rank are the identity: skip the copies
+        if b.buffer is None:
+            b.buffer = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+        with torch.no_grad():
+            for p, off in zip(b.params, b.offsets):
+                dst = b.buffer[off:off + p.numel()]
+                g = p.grad
+                if g is None:  # no gradient here, but another rank may have one
+                    dst.zero_()
+                else:
+                    dst.copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
+            tensor, b.ctx = self._dist_compression.compress(b.buffer)
+            b.handle = collectives.allreduce_async_(tensor, name=b.name, op=self._dist_op,
+                                                    prescale_factor=self._dist_prescale,
+                                                    postscale_factor=self._dist_postscale)
+
+    def _dist_finish(self, b: _Bucket) -> None:
+        with torch.no_grad():
+            if b.handle is None:  # reduced over a world of one: only fill missing grads
+                for p in b.params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                return
+            out = self._dist_compression.decompress(collectives.synchronize(b.handle), b.ctx)
+            for p, off in zip(b.params, b.offsets):
+                src = out[off:off + p.numel()].view(p.shape)
+                g = p.grad
+                if g is None or g.is_sparse or g.shape != p.shape:
+                    p.grad = torch.empty_like(p, requires_grad=False).copy_(src)
+                else:
+                    g.copy_(src)
+
+    # --- horovod API ------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every gradient's allreduce; reduce those whose hook never fired
+        (unused parameters, fewer backward passes than expected) with what they hold."""
+        try:
+            self._dist_begin()
+            while self._dist_next < len(self._dist_buckets):
+                self._dist_launch(self._dist_buckets[self._dist_next])
+                self._dist_next += 1
+            for b in self._dist_buckets:
+                self._dist_finish(b)
+        except BaseException:
+            self._dist_clear(discard=True)
+            raise
+        self._dist_clear(discard=False)
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``with opt.skip_synchronize(): opt.step()`` after an explicit ``synchronize()``
+        (e.g. to clip the reduced gradients in between)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if self._should_synchronize:
+            if self._synchronized:
+                # No backward since synchronize(): reducing again would be redundant (and
+                # would multiply the gradients by the size with op=Sum).
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). Use the skip_synchronize() context to make the "
+                              "intent explicit.", stacklevel=2)
+            else:
+                self.synchronize()
+        self._synchronized = False
+        original = self._dist_original()
+        if original is not None:
+            # An LR scheduler made before wrapping watches the original for "stepped".
+            original._opt_called = True
+        return super().step(closure)
+
+    # torch's Optimizer.__setstate__/load_state_dict wrap ``type(self).step`` in a profiling
+    # hook unless it is marked: ours calls the wrapped class's (already hooked) step, so
+    # wrapping it again would run the step hooks twice.
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        launched = self._dist_has_handles()
+        stale = launched and self._dist_cycle_pg is not None and self._dist_cycle_pg() is not runtime.get().pg
+        self._dist_clear(discard=launched)
+        if launched and not stale:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it "
+                                 "can cause a race condition.")
+        super().zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            self._dist_names.setdefault(p, f"allreduce.noname.{len(self._dist_names)}")
+        self._dist_build()
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if passes < 1:
+            raise ValueError("backward_passes_per_step must be >= 1")
+        self._dist_clear(discard=False)
+        self.backward_passes_per_step = int(passes)
+
+
+_classes: dict[type, type] = {}
+
+
+def _distributed_class(base: type) -> type:
+    """One subclass per optimizer class, named like it, so isinstance checks keep working."""
+    cls = _classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__,
+                                                                   "__qualname__": base.__qualname__})
+        _classes[base] = cls
+    return cls
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                         compression: type[Compressor] = Compression.none,
+                         backward_passes_per_step: int = 1,
+                         op: str = Average,
+                         gradient_predivide_factor: float = 1.0,
+                         *, bucket_cap_mb: float = 25.0, sparse_as_dense: bool = False,
+                         num_groups: int = 0, groups: Any = None) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients reduced over all ranks.
+
+    The result is an instance of a subclass of ``type(optimizer)`` sharing its
+    ``param_groups``, ``state`` and ``defaults`` (so LR schedulers work whether they were
+    created before or after wrapping; step only the wrapper). ``op=Average`` divides by the
+    size at each reduction, ``op=Sum`` does not; ``gradient_predivide_factor`` f splits
+    the average into a 1/f prescale and an f/size postscale. With
+    ``backward_passes_per_step`` N the gradients are accumulated locally and reduced on
+    the N-th backward. ``bucket_cap_mb`` bounds a fused bucket; ``sparse_as_dense``,
+    ``num_groups`` and ``groups`` are accepted for horovod compatibility (sparse gradients
+    are always reduced densely and fusion is automatic).
+    """
+    del sparse_as_dense, num_groups, groups
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("the optimizer is already a DistributedOptimizer")
+    cls = _distributed_class(type(optimizer))
+    wrapped = cls.__new__(cls)
+    # An LR scheduler patches ``step`` on the instance, bound to the original optimizer;
+    # copying it would bypass our step.
+    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
+    wrapped._dist_original = weakref.ref(optimizer)
+    wrapped._dist_setup(named_parameters, compression, backward_passes_per_step, op,
+                        gradient_predivide_factor, bucket_cap_mb)
+    return wrapped
+
+
+# --------------------------------------------------------------------------- broadcasts
+
+_ALIGN = 16  # byte offsets stay aligned so that views of the flat buffer can be any dtype
+_BCAST_CHUNK_BYTES = 64 << 20
+
+
+def _nbytes(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * dtype.itemsize
+
+
+def _plan(sizes: list[int]) -> list[list[tuple[int, int, int]]]:
+    """Split tensors (by byte size) into chunks of (index, offset, nbytes); same on all ranks."""
+    chunks: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    offset = 0
+    for i, nb in enumerate(sizes):
+        if nb == 0:
+            continue
+        if current and offset + nb > _BCAST_CHUNK_BYTES:
+            chunks.append(current)
+            current, offset = [], 0
+        current.append((i, offset, nb))
+        offset += -(-nb // _ALIGN) * _ALIGN
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, name: str) -> None:
+    """Overwrite ``tensors`` in place with root's, packed as raw bytes into few broadcasts
+    (so any dtype, bool included, goes through, and a model costs a handful of messages)."""
+    rt = runtime.get()
+    if rt.size == 1:
+        return
+    is_root = rt.rank == root_rank
+    sizes = [_nbytes(t.shape, t.dtype) for t in tensors]
+    with torch.no_grad():
+        for n, chunk in enumerate(_plan(sizes)):
+            _, last_off, last_nb = chunk[-1]
+            buf = torch.empty(last_off + last_nb, dtype=torch.uint8)
+            if is_root:
+                for i, off, nb in chunk:
+                    buf[off:off + nb].copy_(tensors[i].detach().reshape(-1).view(torch.uint8))
+            collectives.broadcast_(buf, root_rank, f"{name}[{n}]")
+            if not is_root:
+                for i, off, nb in chunk:
+                    t = tensors[i]
+                    t.copy_(buf[off:off + nb].view(t.dtype).view(t.shape))
+
+
+def broadcast_parameters(params: Mapping[str, Any] | Iterable[Any], root_rank: int) -> None:
+    """Overwrite parameters/buffers in place with ``root_rank``'s.
+
+    ``params`` is ``model.state_dict()`` (sorted by name, so every rank agrees on the
+    order) or ``model.named_parameters()`` / a list of tensors. Non-tensor entries (module
+    extra state) are skipped.
+    """
+    if isinstance(params, Mapping):
+        items = sorted(params.items(), key=lambda kv: str(kv[0]))
+    elif isinstance(params, Iterable):
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise ValueError(f"invalid params of type {type(params).__name__}")
+    tensors = [t for _, t in items if isinstance(t, torch.Tensor)]
+    _broadcast_tensors(tensors, root_rank, "broadcast_parameters")
+
+
+class _TensorSpec(NamedTuple):
+    """Stands for a tensor in the picklable skeleton of an optimizer state dict."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _strip(obj: Any, out: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+        return _TensorSpec(len(out) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return {k: _strip(v, out) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_strip(v, out) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_strip(v, out) for v in obj)
+    return obj
+
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _TensorSpec):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fill(v, tensors) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_fill(v, tensors) for v in obj)
+    return obj
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Make every rank's optimizer state (per-parameter tensors such as momentum buffers
+    and step counts, and every param_group option such as lr) equal to ``root_rank``'s.
+
+    The structure goes by ``broadcast_object``, the tensors as raw bytes; receivers load
+    the result with ``load_state_dict``, so a rank that never stepped (a newcomer with
+    empty state) gets complete state without a dummy step.
+    """
+    rt = runtime.get()
+    if rt.size == 1:
+        return
+    tensors: list[torch.Tensor] = []
+    skeleton = _strip(optimizer.state_dict(), tensors)
+    skeleton = collectives.broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.skeleton")
+    if rt.rank != root_rank:
+        specs: list[_TensorSpec] = []
+        _collect_specs(skeleton, specs)
+        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(specs, key=lambda s: s.index)]
+    _broadcast_tensors(tensors, root_rank, "broadcast_optimizer_state")
+    if rt.rank != root_rank:
+        optimizer.load_state_dict(_fill(skeleton, tensors))
+
+
+def _collect_specs(obj: Any, out: list[_TensorSpec]) -> None:
+    if isinstance(obj, _TensorSpec):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect_specs(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _collect_specs(v, out)

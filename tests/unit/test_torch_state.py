@@ -1,0 +1,365 @@
+"""TorchState (and the DistributedOptimizer wrapper) in standalone mode: a 1-rank gloo world."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import elasticrun.torch as hvd
+from elasticrun.worker import runtime, torch_state
+from elasticrun.worker.sampler import ElasticSampler
+from elasticrun.worker.torch_state import StateHandler, TorchState, register_handler
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def rt(monkeypatch: pytest.MonkeyPatch) -> Iterator[runtime.Runtime]:
+    for name in list(os.environ):
+        if name.startswith("ELASTICRUN_"):
+            monkeypatch.delenv(name)
+    runtime.shutdown()
+    r = runtime.init()
+    assert r.standalone and r.size == 1
+    yield r
+    runtime.shutdown()
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
+    opt.zero_grad()
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def opt_snapshot(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return copy.deepcopy(opt.state_dict())
+
+
+def same_opt(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
+        return False
+    for i, st in a["state"].items():
+        if st.keys() != b["state"][i].keys():
+            return False
+        for k, v in st.items():
+            w = b["state"][i][k]
+            if not (torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w):
+                return False
+    return True
+
+
+# --------------------------------------------------------------------------- model / optimizer
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: torch.optim.Adam(ps, lr=0.01),
+], ids=["sgd-momentum", "adam"])
+def test_save_restore_model_and_optimizer(make_opt: Any) -> None:
+    model = make_model()
+    opt = make_opt(model.parameters())
+    train_step(model, opt, 1)
+    state = TorchState(model, opt, epoch=1)
+    param_ids = [id(p) for p in model.parameters()]
+    state_ids = {k: id(v) for k, v in opt.state[model[0].weight].items()}
+    state.commit()
+    committed, committed_opt = snapshot(model), opt_snapshot(opt)
+
+    train_step(model, opt, 2)
+    opt.param_groups[0]["lr"] = 123.0
+    assert not same(snapshot(model), committed)
+    state.restore()
+
+    assert same(snapshot(model), committed)  # parameters and BatchNorm buffers
+    assert same_opt(opt_snapshot(opt), committed_opt)  # momentum / Adam moments, step, lr
+    # Restored in place: hooks and optimizers keep pointing at the live tensors.
+    assert [id(p) for p in model.parameters()] == param_ids
+    assert {k: id(v) for k, v in opt.state[model[0].weight].items()} == state_ids
+
+
+def test_restore_to_commit_without_optimizer_state() -> None:
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    state = TorchState(model, opt)  # saved at construction: no optimizer state yet
+    train_step(model, opt, 1)
+    assert len(opt.state) > 0
+    state.restore()
+    assert len(opt.state) == 0
+    train_step(model, opt, 1)  # and the optimizer still works
+    assert len(opt.state) > 0
+
+
+def test_save_reuses_host_buffers() -> None:
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    train_step(model, opt, 1)
+    state = TorchState(model, opt)
+    mh, oh = state._handlers["model"], state._handlers["optimizer"]
+
+    def ptrs() -> dict[Any, int]:
+        return {**{("m", k): b.data_ptr() for k, b in mh._buffers.items()},
+                **{("o", k): b.data_ptr() for k, b in oh._buffers.items()}}
+
+    first = ptrs()
+    assert len(first) == len(model.state_dict()) + 3 * len(list(model.parameters()))
+    for seed in range(2, 5):
+        train_step(model, opt, seed)
+        state.commit()
+        assert ptrs() == first
+    # The buffers hold copies of the live tensors, not aliases.
+    live = model.state_dict()
+    assert all(b.data_ptr() != live[k].data_ptr() for k, b in mh._buffers.items())
+    assert torch.equal(mh._buffers["0.weight"], model[0].weight.detach())
+
+
+def test_sync_in_a_world_of_one_commits() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_step(model, opt, 1)
+    state = TorchState(model, opt, batch=3)
+    train_step(model, opt, 2)
+    state.batch = 4
+    state.sync()  # broadcast from rank 0 == self, then save
+    live = snapshot(model)
+    train_step(model, opt, 3)
+    state.batch = 9
+    state.restore()
+    assert same(snapshot(model), live) and state.batch == 4
+
+
+# --------------------------------------------------------------------------- assignment
+
+
+def test_assigning_a_new_model_recreates_its_handler() -> None:
+    old, new = make_model(0), make_model(1)
+    opt = torch.optim.SGD(old.parameters(), lr=0.1)
+    state = TorchState(old, opt)
+    old_committed = snapshot(old)
+    state.model = new
+    assert state.model is new and state._handlers["model"].value is new
+    new_committed = snapshot(new)
+    with torch.no_grad():
+        for p in list(old.parameters()) + list(new.parameters()):
+            p.add_(1.0)
+    state.restore()
+    assert same(snapshot(new), new_committed)  # the new model is the one restored
+    assert not same(snapshot(old), old_committed)  # the old one is no longer tracked
+
+    state.model = None  # no handler for None: a plain attribute now
+    assert "model" not in state._handlers and "model" in state._object_keys
+    state.commit()
+    state.model = 5
+    state.restore()
+    assert state.model is None
+
+
+def test_plain_attribute_becoming_a_handled_type() -> None:
+    state = TorchState(extra=None)
+    model = make_model()
+    state.extra = model
+    assert "extra" in state._handlers and "extra" not in state._object_keys
+    committed = snapshot(model)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    state.restore()
+    assert same(snapshot(model), committed)
+
+
+# --------------------------------------------------------------------------- sampler
+
+
+def test_sampler_save_restore_and_reset() -> None:
+    sampler = ElasticSampler(range(10), shuffle=False)
+    state = TorchState(sampler=sampler, epoch=0)
+    assert "sampler" in state._handlers
+    sampler.record_batch(0, 3)
+    state.commit()
+    assert sampler.processed_indices == {0, 1, 2}
+    sampler.record_batch(1, 3)
+    state.epoch = 7
+    state.restore()
+    assert sampler.processed_indices == {0, 1, 2} and state.epoch == 0
+    assert list(sampler) == list(range(3, 10))  # repartitioned from the commit
+
+    # A finished epoch: set_epoch clears the set; the commit saves the new epoch.
+    for b in range(3):
+        sampler.record_batch(b, 3)
+    sampler.record_indices([9])
+    sampler.set_epoch(1)
+    state.commit()
+    sampler.record_batch(0, 4)
+    state.restore()
+    assert sampler.epoch == 1 and sampler.processed_indices == set() and len(sampler) == 10
+
+    sampler.record_batch(0, 5)
+    state.on_reset()  # a reset repartitions (locally) for the new world
+    assert len(sampler) == 5
+    state.sync()
+    assert sampler.processed_indices == set(range(5))
+
+
+# --------------------------------------------------------------------------- registry / objects
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+
+class CounterHandler(StateHandler):
+    calls: list[str] = []
+
+    def __init__(self, value: Counter) -> None:
+        super().__init__(value)
+        self.save()
+
+    def save(self) -> None:
+        self.calls.append("save")
+        self.saved = self.value.n
+
+    def restore(self) -> None:
+        self.calls.append("restore")
+        self.value.n = self.saved
+
+    def sync(self) -> None:
+        self.calls.append("sync")
+        self.value.n = hvd.broadcast_object(self.value.n, 0)
+
+
+@pytest.fixture
+def counter_handler() -> Iterator[None]:
+    before = list(torch_state._registry)
+    CounterHandler.calls = []
+    register_handler(Counter, CounterHandler)
+    yield
+    torch_state._registry[:] = before
+
+
+def test_custom_handler_registry(counter_handler: None) -> None:
+    counter = Counter()
+    state = TorchState(counter=counter)
+    assert isinstance(state._handlers["counter"], CounterHandler)
+    counter.n = 3
+    state.commit()
+    counter.n = 10
+    state.restore()
+    assert counter.n == 3
+    state.sync()
+    assert CounterHandler.calls == ["save", "save", "restore", "sync", "save"]
+
+
+def test_user_handler_overrides_a_default(counter_handler: None) -> None:
+    class Quiet(StateHandler):
+        def save(self) -> None: ...
+        def restore(self) -> None: ...
+        def sync(self) -> None: ...
+
+    register_handler(nn.Module, Quiet)
+    state = TorchState(make_model())
+    assert isinstance(state._handlers["model"], Quiet)
+
+
+def test_object_state_attributes() -> None:
+    state = TorchState(epoch=1, history=[1, 2], name="run")
+    assert state.model is None and state.optimizer is None
+    state.history.append(3)
+    state.epoch = 2
+    state.commit()
+    state.history.append(4)  # an in-place change after the commit does not leak into it
+    state.epoch = 3
+    state.restore()
+    assert state.epoch == 2 and state.history == [1, 2, 3] and state.name == "run"
+    calls: list[int] = []
+    state.register_reset_callbacks([lambda: calls.append(1)])
+    state.on_reset()
+    assert calls == [1]
+
+
+def test_lr_scheduler_handler() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    state = TorchState(model, opt, scheduler=sched)
+    assert isinstance(state._handlers["scheduler"], torch_state.LRSchedulerStateHandler)
+    train_step(model, opt, 1)
+    sched.step()
+    state.commit()
+    train_step(model, opt, 2)
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.25
+    state.restore()
+    assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == 0.5
+
+
+# --------------------------------------------------------------------------- DistributedOptimizer, world of one
+
+
+def test_distributed_optimizer_in_a_world_of_one_is_the_plain_optimizer() -> None:
+    model, ref = make_model(), make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)  # made before wrapping
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    assert isinstance(opt, torch.optim.SGD) and type(opt).__name__ == "SGD"
+    assert opt.param_groups is base.param_groups and opt.state is base.state
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    pre_hook_calls: list[int] = []
+    opt.register_step_pre_hook(lambda *_: pre_hook_calls.append(1))
+    for seed in range(3):
+        train_step(model, opt, seed)
+        train_step(ref, ref_opt, seed)
+        sched.step()
+        ref_sched.step()
+    assert same(snapshot(model), snapshot(ref))
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.1 * 0.5 ** 3
+    assert len(pre_hook_calls) == 3
+    opt.load_state_dict(opt.state_dict())  # must not wrap step in a second profiling hook
+    train_step(model, opt, 9)
+    assert len(pre_hook_calls) == 4
+
+
+def test_distributed_optimizer_fills_missing_gradients_and_guards_double_backward() -> None:
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.step()  # no backward at all: gradients become zeros, like horovod
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    x = torch.randn(4, 4)
+    model(x).sum().backward()
+    with pytest.raises(AssertionError, match="backward_passes_per_step"):
+        model(x).sum().backward()
+    opt.zero_grad()  # the failed step left nothing behind
+    model(x).sum().backward()
+    opt.step()
+
+
+def test_distributed_optimizer_argument_checks() -> None:
+    model = make_model()
+    with pytest.raises(ValueError):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Sum,
+                                 gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=list(model.named_parameters())[:1])
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError):
+        hvd.DistributedOptimizer(opt)
