@@ -22,10 +22,12 @@ class JobSettings:
     start_timeout: float = 30.0
     collective_timeout: float = 60.0
     heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 5.0  # a worker silent this long is declared hung and killed
     driver_timeout: float = 5.0  # a worker that hears nothing from the driver this long exits
     stop_grace: float = 5.0  # SIGTERM -> SIGKILL delay when stopping workers
     output_filename: str | None = None
     log_level: str = "INFO"
+    worker_log_level: str = "WARNING"
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "contact the driver (default 30)")
     p.add_argument("--collective-timeout", type=_seconds, default=60.0, metavar="SECONDS",
                    help="a collective taking longer raises HorovodInternalError in the worker (default 60)")
+    p.add_argument("--heartbeat-timeout", type=_seconds, default=5.0, metavar="SECONDS",
+                   help="a worker that sends no heartbeat for this long (hung, stopped, off the network) "
+                        "is killed and its host handled as failed (default 5)")
     p.add_argument("--output-filename", metavar="DIR",
                    help="also append each rank's output to DIR/rank.N/stdout and stderr")
     p.add_argument("--log-level", default=None, type=str.upper,
@@ -146,13 +149,17 @@ def parse_settings(argv: list[str]) -> JobSettings:
         parser.error(f"-np {a.np} needs {a.np} slots but the host list has {sum(fixed.values())}")
     max_np = a.max_np if a.max_np is not None else (a.np if fixed is not None else None)
     level = "DEBUG" if a.verbose else (a.log_level or "INFO")
+    # Workers stay quiet (WARNING) unless the user asked for a level: their lines interleave
+    # with the training output on the console.
+    worker_level = "DEBUG" if a.verbose else (a.log_level or "WARNING")
     return JobSettings(
         command=command, np=a.np, min_np=min_np, max_np=max_np, hosts=fixed, discovery_script=script,
         slots_per_host=a.slots_per_host, discovery_interval=a.discovery_interval,
         discovery_timeout=a.discovery_timeout, reset_limit=a.reset_limit,
         cooldown_range=tuple(a.blacklist_cooldown_range) if a.blacklist_cooldown_range else None,
         elastic_timeout=a.elastic_timeout, start_timeout=a.start_timeout, collective_timeout=a.collective_timeout,
-        output_filename=a.output_filename, log_level=level)
+        heartbeat_timeout=a.heartbeat_timeout,
+        output_filename=a.output_filename, log_level=level, worker_log_level=worker_level)
 
 
 def main(argv: list[str] | None = None) -> int:

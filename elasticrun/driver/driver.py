@@ -38,6 +38,7 @@ log = logging.getLogger("elasticrun")
 class Source(Protocol):
     def describe(self) -> str: ...
     def discover(self) -> HostList: ...
+    def close(self) -> None: ...
 
 
 class JobFailed(Exception):
@@ -79,7 +80,8 @@ class ElasticDriver:
         self.registry = reg.Registry(
             reg.RegistryConfig(np=settings.np, min_np=settings.min_np, max_np=settings.max_np,
                                reset_limit=settings.reset_limit, elastic_timeout=settings.elastic_timeout,
-                               start_timeout=settings.start_timeout),
+                               start_timeout=settings.start_timeout,
+                               heartbeat_timeout=settings.heartbeat_timeout),
             HostManager(cooldown_range=settings.cooldown_range), new_id=lambda: next(self._ids))
         self._sink = OutputSink(self._rank_of, settings.output_filename)
         self._launcher = LocalLauncher(self._sink, on_exit=lambda wid, code: self._post("exit", (wid, code)))
@@ -87,7 +89,7 @@ class ElasticDriver:
         self._updates: deque[tuple[float, bool, bool]] = deque(maxlen=16)
         self._last_ts = 0.0
         self._abort_reason = ""
-        self._last_discovery_problems: tuple[str, ...] = ()
+        self._reported_problems: set[str] = set()
         self._started = time.monotonic()
 
     # --- plumbing --------------------------------------------------------------------------
@@ -164,14 +166,17 @@ class ElasticDriver:
             except DiscoveryError as exc:
                 self._post("discovery_failed", str(exc))
 
+    def _warn_once(self, message: str) -> None:
+        """Discovery runs every second: say each distinct problem once, not every interval."""
+        if message not in self._reported_problems and len(self._reported_problems) < 10_000:
+            self._reported_problems.add(message)
+            log.warning("%s", message)
+
     def _report_discovery_problems(self, found: HostList) -> None:
-        problems = tuple(found.errors + found.warnings)
-        if problems != self._last_discovery_problems:  # say it once, not every interval
-            for p in found.errors:
-                log.warning("%s: skipped invalid line, %s", self.source.describe(), p)
-            for p in found.warnings:
-                log.warning("%s: %s", self.source.describe(), p)
-        self._last_discovery_problems = problems
+        for p in found.errors:
+            self._warn_once(f"{self.source.describe()}: skipped invalid line, {p}")
+        for p in found.warnings:
+            self._warn_once(f"{self.source.describe()}: {p}")
 
     def _loop(self) -> reg.Finish:
         poller = zmq.Poller()
@@ -209,11 +214,14 @@ class ElasticDriver:
         now = time.monotonic()
         if kind == "discovered":
             self._report_discovery_problems(payload)
+            if not payload.hosts and self.registry.hosts.discovered():
+                # Removing every host would end the job and discard its state; a script that
+                # lists nothing is far more often broken than a cluster that is truly empty.
+                self._on_event("discovery_failed", "it listed no usable hosts")
+                return
             self._execute(self.registry.discovered(payload.hosts, now))
         elif kind == "discovery_failed":
-            if payload not in self._last_discovery_problems:
-                log.warning("discovery failed, keeping the last known hosts: %s", payload)
-            self._last_discovery_problems = (payload,)
+            self._warn_once(f"discovery failed, keeping the last known hosts: {payload}")
         elif kind == "exit":
             worker_id, code = payload
             self._pending_rdzv.pop(worker_id, None)
@@ -228,6 +236,7 @@ class ElasticDriver:
             return
         body = msg.body
         if msg.type == "heartbeat":
+            self.registry.heartbeat(str(body.get("worker")), time.monotonic())
             self._reply(identity, msg, "heartbeat_ack", {
                 "round": self.registry.round, "aborted": self.registry.aborted, "reason": self._abort_reason,
                 "updates": [list(u) for u in self._updates]})
@@ -314,7 +323,7 @@ class ElasticDriver:
             env.SECRET: self._secret.hex(), env.CONTROL_ADDR: self._control_addr, env.NOTIFY_ADDR: self._notify_addr,
             env.COLLECTIVE_TIMEOUT: str(s.collective_timeout), env.RENDEZVOUS_TIMEOUT: str(s.elastic_wait_limit),
             env.HEARTBEAT_INTERVAL: str(s.heartbeat_interval), env.DRIVER_TIMEOUT: str(s.driver_timeout),
-            env.LOG_LEVEL: s.log_level, "PYTHONUNBUFFERED": "1",
+            env.LOG_LEVEL: s.worker_log_level, "PYTHONUNBUFFERED": "1",
         })
         try:
             self._launcher.launch(act.worker_id, s.command, worker_env)
@@ -346,5 +355,6 @@ class ElasticDriver:
 
     def _shutdown(self) -> None:
         self._stop_discovery.set()
+        self.source.close()
         self._launcher.stop_all(self.settings.stop_grace)
         self._launcher.drain(2.0)

@@ -61,6 +61,7 @@ class WorkerRecord:
     exit_code: int | None = None
     exited: bool = False
     why: str = ""  # how it failed, for the job's failure message
+    last_seen: float | None = None  # last heartbeat or request; None until the first contact
 
     @property
     def key(self) -> tuple[str, int]:
@@ -142,6 +143,7 @@ class RegistryConfig:
     reset_limit: int | None
     elastic_timeout: float
     start_timeout: float
+    heartbeat_timeout: float | None = None  # None: never declare a silent worker hung
 
 
 class Registry:
@@ -180,8 +182,14 @@ class Registry:
         if w.state in _GONE:
             return [Dismiss(worker_id, "the job has finished" if self.finished or self._succeeded()
                             else "this process has no place in the job any more")]
-        w.state = WorkerState.WAITING
+        w.state, w.last_seen = WorkerState.WAITING, now
         return self._reconcile(now)
+
+    def heartbeat(self, worker_id: str, now: float) -> None:
+        """A sign of life from a worker (no decision depends on it until it stops)."""
+        w = self.workers.get(worker_id)
+        if w is not None:
+            w.last_seen = now
 
     def exited(self, worker_id: str, code: int, now: float, detail: str = "") -> list[Action]:
         w = self.workers.get(worker_id)
@@ -219,6 +227,9 @@ class Registry:
         """When ``tick`` should next be called at the latest (None: only on events)."""
         times = [w.started_at + self.config.start_timeout for w in self.workers.values()
                  if w.state is WorkerState.LAUNCHING]
+        if self.config.heartbeat_timeout is not None:
+            times += [w.last_seen + self.config.heartbeat_timeout for w in self.workers.values()
+                      if w.last_seen is not None and w.state in (WorkerState.WAITING, WorkerState.RUNNING)]
         if self._wait_started is not None:
             times.append(self._wait_started + self._wait_limit())
         expiry = self.hosts.next_expiry()
@@ -250,6 +261,23 @@ class Registry:
     def _finish(self, ok: bool, reason: str) -> list[Action]:
         self.finished = Finish(ok, reason)
         return [self.finished]
+
+    def _assignment_order(self) -> list[tuple[str, int]]:
+        """Usable hosts, those with surviving members of the current round first (by rank).
+
+        The host manager's join order alone is not enough: a host can leave discovery (or be
+        blacklisted with a cooldown) and come back while its worker survives, and it is then
+        appended after newcomers. Ordering by surviving members keeps rank 0 on a worker that
+        holds the newest state whenever one exists.
+        """
+        lowest: dict[str, int] = {}
+        for wid in self.members.values():
+            w = self.workers[wid]
+            if w.state in (WorkerState.RUNNING, WorkerState.WAITING):
+                lowest[w.host] = min(w.rank, lowest.get(w.host, w.rank))
+        available = self.hosts.available()
+        survivors = sorted((hs for hs in available if hs[0] in lowest), key=lambda hs: lowest[hs[0]])
+        return survivors + [hs for hs in available if hs[0] not in lowest]
 
     def _by_key(self) -> dict[tuple[str, int], WorkerRecord]:
         return {w.key: w for w in self.workers.values() if w.state not in _GONE}
@@ -289,12 +317,20 @@ class Registry:
                 acts.append(Kill(w.id, "start timeout"))
                 acts += self._fail(w, f"did not contact the driver within --start-timeout "
                                       f"{self.config.start_timeout:g} s", now)
+            # A worker that went silent (SIGSTOP, deadlock, host off the network) is killed so
+            # that its peers' collectives fail fast instead of waiting for their timeout.
+            limit = self.config.heartbeat_timeout
+            if (limit is not None and w.last_seen is not None and now - w.last_seen >= limit
+                    and w.state in (WorkerState.WAITING, WorkerState.RUNNING)):
+                acts.append(Kill(w.id, "heartbeat timeout"))
+                acts += self._fail(w, f"sent no heartbeat for {now - w.last_seen:.1f} s "
+                                      f"(--heartbeat-timeout {limit:g} s); it is hung or unreachable", now)
 
         if self._succeeded():
             return acts + self._finishing()
 
         running = [w for w in self.workers.values() if w.state is WorkerState.RUNNING]
-        target = assign(self.hosts.available(), self.config.max_np)
+        target = assign(self._assignment_order(), self.config.max_np)
         target_keys = {s.key for s in target}
         if running:
             return acts + self._during_round(target, target_keys, now)

@@ -54,8 +54,14 @@ class DriverClient:
         """Send a request and wait for its reply (at most ``timeout`` s, or until ``abort`` says why)."""
         with self._lock:
             req = next(self._req)
-            self._sock.send(self._codec.encode(type_, dict(body, req=req)))
             deadline = time.monotonic() + timeout
+            # A DEALER blocks on send while it has no connection (the driver is gone or not
+            # up yet): bound that wait like every other.
+            self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
+            try:
+                self._sock.send(self._codec.encode(type_, dict(body, req=req)))
+            except zmq.Again:
+                raise DriverTimeout(f"could not send {what} to the driver within {timeout:g} s") from None
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -116,7 +122,10 @@ class ControlChannel(threading.Thread):
             while not self._stopping.is_set():
                 now = time.monotonic()
                 if now >= next_beat:
-                    self._hb.send(self._hb_codec.encode("heartbeat", self._heartbeat_body()))
+                    try:  # never block here: this thread must notice a silent driver
+                        self._hb.send(self._hb_codec.encode("heartbeat", self._heartbeat_body()), zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
                     next_beat = now + self._interval
                 if now - last_answer > self._driver_timeout:
                     self._on_driver_lost(now - last_answer)

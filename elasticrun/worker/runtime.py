@@ -104,10 +104,12 @@ class Runtime:
                     self._aborted.setdefault(int(body["round"]), str(body.get("reason", "round aborted")))
 
     def _on_driver_lost(self, silence: float) -> None:
-        sys.stderr.write(f"elasticrun: {self.hostname}[{self.slot}]: the driver has not answered for "
-                         f"{silence:.0f} s, so the job is gone; this worker exits.\n")
-        sys.stderr.flush()
-        os._exit(1)
+        try:  # stderr is often a pipe to the dead driver: the message is best effort, the exit is not
+            sys.stderr.write(f"elasticrun: {self.hostname}[{self.slot}]: the driver has not answered for "
+                             f"{silence:.0f} s, so the job is gone; this worker exits.\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(1)
 
     # --- rounds -----------------------------------------------------------------------------
     def abort_reason(self) -> str | None:

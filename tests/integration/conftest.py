@@ -48,12 +48,16 @@ def assert_nothing_left(tag: str, within: float = 10.0) -> None:
         if not left:
             return
         if time.monotonic() > deadline:
+            described = []
             for pid in left:  # do not leak them into the next test, but still fail this one
                 try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+                    described.append(f"{pid}: {cmdline[:200]}")
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
+                except OSError:
                     pass
-            pytest.fail(f"processes left behind by the job: {left}")
+            pytest.fail("processes left behind by the job:\n" + "\n".join(described))
         time.sleep(0.05)
 
 

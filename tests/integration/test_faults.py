@@ -1,0 +1,80 @@
+"""Faults beyond a clean crash: hung workers, a killed driver, and misbehaving discovery."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import PROGRESS_DISCOVERY, assert_nothing_left
+
+pytestmark = pytest.mark.timeout(180)
+
+TWO = "localhost:1,127.0.0.1:1"
+THREE = "localhost:1,127.0.0.1:1,127.0.0.2:1"
+
+
+def test_hung_worker_is_killed_and_survivors_continue(job):
+    r = job.run(["-np", "3", "--min-np", "2", "-H", THREE, "--heartbeat-timeout", "2"],
+                job.train_cmd("--fail=127.0.0.2:0@2:sigstop", epochs=4))
+    assert r.returncode == 0, r.output
+    assert "127.0.0.2[0] (rank 2) sent no heartbeat for" in r.stderr, r.stderr
+    assert [e["size"] for e in r.log][-1] == 2, r.log
+    assert r.log[-1]["rendezvous"] == 2
+
+
+def wait_for_training(job, lines: int = 2, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not (job.log.exists() and job.log.read_text().count("\n") >= lines):
+        assert time.monotonic() < deadline, "the job never started training"
+        time.sleep(0.05)
+
+
+def test_workers_exit_when_the_driver_is_killed(job):
+    job.start(["-np", "2", "-H", TWO], job.train_cmd(epochs=1000, batches=5, sleep=0.05))
+    wait_for_training(job)
+    os.kill(job.proc.pid, signal.SIGKILL)
+    job.proc.wait(timeout=10)
+    started = time.monotonic()
+    assert_nothing_left(job.tag, within=15)  # default driver timeout is 5 s
+    assert time.monotonic() - started < 15
+
+
+def write_script(path, body: str):
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_discovery_that_hangs_later_is_killed_and_the_job_goes_on(job, tmp_path):
+    # First run answers; later runs hang past --discovery-timeout and must not stall training.
+    script = write_script(tmp_path / "d.sh", f"""
+if [ -e "{tmp_path}/ran" ]; then sleep 60; fi
+touch "{tmp_path}/ran"
+echo localhost:1; echo 127.0.0.1:1
+""")
+    r = job.run(["-np", "2", "--host-discovery-script", script, "--discovery-interval", "0.2",
+                 "--discovery-timeout", "0.5"], job.train_cmd(epochs=4, batches=10, sleep=0.05))
+    assert r.returncode == 0, r.output
+    assert "did not finish within 0.5 s" in r.stderr and "keeping the last known hosts" in r.stderr
+    assert {e["size"] for e in r.log} == {2}
+
+
+def test_garbage_and_empty_discovery_output_keep_the_job_alive(job, tmp_path):
+    # Alternates between a valid list with junk lines, and empty output.
+    script = write_script(tmp_path / "d.sh", f"""
+n=$(cat "{tmp_path}/n" 2>/dev/null || echo 0); echo $((n+1)) > "{tmp_path}/n"
+if [ $((n % 2)) -eq 1 ]; then exit 0; fi
+echo localhost:1; echo 127.0.0.1:1; echo 'not a host!'; echo 'localhost:0'; echo '127.0.0.1:2'
+""")
+    r = job.run(["-np", "2", "--max-np", "2", "--host-discovery-script", script, "--discovery-interval", "0.1"],
+                job.train_cmd(epochs=4, batches=10, sleep=0.05))
+    assert r.returncode == 0, r.output
+    assert "skipped invalid line, line 3: 'not a host!'" in r.stderr, r.stderr
+    assert "a host needs at least 1 slot" in r.stderr
+    assert "listed again with 2 slots" in r.stderr
+    assert "it listed no usable hosts" in r.stderr
+    assert r.stderr.count("skipped invalid line, line 3") == 1  # said once, not every interval
+    assert {e["size"] for e in r.log} == {2}
