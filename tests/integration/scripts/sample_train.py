@@ -1,0 +1,136 @@
+"""Test training script that logs every committed sample index, to prove exactly-once.
+
+Trained indices are buffered in memory and written to this process's log only when a commit's
+save completes; a restore (after HorovodInternalError) discards the buffer. So the union of all
+logs is exactly the committed history, and tests can check every index of every epoch appears
+in it once. Sizes are chosen so that no sampler padding occurs: batch 6 and a dataset of a
+multiple of 6 samples divide evenly over 1, 2 or 3 workers at every commit point.
+
+Progress is written as EPOCH*1000+BATCH to --progress for the discovery schedule.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import elasticrun.torch as hvd
+from elasticrun.worker import runtime
+
+p = argparse.ArgumentParser()
+p.add_argument("--epochs", type=int, default=3)
+p.add_argument("--samples", type=int, default=240)
+p.add_argument("--batch-size", type=int, default=6)
+p.add_argument("--commit-every", type=int, default=4)
+p.add_argument("--sleep", type=float, default=0.01)
+p.add_argument("--log-dir", required=True)
+p.add_argument("--progress", required=True)
+p.add_argument("--await-size", action="append", default=[], help="EPOCH:BATCH:SIZE")
+p.add_argument("--kill", default=None, help="HOST:SLOT@EPOCH:BATCH: SIGKILL that worker there (once)")
+args = p.parse_args()
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+hvd.init()
+rt = runtime.get()
+
+gen = torch.Generator().manual_seed(1234)
+x = torch.randn(args.samples, 8, generator=gen)
+y = (x @ torch.randn(8, generator=gen) > 0).long()
+dataset = TensorDataset(x, y, torch.arange(args.samples))
+
+model = torch.nn.Linear(8, 2)
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=7)
+loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+
+log_path = os.path.join(args.log_dir, f"samples-{os.getpid()}.jsonl")
+pending: list[str] = []
+
+
+class LoggedState(hvd.elastic.TorchState):
+    """Writes the buffered sample log when a save completes; drops it on restore."""
+
+    def save(self):
+        super().save()
+        if pending:
+            with open(log_path, "a") as f:
+                f.writelines(pending)
+            pending.clear()
+
+    def restore(self):
+        super().restore()
+        pending.clear()
+
+
+def loss_on_all() -> float:
+    with torch.no_grad():
+        return F.cross_entropy(model(x), y).item()
+
+
+state = LoggedState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, batch=0)
+initial_loss = loss_on_all()
+
+
+def maybe_kill(epoch: int, batch: int) -> None:
+    if not args.kill:
+        return
+    who, at = args.kill.split("@")
+    e, b = map(int, at.split(":"))
+    marker = os.path.join(args.log_dir, "killed")
+    if who == f"{rt.hostname}:{rt.slot}" and (e, b) == (epoch, batch) and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def await_size(epoch: int, batch: int) -> None:
+    for spec in args.await_size:
+        e, b, size = map(int, spec.split(":"))
+        if (e, b) == (epoch, batch):
+            deadline = time.monotonic() + 90
+            while hvd.size() != size:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"world never reached size {size} at {e}:{b}")
+                time.sleep(0.05)
+                state.check_host_updates()
+
+
+@hvd.elastic.run
+def train(state):
+    while state.epoch < args.epochs:
+        offset = state.batch
+        for idx, (xb, yb, ib) in enumerate(loader):
+            state.batch = offset + idx + 1
+            optimizer.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            optimizer.step()
+            state.sampler.record_batch(idx, args.batch_size)
+            pending.append(json.dumps({"epoch": state.epoch, "indices": ib.tolist(), "size": hvd.size()}) + "\n")
+            if hvd.rank() == 0:
+                with open(args.progress + ".tmp", "w") as f:
+                    f.write(str(state.epoch * 1000 + state.batch))
+                os.replace(args.progress + ".tmp", args.progress)
+            maybe_kill(state.epoch, state.batch)
+            time.sleep(args.sleep)
+            if state.batch % args.commit_every == 0:
+                state.commit()
+            await_size(state.epoch, state.batch)
+        state.epoch += 1
+        state.batch = 0
+        state.sampler.set_epoch(state.epoch)
+        state.commit()
+
+
+train(state)
+if hvd.rank() == 0:
+    with torch.no_grad():
+        accuracy = (model(x).argmax(1) == y).float().mean().item()
+    with open(os.path.join(args.log_dir, "result.json"), "w") as f:
+        json.dump({"initial_loss": initial_loss, "final_loss": loss_on_all(), "accuracy": accuracy,
+                   "size": hvd.size()}, f)
