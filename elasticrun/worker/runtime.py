@@ -69,6 +69,7 @@ class Runtime:
         self._updates: dict[float, tuple[bool, bool]] = {}
         self._handled_ts = 0.0
         self._aborted: dict[int, str] = {}
+        self._waiters: set[threading.Event] = set()  # collectives blocked right now
         self._ctx: zmq.Context | None = None
         self._client: DriverClient | None = None
         self._control: ControlChannel | None = None
@@ -96,12 +97,29 @@ class Runtime:
             if msg.type == "hosts_updated":
                 self._updates[float(body["ts"])] = (bool(body["added"]), bool(body["removed"]))
             elif msg.type == "round_aborted":
-                self._aborted[int(body["round"])] = str(body.get("reason", "round aborted"))
+                self._abort(int(body["round"]), str(body.get("reason", "round aborted")))
             elif msg.type == "heartbeat_ack":
                 for ts, added, removed in body.get("updates", []):
                     self._updates[float(ts)] = (bool(added), bool(removed))
-                if body.get("aborted"):
-                    self._aborted.setdefault(int(body["round"]), str(body.get("reason", "round aborted")))
+                if body.get("aborted") and int(body["round"]) not in self._aborted:
+                    self._abort(int(body["round"]), str(body.get("reason", "round aborted")))
+
+    def _abort(self, round_: int, reason: str) -> None:
+        """Mark ``round_`` dead and wake every collective blocked in it (caller holds the lock)."""
+        self._aborted[round_] = reason
+        for event in self._waiters:
+            event.set()
+
+    def add_waiter(self, event: threading.Event) -> None:
+        with self._lock:
+            self._waiters.add(event)
+
+    def remove_waiter(self, event: threading.Event) -> None:
+        with self._lock:
+            self._waiters.discard(event)
+
+    def aborted_reason(self, round_: int) -> str | None:
+        return self._aborted.get(round_)
 
     def _on_driver_lost(self, silence: float) -> None:
         try:  # stderr is often a pipe to the dead driver: the message is best effort, the exit is not

@@ -67,6 +67,7 @@ class JobResult:
     stdout: str
     stderr: str
     log: list[dict]
+    seconds: float  # wall time of the whole elasticrun command
 
     @property
     def output(self) -> str:
@@ -84,6 +85,7 @@ class Job:
         self.markers = tmp_path / "markers"
         self.markers.mkdir()
         self.proc: subprocess.Popen | None = None
+        self.started = 0.0
 
     def env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ, ELASTICRUN_TEST_TAG=self.tag, PROGRESS_FILE=str(self.progress),
@@ -97,6 +99,7 @@ class Job:
                 "--sleep", str(sleep), *extra]
 
     def start(self, launcher_args: list[str], command: list[str], **env: str) -> subprocess.Popen:
+        self.started = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "elasticrun", *launcher_args, *command],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=self.env(**env), cwd=self.tmp, start_new_session=True)
@@ -106,13 +109,14 @@ class Job:
         assert self.proc is not None
         try:
             out, err = self.proc.communicate(timeout=timeout)
+            seconds = time.monotonic() - self.started
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             out, err = self.proc.communicate()
             pytest.fail(f"elasticrun did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
         assert_nothing_left(self.tag)
         log = [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
-        return JobResult(self.proc.returncode, out, err, log)
+        return JobResult(self.proc.returncode, out, err, log, seconds)
 
     def run(self, launcher_args: list[str], command: list[str], timeout: float = 120, **env: str) -> JobResult:
         self.start(launcher_args, command, **env)

@@ -48,22 +48,35 @@ def test_hosts_added_then_removed(job, slots):
     assert "training finished" in r.stderr
 
 
-@pytest.mark.parametrize("mode", ["exception", "sigkill"])
+@pytest.mark.parametrize("mode", ["exception", "sigkill", "latekill"])
 @pytest.mark.parametrize("hosts", ["discovery", "fixed"])
 def test_one_rank_fails_and_survivors_continue(job, mode, hosts):
+    """Survivors recover in-process; none may sit out the collective timeout (30 s here)."""
     if hosts == "discovery":
         source = ["--host-discovery-script", str(PROGRESS_DISCOVERY)]
         env = discovery(f"0:{THREE.format(s=1)}")
     else:
         source, env = ["-H", THREE.format(s=1)], {}
-    r = job.run(["-np", "3", "--min-np", "2", *source],
+    r = job.run(["-np", "3", "--min-np", "2", "--collective-timeout", "30", *source],
                 job.train_cmd(f"--fail=127.0.0.2:0@2:{mode}", epochs=5), **env)
     assert r.returncode == 0, r.output
+    assert r.seconds < 25, f"recovery waited for a timeout ({r.seconds:.1f} s)\n{r.stderr}"
     assert sizes(r.log)[:2] == [3, 3] and sizes(r.log)[-1] == 2, r.log
     assert r.log[-1]["rendezvous"] == 2  # survivors re-formed in-process, once
     assert "host 127.0.0.2 blacklisted" in r.stderr
     expected = "failed: RuntimeError: injected failure" if mode == "exception" else "exited with code -9"
     assert f"127.0.0.2[0] (rank 2) {expected}" in r.stderr
+
+
+def test_ranks_not_talking_to_the_victim_abandon_their_collective(job):
+    """With 4 ranks, some survivors wait on a peer that already left for the next round, not on
+    the dead one: only the driver's abort (not a socket error) can free them before the timeout."""
+    r = job.run(["-np", "4", "--min-np", "3", "--collective-timeout", "30",
+                 "-H", "localhost:1,127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"],
+                job.train_cmd("--fail=127.0.0.3:0@1:latekill", epochs=3, batches=4))
+    assert r.returncode == 0, r.output
+    assert r.seconds < 25, f"recovery waited for a timeout ({r.seconds:.1f} s)\n{r.stderr}"
+    assert [e["size"] for e in r.log][-1] == 3
 
 
 def test_fixed_single_host_recovers_from_failure(job):

@@ -25,7 +25,7 @@ p.add_argument("--sleep", type=float, default=0.02)
 p.add_argument("--log", required=True)
 p.add_argument("--progress", default=None)
 p.add_argument("--fail", action="append", default=[],
-               help="HOST:SLOT@EPOCH:MODE (MODE exception|sigkill|exit|sigstop); once per marker dir")
+               help="HOST:SLOT@EPOCH:MODE (MODE exception|sigkill|latekill|exit|sigstop); once per marker dir")
 p.add_argument("--marker-dir", default=None)
 p.add_argument("--await-size", action="append", default=[],
                help="EPOCH:SIZE: at the start of EPOCH, wait (checking for host updates) until size() == SIZE")
@@ -49,6 +49,9 @@ def maybe_fail(epoch: int) -> None:
         open(marker, "w").close()
         print(f"injecting {mode} on {me} at epoch {epoch}", flush=True)
         if mode == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "latekill":  # peers are already blocked in the next collective, waiting for us
+            time.sleep(0.5)
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "exit":
             os._exit(3)
