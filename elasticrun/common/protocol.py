@@ -98,8 +98,8 @@ class Codec:
             obj = json.loads(payload)
             version, type_, job, sender, seq, to, body = (
                 obj["v"], obj["t"], obj["job"], obj["from"], obj["seq"], obj.get("to"), obj["body"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ProtocolError(f"malformed payload: {exc}") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise ProtocolError(f"malformed payload: {type(exc).__name__}") from None
         if version != PROTOCOL_VERSION:
             raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
         if job != self.job_id:

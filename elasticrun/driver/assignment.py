@@ -8,7 +8,7 @@ a surviving worker keeps its (host, slot) and the lowest ranks go to the oldest 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,15 @@ class SlotInfo:
                 "cross_rank": self.cross_rank, "cross_size": self.cross_size}
 
 
-def assign(hosts: Sequence[tuple[str, int]], max_np: int | None) -> list[SlotInfo]:
-    """Assign ranks to ``hosts`` (``[(host, slots), ...]`` in order), at most ``max_np`` in all."""
+def assign(hosts: Sequence[tuple[str, int]], max_np: int | None,
+           previous: Mapping[tuple[str, int], int] | None = None) -> list[SlotInfo]:
+    """Assign ranks to ``hosts`` (``[(host, slots), ...]`` in order), at most ``max_np`` in all.
+
+    ``previous`` maps the (host, slot) of surviving workers to their last rank. Within a host,
+    those slots take the lowest ranks (in their old order), so that a process launched on a
+    freed slot 0 never outranks a survivor on slot 1. Slots themselves never move: a worker's
+    local rank is its slot, which is what picks its GPU.
+    """
     budget = max_np if max_np is not None else sum(s for _, s in hosts)
     used: list[tuple[str, int]] = []
     for host, slots in hosts:
@@ -46,8 +53,10 @@ def assign(hosts: Sequence[tuple[str, int]], max_np: int | None) -> list[SlotInf
     size = sum(n for _, n in used)
     out: list[SlotInfo] = []
     rank = 0
+    previous = previous or {}
     for host, local_size in used:
-        for slot in range(local_size):
+        order = sorted(range(local_size), key=lambda s: ((host, s) not in previous, previous.get((host, s), 0), s))
+        for slot in order:
             peers = [h for h, n in used if n > slot]  # hosts that have a worker at this local rank
             out.append(SlotInfo(host=host, slot=slot, rank=rank, size=size, local_rank=slot,
                                 local_size=local_size, cross_rank=peers.index(host), cross_size=len(peers)))

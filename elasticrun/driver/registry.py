@@ -283,10 +283,12 @@ class Registry:
         return {w.key: w for w in self.workers.values() if w.state not in _GONE}
 
     def _launch_missing(self, target: list[SlotInfo], now: float) -> list[Action]:
-        have = self._by_key()
+        # A slot is busy until its last process has exited, even a failed or dismissed one:
+        # two processes on one slot would share its GPU.
+        busy = {w.key for w in self.workers.values() if not w.exited}
         acts: list[Action] = []
         for info in target:
-            if info.key not in have:
+            if info.key not in busy:
                 wid = self._new_id()
                 self.workers[wid] = WorkerRecord(wid, info.host, info.slot, WorkerState.LAUNCHING, now,
                                                  rank=info.rank)
@@ -330,7 +332,9 @@ class Registry:
             return acts + self._finishing()
 
         running = [w for w in self.workers.values() if w.state is WorkerState.RUNNING]
-        target = assign(self._assignment_order(), self.config.max_np)
+        survivors = {w.key: w.rank for w in (self.workers[wid] for wid in self.members.values())
+                     if w.state in (WorkerState.RUNNING, WorkerState.WAITING)}
+        target = assign(self._assignment_order(), self.config.max_np, survivors)
         target_keys = {s.key for s in target}
         if running:
             return acts + self._during_round(target, target_keys, now)
@@ -359,9 +363,11 @@ class Registry:
         acts = self._release_unneeded(target_keys | current)
         if target_keys == current:
             return acts
+        self._wait_started = None  # enough slots now: a later shortage starts a fresh wait
         acts += self._launch_missing(target, now)
         by_key = self._by_key()
-        ready = all(by_key[k].state in (WorkerState.WAITING, WorkerState.RUNNING) for k in target_keys)
+        ready = all(k in by_key and by_key[k].state in (WorkerState.WAITING, WorkerState.RUNNING)
+                    for k in target_keys)
         frozen = frozenset(target_keys)
         if ready and self._notified_target != frozen:
             self._notified_target = frozen
@@ -373,17 +379,25 @@ class Registry:
         return acts
 
     def _between_rounds(self, target: list[SlotInfo], target_keys: set, now: float) -> list[Action]:
+        acts = self._release_unneeded(target_keys)  # first: who is left decides what comes next
         live = [w for w in self.workers.values() if w.state not in _GONE]
         failed = [w for w in self.workers.values() if w.state is WorkerState.FAILED]
         if not live and failed:
             detail = "; ".join(f"{w.label} {w.why}" for w in failed[-8:])
-            return self._finish(False, f"all workers failed ({detail})")
+            members = [self.workers[wid] for wid in self.members.values()]
+            dismissed = [w for w in members if w.state is WorkerState.LEFT]
+            if not dismissed:
+                return acts + self._finish(False, f"all workers failed ({detail})")
+            # Survivors on a blacklisted host leave with it, and with them the job's state.
+            return acts + self._finish(False, "no worker is left to continue from: " + detail + "; "
+                                + ", ".join(w.label for w in dismissed) + " left with blacklisted host(s) "
+                                + ", ".join(sorted({w.host for w in dismissed})))
         if self.hosts.all_blacklisted() and self.hosts.is_permanent():
-            return self._finish(False, "every host is blacklisted after failures: "
+            return acts + self._finish(False, "every host is blacklisted after failures: "
                                        + ", ".join(self.hosts.blacklisted()))
         limit = self.config.reset_limit
         if self.round >= 0 and limit is not None and self.reset_count >= limit:
-            return self._finish(False, f"reset limit {limit} exceeded: the job needed another reset "
+            return acts + self._finish(False, f"reset limit {limit} exceeded: the job needed another reset "
                                        f"after {self.reset_count} (raise --reset-limit to allow more)")
         need = self.config.np if self.round < 0 else self.config.min_np
         if len(target) < need:
@@ -392,13 +406,13 @@ class Registry:
             if now - self._wait_started >= self._wait_limit():
                 flag = "--start-timeout" if self.round < 0 else "--elastic-timeout"
                 hosts = ", ".join(f"{h}:{s}" for h, s in self.hosts.available()) or "none"
-                return self._finish(False, f"timed out after {self._wait_limit():g} s ({flag}) waiting for "
+                return acts + self._finish(False, f"timed out after {self._wait_limit():g} s ({flag}) waiting for "
                                            f"{need} slots; usable hosts: {hosts}")
-            return self._release_unneeded(target_keys)
-        acts = self._release_unneeded(target_keys)
+            return acts
+        self._wait_started = None  # enough slots now: a later shortage starts a fresh wait
         acts += self._launch_missing(target, now)
         by_key = self._by_key()
-        if all(by_key[k].state is WorkerState.WAITING for k in target_keys):
+        if all(k in by_key and by_key[k].state is WorkerState.WAITING for k in target_keys):
             acts += self._form_round(target, by_key)
         return acts
 

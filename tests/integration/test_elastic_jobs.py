@@ -83,9 +83,11 @@ def test_fixed_single_host_recovers_from_failure(job):
     """-H with one host and --min-np: fault tolerance without scaling, on a single host."""
     r = job.run(["-np", "2", "--min-np", "1", "-H", "localhost:2"],
                 job.train_cmd("--fail=localhost:1@1:exception", epochs=3))
-    # localhost[1] failing blacklists localhost, the only host: the job must fail clearly.
+    # localhost[1] failing blacklists localhost, the only host, and its healthy worker leaves
+    # with it: no state is left, so the job must fail, saying exactly that.
     assert r.returncode == 1, r.output
-    assert "every host is blacklisted" in r.stderr or "all workers failed" in r.stderr, r.stderr
+    assert "no worker is left to continue from: localhost[1] failed" in r.stderr, r.stderr
+    assert "localhost[0] left with blacklisted host(s) localhost" in r.stderr
 
 
 def test_all_ranks_fail(job):

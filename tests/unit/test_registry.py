@@ -1,0 +1,1118 @@
+"""Unit tests for elasticrun.driver.registry.Registry, the pure round/worker state machine.
+
+The registry is driven through its events (``discovered``, ``rendezvous``, ``exited``,
+``failing``, ``heartbeat``, ``tick``) with an explicit clock and deterministic worker ids
+``w0, w1, ...``; the tests assert the actions it asks the driver shell to carry out.
+
+Bugs these tests found are kept as regression tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from elasticrun.discovery.host_manager import HostManager, cooldown_delay
+from elasticrun.driver.assignment import assign
+from elasticrun.driver.registry import (
+    AbortRound,
+    Assign,
+    Dismiss,
+    Event,
+    Finish,
+    Kill,
+    Launch,
+    Notify,
+    Registry,
+    RegistryConfig,
+    WorkerState,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+LIVE_STATES = (WorkerState.LAUNCHING, WorkerState.WAITING, WorkerState.RUNNING)
+
+
+# --- harness ---------------------------------------------------------------------------------
+def of(acts, kind):
+    return [a for a in acts if isinstance(a, kind)]
+
+
+def control(acts):
+    """Everything but log events."""
+    return [a for a in acts if not isinstance(a, Event)]
+
+
+def events(acts, kind):
+    return [a for a in acts if isinstance(a, Event) and a.kind == kind]
+
+
+class Job:
+    """A registry with an injected clock and worker ids w0, w1, ... in launch order."""
+
+    def __init__(self, np=1, min_np=None, max_np=None, reset_limit=None, elastic_timeout=600.0,
+                 start_timeout=30.0, cooldown=None, seed=0, heartbeat_timeout=None):
+        self.now = 0.0
+        self._ids = itertools.count()
+        self.hosts = HostManager(cooldown_range=cooldown, rng=random.Random(seed))
+        self.config = RegistryConfig(np=np, min_np=np if min_np is None else min_np, max_np=max_np,
+                                     reset_limit=reset_limit, elastic_timeout=elastic_timeout,
+                                     start_timeout=start_timeout, heartbeat_timeout=heartbeat_timeout)
+        self.reg = Registry(self.config, self.hosts, lambda: f"w{next(self._ids)}")
+
+    def _at(self, at):
+        if at is not None:
+            assert at >= self.now, "the test clock must not go backwards"
+            self.now = float(at)
+
+    def discover(self, hosts, at=None):
+        self._at(at)
+        return self.reg.discovered(dict(hosts), self.now)
+
+    def rdv(self, wid, at=None):
+        self._at(at)
+        return self.reg.rendezvous(wid, self.now)
+
+    def exit(self, wid, code=1, at=None, detail=""):
+        self._at(at)
+        return self.reg.exited(wid, code, self.now, detail)
+
+    def failing(self, wid, error="RuntimeError", at=None):
+        self._at(at)
+        return self.reg.failing(wid, error, self.now)
+
+    def tick(self, at):
+        self._at(at)
+        return self.reg.tick(self.now)
+
+    # queries
+    def state(self, wid):
+        return self.reg.workers[wid].state
+
+    def rdv_all(self, wids, at=None):
+        acts = []
+        for wid in wids:
+            acts += self.rdv(wid, at)
+        return acts
+
+    def start(self, hosts, at=None):
+        """Discover ``hosts``, rendezvous every launched worker; return the Assigns of round 0."""
+        launches = of(self.discover(hosts, at), Launch)
+        assert launches
+        acts = self.rdv_all([l.worker_id for l in launches])
+        assigns = of(acts, Assign)
+        assert assigns and self.reg.round == 0
+        return assigns
+
+
+def ranks(assigns):
+    """{(host, slot): (worker_id, rank)} of a batch of Assign actions."""
+    return {a.info.key: (a.worker_id, a.info.rank) for a in assigns}
+
+
+# --- initial launch --------------------------------------------------------------------------
+class TestInitialLaunch:
+    def test_waits_for_np_slots_before_launching(self):
+        job = Job(np=4, min_np=2)
+        acts = job.discover({"a": 2}, at=0)
+        assert of(acts, Launch) == []
+        assert not of(acts, Finish)
+        acts = job.discover({"a": 2, "b": 2}, at=5)
+        launches = of(acts, Launch)
+        assert [(l.worker_id, l.info.host, l.info.slot, l.info.rank, l.info.size) for l in launches] == [
+            ("w0", "a", 0, 0, 4), ("w1", "a", 1, 1, 4), ("w2", "b", 0, 2, 4), ("w3", "b", 1, 3, 4)]
+        assert all(job.state(l.worker_id) is WorkerState.LAUNCHING for l in launches)
+
+    def test_launch_info_is_the_planned_assignment(self):
+        job = Job(np=3)
+        launches = of(job.discover({"x": 1, "y": 2}), Launch)
+        assert [l.info for l in launches] == assign([("x", 1), ("y", 2)], None)
+
+    def test_times_out_after_start_timeout_naming_the_flag(self):
+        job = Job(np=4, start_timeout=30.0, elastic_timeout=600.0)
+        job.discover({"a": 2}, at=10)
+        assert job.reg.next_deadline() == 40.0
+        assert not of(job.tick(39.9), Finish)
+        acts = job.tick(40.0)
+        assert acts == [job.reg.finished]
+        finish = acts[0]
+        assert finish.ok is False
+        assert "timed out after 30 s" in finish.reason
+        assert "--start-timeout" in finish.reason
+        assert "4 slots" in finish.reason and "a:2" in finish.reason
+
+    def test_timeout_with_no_hosts_at_all(self):
+        job = Job(np=1, start_timeout=5.0)
+        job.discover({}, at=0)
+        finish = of(job.tick(5), Finish)[0]
+        assert not finish.ok and "usable hosts: none" in finish.reason
+
+    def test_enough_hosts_before_the_timeout(self):
+        job = Job(np=2, start_timeout=30.0)
+        job.discover({"a": 1}, at=0)
+        acts = job.discover({"a": 1, "b": 1}, at=29)
+        assert len(of(acts, Launch)) == 2
+        # Enough slots: passing the original wait deadline does not fail the job.
+        assert control(job.tick(30)) == []
+        assert control(job.tick(58)) == []
+        assert len(of(job.rdv_all(["w0", "w1"], at=58.5), Assign)) == 2
+
+    def test_round_forms_only_when_every_target_slot_is_waiting(self):
+        job = Job(np=3)
+        launches = of(job.discover({"a": 2, "b": 1}), Launch)
+        ids = [l.worker_id for l in launches]
+        assert job.rdv(ids[2], at=1) == []
+        assert job.rdv(ids[0], at=2) == []
+        assert job.state(ids[0]) is WorkerState.WAITING
+        acts = job.rdv(ids[1], at=3)
+        assigns = of(acts, Assign)
+        assert [(a.worker_id, a.round, a.info.rank) for a in assigns] == [("w0", 0, 0), ("w1", 0, 1), ("w2", 0, 2)]
+        assert [a.info for a in assigns] == [l.info for l in launches]
+        assert events(acts, "round_formed")
+        assert job.reg.round == 0 and job.reg.reset_count == 0
+        assert all(job.state(i) is WorkerState.RUNNING for i in ids)
+        assert job.reg.members == {("a", 0): "w0", ("a", 1): "w1", ("b", 0): "w2"}
+
+    def test_repeated_rendezvous_while_waiting_is_harmless(self):
+        job = Job(np=2)
+        job.discover({"a": 2})
+        assert job.rdv("w0") == [] and job.rdv("w0") == []
+        assert len(of(job.rdv("w1"), Assign)) == 2
+
+    def test_max_np_caps_the_round(self):
+        job = Job(np=2, max_np=3)
+        launches = of(job.discover({"a": 2, "b": 2}), Launch)
+        assert [(l.info.host, l.info.slot) for l in launches] == [("a", 0), ("a", 1), ("b", 0)]
+        assigns = of(job.rdv_all([l.worker_id for l in launches]), Assign)
+        assert len(assigns) == 3 and {a.info.size for a in assigns} == {3}
+
+    def test_max_np_extra_host_during_round_launches_nothing(self):
+        job = Job(np=2, max_np=2)
+        job.start({"a": 2})
+        acts = job.discover({"a": 2, "b": 4}, at=1)
+        assert control(acts) == []
+        assert events(acts, "host_added")
+        assert control(job.tick(100)) == []
+
+    def test_start_timeout_of_initial_launch(self):
+        job = Job(np=2, start_timeout=30.0)
+        job.discover({"a": 1, "b": 1}, at=0)
+        job.rdv("w0", at=1)
+        acts = job.tick(30)
+        assert of(acts, Kill) == [Kill("w1", "start timeout")]
+        assert job.hosts.is_blacklisted("b") and not job.hosts.is_blacklisted("a")
+        assert job.state("w1") is WorkerState.FAILED
+        assert not of(acts, Finish)  # still waiting (for np=2) under --start-timeout
+
+
+# --- unknown / gone workers ------------------------------------------------------------------
+class TestStrangers:
+    def test_unknown_worker_rendezvous_is_dismissed(self):
+        job = Job(np=1)
+        job.start({"a": 1})
+        assert job.rdv("intruder") == [Dismiss("intruder", "this process is not part of the job")]
+        assert "intruder" not in job.reg.workers
+
+    def test_unknown_worker_exit_is_ignored(self):
+        job = Job(np=1)
+        job.start({"a": 1})
+        assert job.exit("nobody", 1) == []
+        assert not job.hosts.is_blacklisted("a")
+
+    def test_second_exit_report_is_ignored(self):
+        job = Job(np=1, min_np=1)
+        job.start({"a": 1})
+        job.discover({"a": 1, "b": 1}, at=1)  # w1 launching on b
+        first = job.exit("w1", 1, at=2)
+        assert events(first, "worker_failed")
+        assert job.exit("w1", 1, at=3) == []
+
+
+# --- host added during a round ---------------------------------------------------------------
+class TestHostAdded:
+    def test_launch_first_notify_after_newcomers_rendezvous_then_reform(self):
+        job = Job(np=2, min_np=1)
+        round0 = ranks(job.start({"a": 2}, at=0))
+        acts = job.discover({"a": 2, "b": 1}, at=10)
+        assert events(acts, "host_added")
+        launches = of(acts, Launch)
+        assert [(l.worker_id, l.info.host, l.info.slot, l.info.rank) for l in launches] == [("w2", "b", 0, 2)]
+        assert not of(acts, Notify)
+        assert not of(job.tick(20), Notify)  # newcomer has not checked in yet
+
+        acts = job.rdv("w2", at=21)
+        assert of(acts, Notify) == [Notify(added=True, removed=False)]
+        assert events(acts, "hosts_updated")
+        assert not of(acts, Assign)
+        assert job.state("w0") is WorkerState.RUNNING  # survivors keep training
+        assert not of(job.tick(22), Notify)  # notified once only
+        assert not of(job.discover({"a": 2, "b": 1}, at=23), Notify)
+
+        assert job.rdv("w1", at=24) == []  # w0 still running
+        acts = job.rdv("w0", at=25)
+        round1 = ranks(of(acts, Assign))
+        assert round1 == {("a", 0): ("w0", 0), ("a", 1): ("w1", 1), ("b", 0): ("w2", 2)}
+        for key, (wid, rank) in round0.items():
+            assert round1[key] == (wid, rank)  # survivors keep their ranks
+        assert {a.round for a in of(acts, Assign)} == {1}
+        assert job.reg.round == 1 and job.reg.reset_count == 1
+
+    def test_rank0_stays_on_the_oldest_host_even_if_listed_last(self):
+        job = Job(np=1, min_np=1)
+        job.start({"zeta": 1})
+        launches = of(job.discover({"alpha": 1, "beta": 1, "zeta": 1}, at=1), Launch)
+        assert [l.info.host for l in launches] == ["alpha", "beta"]
+        assert [l.info.rank for l in launches] == [1, 2]
+        job.rdv_all([l.worker_id for l in launches], at=2)
+        assigns = of(job.rdv("w0", at=3), Assign)
+        assert ranks(assigns)[("zeta", 0)] == ("w0", 0)
+
+    def test_newcomer_that_never_checks_in_is_killed_and_blacklisted(self):
+        job = Job(np=1, min_np=1, start_timeout=30.0)
+        job.start({"a": 1}, at=0)
+        job.discover({"a": 1, "b": 1}, at=5)
+        assert job.reg.next_deadline() == 35.0
+        assert control(job.tick(34.9)) == []
+        acts = job.tick(35.0)
+        assert of(acts, Kill) == [Kill("w1", "start timeout")]
+        failed = events(acts, "worker_failed")
+        assert failed and "--start-timeout 30" in failed[0].message
+        assert events(acts, "host_blacklisted")
+        assert not of(acts, AbortRound)  # it was not a member of the running round
+        assert not of(acts, Notify)
+        assert job.hosts.is_blacklisted("b")
+        assert job.state("w1") is WorkerState.FAILED and job.state("w0") is WorkerState.RUNNING
+        # The killed process's exit is expected, not news.
+        assert job.exit("w1", -9, at=36) == []
+
+    def test_newcomer_crash_before_rendezvous_blacklists_without_abort(self):
+        job = Job(np=1, min_np=1)
+        job.start({"a": 1})
+        job.discover({"a": 1, "b": 1}, at=1)
+        acts = job.exit("w1", 2, at=2)
+        assert job.hosts.is_blacklisted("b")
+        assert not of(acts, AbortRound) and not of(acts, Notify)
+        assert job.state("w0") is WorkerState.RUNNING
+
+    def test_newcomer_removed_again_before_checking_in_is_killed(self):
+        job = Job(np=1, min_np=1)
+        job.start({"a": 1})
+        job.discover({"a": 1, "b": 1}, at=1)
+        acts = job.discover({"a": 1}, at=2)
+        assert of(acts, Kill) == [Kill("w1", "b[0] is no longer needed")]
+        assert job.state("w1") is WorkerState.LEFT
+        assert not of(acts, Notify)
+        # Its exit after the kill is ignored: no blacklisting.
+        assert control(job.exit("w1", -15, at=3)) == []
+        assert not job.hosts.is_blacklisted("b")
+
+    def test_resize_up_launches_new_slots(self):
+        job = Job(np=1, min_np=1)
+        job.start({"a": 1})
+        acts = job.discover({"a": 3}, at=1)
+        assert events(acts, "host_resized")
+        assert [(l.info.host, l.info.slot) for l in of(acts, Launch)] == [("a", 1), ("a", 2)]
+
+
+# --- host removed during a round -------------------------------------------------------------
+class TestHostRemoved:
+    def test_notify_immediately_and_dismiss_at_next_formation(self):
+        job = Job(np=3, min_np=1)
+        job.start({"a": 1, "b": 1, "c": 1})
+        acts = job.discover({"a": 1, "c": 1}, at=1)
+        assert events(acts, "host_removed")
+        assert of(acts, Notify) == [Notify(added=False, removed=True)]
+        assert not of(acts, Dismiss) and not of(acts, Kill)
+
+        assert job.rdv("w1", at=2) == []  # the removed worker waits like the rest
+        assert job.rdv("w2", at=3) == []
+        acts = job.rdv("w0", at=4)
+        dismisses = of(acts, Dismiss)
+        assert [d.worker_id for d in dismisses] == ["w1"]
+        assert "no place" in dismisses[0].reason
+        assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0), ("c", 0): ("w2", 1)}
+        assert acts.index(dismisses[0]) < acts.index(of(acts, Assign)[0])
+        assert job.state("w1") is WorkerState.LEFT
+
+        # The dismissed worker exits; that is not a failure and blacklists nothing.
+        assert job.exit("w1", 0, at=5) == []
+        assert job.exit("w1", 1, at=5) == []
+        assert not job.hosts.is_blacklisted("b")
+        assert job.state("w0") is WorkerState.RUNNING
+
+    def test_dismissed_worker_asking_again_is_dismissed(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        job.discover({"a": 1}, at=1)
+        job.rdv_all(["w1", "w0"], at=2)
+        acts = job.rdv("w1", at=3)
+        assert acts == [Dismiss("w1", "this process has no place in the job any more")]
+
+    def test_failed_exit_of_left_worker_is_ignored(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        job.discover({"a": 1}, at=1)
+        job.rdv_all(["w1", "w0"], at=2)
+        assert job.state("w1") is WorkerState.LEFT
+        acts = job.exit("w1", 1, at=3)
+        assert acts == []
+        assert not job.hosts.is_blacklisted("b")
+        assert job.reg.round == 1 and not job.reg.aborted
+
+    def test_removal_and_addition_together(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        acts = job.discover({"a": 1, "c": 1}, at=1)
+        assert [l.info.key for l in of(acts, Launch)] == [("c", 0)]
+        assert not of(acts, Notify)  # newcomer first
+        acts = job.rdv("w2", at=2)
+        assert of(acts, Notify) == [Notify(added=True, removed=True)]
+        job.rdv("w1", at=3)
+        acts = job.rdv("w0", at=4)
+        assert [d.worker_id for d in of(acts, Dismiss)] == ["w1"]
+        assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0), ("c", 0): ("w2", 1)}
+
+    def test_resize_down(self):
+        job = Job(np=3, min_np=1)
+        job.start({"a": 3})
+        acts = job.discover({"a": 1}, at=1)
+        assert of(acts, Notify) == [Notify(added=False, removed=True)]
+        job.rdv_all(["w2", "w1"], at=2)
+        acts = job.rdv("w0", at=3)
+        assert sorted(d.worker_id for d in of(acts, Dismiss)) == ["w1", "w2"]
+        assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0)}
+
+    def test_removed_host_rank0_moves_to_next_oldest(self):
+        job = Job(np=3, min_np=1)
+        job.start({"a": 1, "b": 1, "c": 1})
+        job.discover({"b": 1, "c": 1}, at=1)
+        job.rdv_all(["w0", "w2"], at=2)
+        acts = job.rdv("w1", at=3)
+        assert ranks(of(acts, Assign)) == {("b", 0): ("w1", 0), ("c", 0): ("w2", 1)}
+
+
+# --- failures --------------------------------------------------------------------------------
+class TestFailures:
+    def test_failure_blacklists_host_and_aborts_once(self):
+        job = Job(np=3, min_np=1)
+        job.start({"a": 1, "b": 1, "c": 1})
+        acts = job.exit("w1", 1, at=1, detail="CUDA error")
+        assert of(acts, AbortRound) == [AbortRound(0, "b[0] exited with code 1: CUDA error")]
+        assert events(acts, "worker_failed") and events(acts, "host_blacklisted")
+        assert "permanently" in events(acts, "host_blacklisted")[0].message
+        assert job.hosts.is_blacklisted("b")
+        assert job.state("w1") is WorkerState.FAILED
+        assert job.reg.aborted
+
+        acts = job.exit("w2", 137, at=2)
+        assert not of(acts, AbortRound)  # not twice in the same round
+        assert job.hosts.is_blacklisted("c")
+
+        acts = job.rdv("w0", at=3)
+        assigns = of(acts, Assign)
+        assert ranks(assigns) == {("a", 0): ("w0", 0)}
+        assert {a.round for a in assigns} == {1} and assigns[0].info.size == 1
+        assert job.reg.reset_count == 1 and not job.reg.aborted
+
+    def test_next_round_forms_only_when_all_survivors_rendezvous(self):
+        job = Job(np=4, min_np=1)
+        job.start({"a": 2, "b": 2})
+        acts = job.exit("w2", 1, at=1)
+        assert len(of(acts, AbortRound)) == 1
+        assert control(job.rdv("w1", at=2)) == []
+        # w3 is on the blacklisted host; it still has to report before the round is decided.
+        assert control(job.rdv("w0", at=3)) == []
+        acts = job.rdv("w3", at=4)
+        assert [d.worker_id for d in of(acts, Dismiss)] == ["w3"]
+        assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0), ("a", 1): ("w1", 1)}
+
+    def test_survivor_on_blacklisted_host_that_exits_does_not_block(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 2})
+        job.exit("w1", 1, at=1)
+        job.rdv("w0", at=2)
+        acts = job.exit("w2", 1, at=3)  # torn down with its host
+        assert not of(acts, AbortRound)
+        assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0)}
+
+    def test_abort_is_per_round(self):
+        job = Job(np=3, min_np=1)
+        job.start({"a": 1, "b": 1, "c": 1})
+        assert len(of(job.exit("w2", 1, at=1), AbortRound)) == 1
+        job.rdv_all(["w0", "w1"], at=2)
+        assert job.reg.round == 1
+        acts = job.exit("w1", 1, at=3)
+        assert of(acts, AbortRound) == [AbortRound(1, "b[0] exited with code 1")]
+
+    def test_member_failure_after_notify_still_aborts(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        job.discover({"a": 1, "b": 1, "c": 1}, at=1)
+        job.rdv("w2", at=2)  # Notify
+        acts = job.exit("w1", 1, at=3)
+        assert len(of(acts, AbortRound)) == 1
+        job.rdv("w0", at=4)
+        assert job.reg.round == 1
+        assert set(job.reg.members) == {("a", 0), ("c", 0)}
+
+    def test_all_workers_failed(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        job.exit("w0", 1, at=1)
+        acts = job.exit("w1", 3, at=2)
+        finish = of(acts, Finish)
+        assert len(finish) == 1 and finish[0].ok is False
+        assert finish[0].reason.startswith("all workers failed")
+        assert "a[0] exited with code 1" in finish[0].reason and "b[0] exited with code 3" in finish[0].reason
+        assert acts[-1] is finish[0]
+        assert job.reg.finished == finish[0]
+
+    def test_every_host_blacklisted_permanent(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 2})
+        job.exit("w0", 1, at=1)
+        acts = job.rdv("w1", at=2)
+        finish = of(acts, Finish)
+        assert len(finish) == 1 and not finish[0].ok
+        assert "blacklisted" in finish[0].reason and "a" in finish[0].reason
+        assert not of(acts, Assign) and not of(acts, Launch)
+
+    def test_failure_after_success_does_not_fail_the_job(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        job.exit("w0", 0, at=1)
+        acts = job.exit("w1", 1, at=2)
+        finish = of(acts, Finish)
+        assert len(finish) == 1 and finish[0].ok
+        assert "1 worker(s) of the last round failed" in finish[0].reason
+
+
+# --- cooldown --------------------------------------------------------------------------------
+class TestCooldown:
+    def test_blacklisted_host_returns_after_cooldown_and_is_launched_on(self):
+        low, high, seed = 10.0, 100.0, 5
+        job = Job(np=2, min_np=1, cooldown=(low, high), seed=seed, elastic_timeout=600.0)
+        job.start({"a": 1, "b": 1}, at=0)
+        acts = job.exit("w1", 1, at=1)
+        expected_until = 1 + cooldown_delay(1, low, high, random.Random(seed).random())
+        assert "for " in events(acts, "host_blacklisted")[0].message
+        assert job.hosts.next_expiry() == pytest.approx(expected_until)
+        job.rdv("w0", at=2)
+        assert job.reg.round == 1 and set(job.reg.members) == {("a", 0)}
+
+        assert job.reg.next_deadline() == pytest.approx(expected_until)
+        assert control(job.tick(expected_until - 0.01)) == []
+        acts = job.tick(expected_until)
+        assert events(acts, "host_whitelisted")
+        launches = of(acts, Launch)
+        assert [(l.worker_id, l.info.key, l.info.rank) for l in launches] == [("w2", ("b", 0), 1)]
+        acts = job.rdv("w2", at=expected_until + 1)
+        assert of(acts, Notify) == [Notify(added=True, removed=False)]
+        acts = job.rdv("w0", at=expected_until + 2)
+        assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0), ("b", 0): ("w2", 1)}
+
+    def test_cooldown_doubles_on_second_failure(self):
+        job = Job(np=2, min_np=1, cooldown=(10.0, 1000.0), seed=3, elastic_timeout=1e6)
+        twin = random.Random(3)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.exit("w1", 1, at=1)
+        first = cooldown_delay(1, 10.0, 1000.0, twin.random())
+        assert job.hosts.next_expiry() == pytest.approx(1 + first)
+        job.rdv("w0", at=2)
+        launches = of(job.tick(1 + first), Launch)
+        assert [l.info.key for l in launches] == [("b", 0)]
+        job.rdv(launches[0].worker_id, at=1 + first)
+        job.rdv("w0", at=1 + first)
+        assert job.reg.members == {("a", 0): "w0", ("b", 0): launches[0].worker_id}
+        job.exit(launches[0].worker_id, 1, at=100)
+        second = cooldown_delay(2, 10.0, 1000.0, twin.random())
+        assert second >= 20.0
+        assert job.hosts.next_expiry() == pytest.approx(100 + second)
+        assert job.reg.next_deadline() == pytest.approx(100 + second)
+
+
+def test_survivors_leave_with_their_blacklisted_host_and_the_failure_says_so():
+    """Horovod semantics: a blacklisted host's workers leave. When that takes the last
+    survivor, no state is left to continue from, and the reason must not claim that the
+    healthy worker failed."""
+    job = Job(np=2, min_np=1, cooldown=(10.0, 10.0), elastic_timeout=600.0)
+    job.start({"a": 2}, at=0)
+    job.exit("w0", 1, at=1)   # a blacklisted until t=11; w1 on a[1] is healthy
+    acts = job.rdv("w1", at=2)
+    assert [d.worker_id for d in of(acts, Dismiss)] == ["w1"]
+    finish = of(acts, Finish)
+    assert len(finish) == 1 and not finish[0].ok
+    assert finish[0].reason.startswith("no worker is left to continue from")
+    assert "a[1] left with blacklisted host(s) a" in finish[0].reason
+
+
+def test_no_relaunch_on_a_slot_whose_failed_process_is_alive():
+    job = Job(np=2, min_np=1, cooldown=(5.0, 5.0))
+    job.start({"a": 1, "b": 1}, at=0)
+    job.failing("w1", "RuntimeError: CUDA error", at=1)  # b blacklisted until 6; w1 still running
+    job.rdv("w0", at=2)                                  # round 1 on a only
+    acts = job.tick(6)
+    # actual: Launch(w2) on b[0] while w1 (FAILED, not exited) still occupies it
+    assert not [l for l in of(acts, Launch) if l.info.key == ("b", 0)]
+    acts = job.exit("w1", 1, at=7)
+    assert [l.info.key for l in of(acts, Launch)] == [("b", 0)]
+
+
+# --- failure reports and heartbeats ----------------------------------------------------------
+class TestFailingReport:
+    def test_member_failing_aborts_and_its_exit_is_only_recorded(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        acts = job.failing("w1", "RuntimeError: NCCL timeout", at=1)
+        assert of(acts, AbortRound) == [AbortRound(0, "b[0] failed: RuntimeError: NCCL timeout")]
+        assert job.hosts.is_blacklisted("b")
+        assert job.state("w1") is WorkerState.FAILED and not job.reg.workers["w1"].exited
+        assert job.failing("w1", "again", at=2) == []
+        acts = job.exit("w1", 1, at=3)
+        assert not events(acts, "worker_failed") and not of(acts, AbortRound)
+        assert job.reg.workers["w1"].exited and job.reg.workers["w1"].exit_code == 1
+        acts = job.rdv("w0", at=4)
+        assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0)}
+
+    def test_failing_then_all_failed_names_the_error(self):
+        job = Job(np=1)
+        job.start({"a": 1})
+        acts = job.failing("w0", "ValueError: bad batch", at=1)
+        finish = of(acts, Finish)
+        assert finish and not finish[0].ok and "ValueError: bad batch" in finish[0].reason
+
+    def test_failing_of_unknown_or_gone_worker_is_ignored(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        assert job.failing("ghost", "x") == []
+        job.discover({"a": 1}, at=1)
+        job.rdv_all(["w1", "w0"], at=2)  # w1 dismissed
+        assert job.failing("w1", "x", at=3) == []
+        assert not job.hosts.is_blacklisted("b")
+
+    def test_launching_worker_failing_does_not_abort(self):
+        job = Job(np=1, min_np=1)
+        job.start({"a": 1})
+        job.discover({"a": 1, "b": 1}, at=1)
+        acts = job.failing("w1", "ImportError: torch", at=2)
+        assert not of(acts, AbortRound)
+        assert job.hosts.is_blacklisted("b")
+
+
+class TestHeartbeat:
+    def test_silent_member_is_killed_and_round_aborted(self):
+        job = Job(np=2, min_np=1, heartbeat_timeout=10.0)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.reg.heartbeat("w0", 5.0)
+        assert job.reg.next_deadline() == 10.0
+        acts = job.tick(10.0)
+        assert of(acts, Kill) == [Kill("w1", "heartbeat timeout")]
+        assert "--heartbeat-timeout 10" in events(acts, "worker_failed")[0].message
+        assert len(of(acts, AbortRound)) == 1
+        assert job.hosts.is_blacklisted("b") and job.state("w1") is WorkerState.FAILED
+        assert job.state("w0") is WorkerState.RUNNING
+        assert job.reg.next_deadline() == 15.0
+        acts = job.rdv("w0", at=11)  # a rendezvous is also a sign of life
+        assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0)}
+        assert job.reg.next_deadline() == 21.0
+
+    def test_heartbeats_keep_a_worker_alive(self):
+        job = Job(np=1, heartbeat_timeout=10.0)
+        job.start({"a": 1}, at=0)
+        for t in range(5, 100, 5):
+            job.reg.heartbeat("w0", float(t))
+            assert control(job.tick(t + 9.9)) == []
+
+    def test_no_timeout_configured(self):
+        job = Job(np=1)
+        job.start({"a": 1}, at=0)
+        assert control(job.tick(1e6)) == []
+        assert job.reg.next_deadline() is None
+
+    def test_heartbeat_from_unknown_worker_is_harmless(self):
+        job = Job(np=1, heartbeat_timeout=10.0)
+        job.start({"a": 1}, at=0)
+        assert job.reg.heartbeat("ghost", 1.0) is None
+        assert "ghost" not in job.reg.workers
+
+
+# --- limits and timeouts ---------------------------------------------------------------------
+class TestResetLimit:
+    @pytest.mark.parametrize("limit", [0, 1, 2, 3])
+    def test_n_resets_allowed_then_fail(self, limit):
+        hosts = {f"h{i}": 1 for i in range(limit + 2)}
+        job = Job(np=len(hosts), min_np=1, reset_limit=limit)
+        job.start(hosts)
+        t = 0
+        for n in range(limit):
+            victim = job.reg.members[(f"h{n + 1}", 0)]
+            t += 1
+            job.exit(victim, 1, at=t)
+            acts = job.rdv_all([wid for wid in job.reg.members.values()
+                                if job.state(wid) is WorkerState.RUNNING], at=t)
+            assert not of(acts, Finish), f"reset {n + 1} of {limit} must be allowed"
+            assert job.reg.round == n + 1 and job.reg.reset_count == n + 1
+        victim = job.reg.members[(f"h{limit + 1}", 0)]
+        job.exit(victim, 1, at=t + 1)
+        acts = job.rdv(job.reg.members[("h0", 0)], at=t + 2)
+        finish = of(acts, Finish)
+        assert len(finish) == 1 and not finish[0].ok
+        assert f"reset limit {limit}" in finish[0].reason and "--reset-limit" in finish[0].reason
+        assert not of(acts, Assign)
+
+    def test_graceful_host_change_counts_as_reset(self):
+        job = Job(np=1, min_np=1, reset_limit=0)
+        job.start({"a": 1})
+        job.discover({"a": 1, "b": 1}, at=1)
+        job.rdv("w1", at=2)
+        acts = job.rdv("w0", at=3)
+        finish = of(acts, Finish)
+        assert finish and not finish[0].ok and "reset limit 0" in finish[0].reason
+
+    def test_no_limit(self):
+        hosts = {f"h{i}": 1 for i in range(6)}
+        job = Job(np=6, min_np=1, reset_limit=None)
+        job.start(hosts)
+        for n in range(1, 6):
+            job.exit(job.reg.members[(f"h{n}", 0)], 1, at=n)
+            acts = job.rdv_all([wid for wid in job.reg.members.values()
+                                if job.state(wid) is WorkerState.RUNNING], at=n)
+            assert not of(acts, Finish)
+            assert job.reg.round == n
+        assert job.reg.reset_count == 5
+
+
+class TestElasticTimeout:
+    def test_times_out_below_min_np(self):
+        job = Job(np=2, min_np=2, elastic_timeout=60.0, start_timeout=30.0)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.exit("w1", 1, at=10)
+        acts = job.rdv("w0", at=11)
+        assert control(acts) == []
+        assert job.reg.next_deadline() == 71.0
+        assert control(job.tick(70.9)) == []
+        acts = job.tick(71.0)
+        finish = of(acts, Finish)
+        assert len(finish) == 1 and not finish[0].ok
+        assert finish[0].reason.startswith("timed out after 60 s (--elastic-timeout)")
+        assert "2 slots" in finish[0].reason and "usable hosts: a:1" in finish[0].reason
+
+    def test_recovers_when_a_host_arrives_in_time(self):
+        job = Job(np=2, min_np=2, elastic_timeout=60.0)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.exit("w1", 1, at=10)
+        job.rdv("w0", at=11)
+        launches = of(job.discover({"a": 1, "b": 1, "c": 1}, at=50), Launch)
+        assert [l.info.key for l in launches] == [("c", 0)]
+        acts = job.rdv("w2", at=55)
+        assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0), ("c", 0): ("w2", 1)}
+        assert job.reg.next_deadline() is None
+        assert control(job.tick(1000)) == []
+
+    def test_min_np_satisfied_reforms_smaller(self):
+        job = Job(np=3, min_np=2, elastic_timeout=60.0)
+        job.start({"a": 1, "b": 1, "c": 1}, at=0)
+        job.exit("w2", 1, at=1)
+        job.rdv("w0", at=2)
+        acts = job.rdv("w1", at=3)
+        assert len(of(acts, Assign)) == 2
+
+
+# --- success ---------------------------------------------------------------------------------
+class TestSuccess:
+    def test_waiting_dismissed_launching_killed_finish_when_none_running(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 2}, at=0)
+        job.discover({"a": 2, "b": 1}, at=1)  # w2 launching
+        job.rdv("w2", at=2)                   # w2 waiting, Notify sent
+        job.discover({"a": 2, "b": 1, "c": 1}, at=3)  # w3 launching
+        assert job.state("w3") is WorkerState.LAUNCHING
+
+        acts = job.exit("w0", 0, at=4)
+        assert events(acts, "worker_succeeded")
+        assert Dismiss("w2", "the job has finished") in acts
+        assert Kill("w3", "the job has finished") in acts
+        assert not of(acts, Finish)  # w1 still running
+        assert job.state("w2") is WorkerState.LEFT and job.state("w3") is WorkerState.LEFT
+
+        acts = job.exit("w1", 0, at=5)
+        finish = of(acts, Finish)
+        assert finish == [Finish(True, "training finished after 1 round(s), 0 reset(s)")]
+        assert acts[-1] == finish[0]
+
+    def test_member_rendezvous_after_success_is_dismissed(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 2})
+        job.exit("w0", 0, at=1)
+        acts = job.rdv("w1", at=2)
+        # w1 was still RUNNING: it is now waiting, and is dismissed because the job finished.
+        assert Dismiss("w1", "the job has finished") in acts
+        assert of(acts, Finish) and of(acts, Finish)[0].ok
+
+    def test_after_finish_only_replies(self):
+        job = Job(np=1)
+        job.start({"a": 1})
+        acts = job.exit("w0", 0, at=1)
+        assert of(acts, Finish) == [job.reg.finished]
+        assert job.rdv("w0", at=2) == [Dismiss("w0", "the job has finished")]
+        assert job.rdv("ghost", at=2) == [Dismiss("ghost", "this process is not part of the job")]
+        assert control(job.discover({"a": 1, "b": 4}, at=3)) == []
+        assert control(job.tick(1e9)) == []
+        assert job.reg.next_deadline() is None
+
+    def test_counts_rounds_and_resets(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        job.exit("w1", 1, at=1)
+        job.rdv("w0", at=2)
+        finish = of(job.exit("w0", 0, at=3), Finish)
+        assert finish == [Finish(True, "training finished after 2 round(s), 1 reset(s)")]
+
+
+# --- next_deadline ---------------------------------------------------------------------------
+def test_next_deadline_none_when_idle():
+    job = Job(np=1)
+    assert job.reg.next_deadline() is None
+    job.start({"a": 1})
+    assert job.reg.next_deadline() is None
+
+
+def test_next_deadline_is_earliest_of_launch_timeouts():
+    job = Job(np=1, min_np=1, start_timeout=30.0)
+    job.start({"a": 1}, at=0)
+    job.discover({"a": 1, "b": 1}, at=5)
+    job.discover({"a": 1, "b": 1, "c": 1}, at=7)
+    assert job.reg.next_deadline() == 35.0
+
+
+# --- rank 0 stays on a survivor ----------------------------------------------------------------
+def test_rank0_survives_a_discovery_flap_of_the_only_member_host():
+    job = Job(np=1, min_np=1)
+    job.start({"a": 1}, at=0)               # w0 on a, rank 0
+    job.discover({"a": 1, "c": 1}, at=1)    # w1 launching on c
+    job.discover({"c": 1}, at=2)            # a drops out of one discovery run ...
+    job.discover({"c": 1, "a": 1}, at=3)    # ... and is back; w0 never stopped
+    job.rdv("w1", at=4)
+    acts = job.rdv("w0", at=5)
+    assigned = ranks(of(acts, Assign))
+    # a is behind c in the host manager's join order, but its worker survived: it keeps rank 0.
+    assert [h for h, _ in job.hosts.available()] == ["c", "a"]
+    assert assigned == {("a", 0): ("w0", 0), ("c", 0): ("w1", 1)}
+    assert {a.new_members for a in of(acts, Assign)} == {True}
+
+
+def test_rank0_stays_with_the_lowest_ranked_survivor_host():
+    job = Job(np=2, min_np=1)
+    job.start({"a": 1, "b": 1}, at=0)        # w0 rank 0 on a, w1 rank 1 on b
+    job.discover({"a": 1, "b": 1, "c": 1}, at=1)
+    job.discover({"b": 1, "c": 1}, at=2)     # both a and b flap: order becomes c, a, b ...
+    job.discover({"b": 1, "c": 1, "a": 1}, at=3)
+    job.discover({"c": 1, "a": 1}, at=4)
+    job.discover({"c": 1, "a": 1, "b": 1}, at=5)
+    assert [h for h, _ in job.hosts.available()] == ["c", "a", "b"]
+    job.rdv("w2", at=6)
+    job.rdv_all(["w1", "w0"], at=7)
+    assert job.reg.round == 1
+    assert {k: job.reg.workers[w].rank for k, w in job.reg.members.items()} == {
+        ("a", 0): 0, ("b", 0): 1, ("c", 0): 2}
+
+
+def test_same_members_reform_without_new_members_flag():
+    job = Job(np=2, min_np=1)
+    job.start({"a": 1, "b": 1})
+    job.discover({"a": 1, "b": 1, "c": 1}, at=1)
+    job.discover({"a": 1, "b": 1}, at=2)      # c killed before it checked in
+    acts = job.rdv_all(["w0", "w1"], at=3)    # e.g. both hit an error and re-rendezvous
+    assigns = of(acts, Assign)
+    assert ranks(assigns) == {("a", 0): ("w0", 0), ("b", 0): ("w1", 1)}
+    assert {a.new_members for a in assigns} == {False}
+
+
+def test_rank0_survives_cooldown_return_of_the_only_member_host():
+    job = Job(np=2, min_np=1, cooldown=(5.0, 5.0))
+    job.start({"a": 2}, at=0)                 # w0 on a[0] rank 0, w1 on a[1] rank 1
+    job.discover({"a": 2, "c": 1}, at=1)      # w2 launching on c
+    job.exit("w0", 1, at=2)                   # a blacklisted until 7; round 0 aborted
+    job.rdv("w2", at=3)
+    job.tick(7)                               # a is back (after c in join order)
+    launches = of(job.rdv("w1", at=8), Launch)  # the survivor reports; a[0] is relaunched
+    assert [(l.worker_id, l.info.key) for l in launches] == [("w3", ("a", 0))]
+    acts = job.rdv("w3", at=9)
+    assigned = ranks(of(acts, Assign))
+    assert assigned[("a", 1)][0] == "w1"
+    rank0 = next(wid for wid, rank in assigned.values() if rank == 0)
+    assert rank0 == "w1"  # actual: w3, the process just launched on a[0]
+
+
+# --- randomized state machine ----------------------------------------------------------------
+class RegistryMachine(RuleBasedStateMachine):
+    """Random discovery changes, failures, rendezvous calls and clock advances.
+
+    Invariants are checked on every action list and on the registry state after every step.
+    """
+
+    FRESH_HOSTS_ONLY = False  # True: a host that left discovery never comes back
+    COOLDOWN = True           # allow blacklist cooldowns (hosts return after a failure)
+    COOLDOWN_ONLY = False     # always use a cooldown
+    # Two invariants (rank 0 stays on a survivor; no relaunch on a slot whose process has not
+    # exited) once broke with a cooldown only; CooldownMachine checks them with one always on.
+    STRICT_WITH_COOLDOWN = False
+
+    @initialize(data=st.data())
+    def setup(self, data):
+        np_ = data.draw(st.integers(1, 4), label="np")
+        min_np = data.draw(st.integers(1, np_), label="min_np")
+        max_np = data.draw(st.one_of(st.none(), st.integers(np_, 6)), label="max_np")
+        reset_limit = data.draw(st.one_of(st.none(), st.integers(0, 3)), label="reset_limit")
+        cooldowns = st.none()
+        if self.COOLDOWN:
+            cooldowns = st.just((5.0, 40.0)) if self.COOLDOWN_ONLY else st.one_of(st.none(), st.just((5.0, 40.0)))
+        cooldown = data.draw(cooldowns, label="cooldown")
+        self.job = Job(np=np_, min_np=min_np, max_np=max_np, reset_limit=reset_limit,
+                       elastic_timeout=data.draw(st.sampled_from([60.0, 20.0]), label="elastic_timeout"),
+                       start_timeout=data.draw(st.sampled_from([30.0, 10.0]), label="start_timeout"),
+                       cooldown=cooldown, seed=data.draw(st.integers(0, 100), label="seed"),
+                       heartbeat_timeout=data.draw(st.sampled_from([None, 40.0]), label="heartbeat_timeout"))
+        self.reg = self.job.reg
+        self.cfg = self.job.config
+        self.strict = cooldown is None or self.STRICT_WITH_COOLDOWN
+        self.finished = None
+        self.last_round = -1
+        self.prev_members: set[str] = set()
+        self.aborts: Counter = Counter()
+        self.launched: set[str] = set()
+        self.fresh = itertools.count()
+        self.current_hosts: dict[str, int] = {}
+        # Usually start with enough slots for np (a job whose hosts never come is tested above).
+        if data.draw(st.booleans(), label="initial discovery"):
+            names = [f"n{next(self.fresh)}" for _ in range(np_)] if self.FRESH_HOSTS_ONLY \
+                else ["h0", "h1", "h2", "h3"][:np_]
+            slots = data.draw(st.lists(st.integers(1, 2), min_size=len(names), max_size=len(names)),
+                              label="initial slots")
+            self.current_hosts = dict(zip(names, slots))
+            self.step(self.job.discover(self.current_hosts))
+
+    # -- rules ----------------------------------------------------------------------------
+    @rule(data=st.data(), dt=st.integers(0, 5))
+    def discover(self, data, dt):
+        if self.FRESH_HOSTS_ONLY:
+            hosts = {h: s for h, s in self.current_hosts.items() if not data.draw(st.booleans(), label=f"drop {h}")}
+            for _ in range(data.draw(st.integers(0, 2), label="new hosts")):
+                hosts[f"n{next(self.fresh)}"] = data.draw(st.integers(1, 3), label="slots")
+            for h in list(hosts):
+                if data.draw(st.integers(0, 4), label=f"resize {h}") == 0:
+                    hosts[h] = data.draw(st.integers(1, 3), label="new slots")
+        else:
+            pool = ["h0", "h1", "h2", "h3"]
+            hosts = dict(self.current_hosts)
+            op = data.draw(st.sampled_from(["add", "remove", "resize", "same", "random", "flap"]), label="op")
+            if op == "flap" and hosts:
+                # One discovery run misses a host; the next one lists it again.
+                gone = data.draw(st.sampled_from(sorted(hosts)), label="flap")
+                self.step(self.job.discover({h: n for h, n in hosts.items() if h != gone},
+                                            at=self.job.now + dt))
+            elif op == "add" and len(hosts) < len(pool):
+                hosts[data.draw(st.sampled_from([h for h in pool if h not in hosts]), label="add")] = \
+                    data.draw(st.integers(1, 3), label="slots")
+            elif op == "remove" and hosts:
+                del hosts[data.draw(st.sampled_from(sorted(hosts)), label="remove")]
+            elif op == "resize" and hosts:
+                hosts[data.draw(st.sampled_from(sorted(hosts)), label="resize")] = \
+                    data.draw(st.integers(1, 3), label="slots")
+            elif op == "random":
+                hosts = data.draw(st.dictionaries(st.sampled_from(pool), st.integers(1, 3), max_size=4),
+                                  label="hosts")
+        self.current_hosts = hosts
+        self.step(self.job.discover(hosts, at=self.job.now + dt))
+
+    def _alive(self):
+        return sorted(w.id for w in self.reg.workers.values() if not w.exited)
+
+    @precondition(lambda self: any(not w.exited for w in self.reg.workers.values()))
+    @rule(data=st.data(), dt=st.integers(0, 5))
+    def rendezvous(self, data, dt):
+        wid = data.draw(st.sampled_from(self._alive()), label="rendezvous")
+        self.step(self.job.rdv(wid, at=self.job.now + dt))
+
+    @precondition(lambda self: any(not w.exited and w.state is not WorkerState.LEFT
+                                   for w in self.reg.workers.values()))
+    @rule(data=st.data(), dt=st.integers(0, 3))
+    def rendezvous_group(self, data, dt):
+        """Several workers check in one after the other (e.g. all newcomers, or all after a Notify)."""
+        candidates = sorted(w.id for w in self.reg.workers.values()
+                            if not w.exited and w.state is not WorkerState.LEFT)
+        group = data.draw(st.one_of(st.just(candidates), st.permutations(candidates),
+                                    st.lists(st.sampled_from(candidates), unique=True, min_size=1)),
+                          label="group")
+        for wid in group:
+            self.step(self.job.rdv(wid, at=self.job.now + dt))
+
+    @precondition(lambda self: any(not w.exited for w in self.reg.workers.values()))
+    @rule(data=st.data(), dt=st.integers(0, 5))
+    def exit(self, data, dt):
+        wid = data.draw(st.sampled_from(self._alive()), label="exit")
+        state = self.reg.workers[wid].state
+        codes = [1, 137, 0] if state in (WorkerState.RUNNING, WorkerState.LEFT) else [1, 137]
+        code = data.draw(st.sampled_from(codes), label="code")
+        self.step(self.job.exit(wid, code, at=self.job.now + dt))
+
+    @precondition(lambda self: any(w.state in LIVE_STATES for w in self.reg.workers.values()))
+    @rule(data=st.data(), dt=st.integers(0, 5))
+    def failing(self, data, dt):
+        """A worker reports an error before it exits (its exit comes later, or never)."""
+        wid = data.draw(st.sampled_from(sorted(w.id for w in self.reg.workers.values()
+                                               if w.state in LIVE_STATES)), label="failing")
+        self.step(self.job.failing(wid, "RuntimeError: boom", at=self.job.now + dt))
+
+    @precondition(lambda self: any(w.state in LIVE_STATES for w in self.reg.workers.values()))
+    @rule(data=st.data(), dt=st.integers(0, 5))
+    def heartbeat(self, data, dt):
+        """Some live workers send a sign of life (heartbeats never produce actions)."""
+        alive = sorted(w.id for w in self.reg.workers.values() if w.state in LIVE_STATES)
+        self.job._at(self.job.now + dt)
+        for wid in data.draw(st.one_of(st.just(alive), st.lists(st.sampled_from(alive), unique=True)),
+                             label="heartbeat"):
+            assert self.reg.heartbeat(wid, self.job.now) is None
+        self.check_state()
+
+    @rule(dt=st.sampled_from([1, 3, 10, 30]))
+    def tick(self, dt):
+        self.step(self.job.tick(self.job.now + dt))
+
+    @rule(dt=st.integers(0, 5))
+    def stranger(self, dt):
+        acts = self.job.rdv("stranger", at=self.job.now + dt)
+        assert acts == [Dismiss("stranger", "this process is not part of the job")]
+
+    # -- checks on every action list ------------------------------------------------------
+    def step(self, acts):
+        for a in acts:
+            assert isinstance(a, (Launch, Assign, Dismiss, Kill, Notify, AbortRound, Event, Finish)), a
+        if self.finished is not None:
+            # Only log events and replies to rendezvous calls after the end.
+            assert all(isinstance(a, (Event, Dismiss)) for a in acts), acts
+            assert all(d.reason == "the job has finished" or "not part" in d.reason
+                       or "no place" in d.reason for d in of(acts, Dismiss))
+            return
+        finishes = of(acts, Finish)
+        assert len(finishes) <= 1
+        if finishes:
+            assert acts[-1] is finishes[0], "Finish must be the last action"
+            self.finished = finishes[0]
+            assert self.reg.finished == finishes[0]
+            if finishes[0].ok:
+                assert any(w.state is WorkerState.SUCCEEDED for w in self.reg.workers.values())
+
+        for launch in of(acts, Launch):
+            assert launch.worker_id not in self.launched
+            self.launched.add(launch.worker_id)
+
+        round_now = self.last_round
+        assigns: list[Assign] = []
+        for a in acts:
+            if isinstance(a, AbortRound):
+                assert a.round == round_now
+                self.aborts[a.round] += 1
+                assert self.aborts[a.round] == 1, f"AbortRound twice for round {a.round}"
+            elif isinstance(a, Assign):
+                if not assigns:
+                    round_now += 1
+                assert a.round == round_now
+                assigns.append(a)
+        if assigns:
+            self.check_formation(assigns)
+        self.check_state()
+
+    def check_formation(self, assigns):
+        size = len(assigns)
+        assert [a.info.rank for a in assigns] == list(range(size))
+        assert all(a.info.size == size for a in assigns)
+        assert len({a.worker_id for a in assigns}) == size
+        assert len({a.info.key for a in assigns}) == size
+        first = self.last_round < 0
+        assert size >= (self.cfg.np if first else self.cfg.min_np)
+        if self.cfg.max_np is not None:
+            assert size <= self.cfg.max_np
+        # Host by host, slot by slot, over every usable host (up to max_np); the host order is the
+        # registry's choice (survivors first), so take it from the assignment itself.
+        available = dict(self.job.hosts.available())
+        order = list(dict.fromkeys(a.info.host for a in assigns))
+        assert set(order) <= set(available)
+        assert [a.info for a in assigns] == assign([(h, available[h]) for h in order], self.cfg.max_np)
+        total = sum(available.values())
+        assert size == (total if self.cfg.max_np is None else min(total, self.cfg.max_np))
+        new_ids = {a.worker_id for a in assigns}
+        # new_members tells the workers whether state must be synced from rank 0.
+        assert {a.new_members for a in assigns} == {bool(new_ids - self.prev_members)}
+        if self.strict and new_ids & self.prev_members:
+            assert assigns[0].worker_id in self.prev_members, (
+                f"rank 0 went to {assigns[0].worker_id} ({assigns[0].info.host}) although "
+                f"{sorted(new_ids & self.prev_members)} survived from round {self.last_round}")
+        self.prev_members = new_ids
+        self.last_round = assigns[0].round
+        if self.cfg.reset_limit is not None:
+            assert self.reg.reset_count <= self.cfg.reset_limit
+
+    def check_state(self):
+        reg = self.reg
+        # At most one live, non-LEFT worker per (host, slot). With a cooldown a FAILED process that
+        # has not exited yet is left out: see test_no_relaunch_on_a_slot_whose_failed_process_is_alive.
+        ignore_failed = not self.strict
+        keys = [w.key for w in reg.workers.values()
+                if not w.exited and w.state is not WorkerState.LEFT
+                and not (ignore_failed and w.state is WorkerState.FAILED)]
+        dupes = [k for k, n in Counter(keys).items() if n > 1]
+        assert not dupes, dupes
+        # Success is only ever learnt from an exit.
+        for w in reg.workers.values():
+            if w.state is WorkerState.SUCCEEDED:
+                assert w.exited and w.exit_code == 0
+        # Members of the current round have ranks 0..size-1.
+        if reg.round >= 0:
+            members = [reg.workers[wid] for wid in reg.members.values()]
+            assert sorted(w.rank for w in members) == list(range(len(members)))
+            assert all(w.round == reg.round for w in members)
+            assert {w.key for w in members} == set(reg.members)
+        # Every RUNNING worker belongs to the current round.
+        for w in reg.workers.values():
+            if w.state is WorkerState.RUNNING:
+                assert reg.members.get(w.key) == w.id and w.round == reg.round
+        assert reg.round == self.last_round
+        if self.finished is not None:
+            assert not any(w.state is WorkerState.RUNNING for w in reg.workers.values())
+        if self.cfg.reset_limit is not None:
+            assert reg.reset_count <= self.cfg.reset_limit
+
+
+class FreshHostsMachine(RegistryMachine):
+    """A host that leaves discovery never comes back: new names only, many hosts over time."""
+
+    FRESH_HOSTS_ONLY = True
+
+
+class CooldownMachine(RegistryMachine):
+    """Always a blacklist cooldown, with every invariant checked."""
+
+    COOLDOWN_ONLY = True
+    STRICT_WITH_COOLDOWN = True
+
+
+_machine_settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+TestRegistryMachine = RegistryMachine.TestCase
+TestRegistryMachine.settings = _machine_settings
+
+TestFreshHostsMachine = FreshHostsMachine.TestCase
+TestFreshHostsMachine.settings = _machine_settings
+
+TestCooldownMachine = CooldownMachine.TestCase
+TestCooldownMachine.settings = settings(
+    _machine_settings, max_examples=300, derandomize=True, database=None, phases=[Phase.generate],
+    report_multiple_bugs=False, print_blob=False)
