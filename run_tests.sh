@@ -15,4 +15,11 @@ if ! "$PYTHON" -c 'import elasticrun, zmq, cloudpickle, paramiko, pytest, pytest
   "$PYTHON" -m pip install --quiet -e '.[test]'
 fi
 
+# The SSH tests start a real sshd (tests/integration/sshd.py): install it if missing and we can.
+if ! [ -x /usr/sbin/sshd ] && ! command -v sshd >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      openssh-server; } >/dev/null 2>&1 \
+    || echo "run_tests.sh: could not install openssh-server; the SSH tests will be skipped" >&2
+fi
+
 exec "$PYTHON" -m pytest -q -p no:cacheprovider "$@"

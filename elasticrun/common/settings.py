@@ -28,7 +28,19 @@ class JobSettings:
     output_filename: str | None = None
     log_level: str = "INFO"
     worker_log_level: str = "WARNING"
-    extra_env: dict[str, str] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)  # -x NAME[=VALUE], for every worker
+    # Launching on other machines (elasticrun/driver/ssh.py).
+    launcher: str = "auto"  # auto | local | ssh
+    ssh_port: int = 22
+    ssh_user: str | None = None  # default: the current user (or user@host)
+    ssh_identity_file: str | None = None
+    ssh_known_hosts: str | None = None  # default: ~/.ssh/known_hosts
+    ssh_accept_unknown_hosts: bool = False
+    remote_cwd: str | None = None  # default: the driver's working directory
+    remote_python: str = "python3"  # runs the remote bootstrap/watchdog
+    forward_env: bool = True  # remote workers get the driver's environment (as horovodrun does)
+    driver_address: str | None = None  # --driver-address, or the address of --network-interface
+    network_interface: str | None = None
 
     @property
     def elastic_wait_limit(self) -> float:

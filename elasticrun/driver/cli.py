@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
+import socket
 import sys
 
 from elasticrun import __version__
@@ -108,8 +110,95 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    help="driver and worker log level (default INFO for the driver's job messages)")
     p.add_argument("--verbose", action="store_true", help="same as --log-level DEBUG")
+    _add_remote_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training command, e.g. python train.py")
     return p
+
+
+def _add_remote_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("other machines (SSH)", "Hosts that are not this machine run their workers over "
+                             "SSH; the remote side needs the same Python environment and a `python3`.")
+    g.add_argument("--launcher", choices=["auto", "local", "ssh"], default="auto",
+                   help="auto (default): SSH for hosts that are not this machine and for user@host names, "
+                        "child processes otherwise; local: never SSH; ssh: always SSH, even to this machine")
+    g.add_argument("-p", "--ssh-port", type=_positive_int, default=22, metavar="PORT", help="SSH port (default 22)")
+    g.add_argument("-i", "--ssh-identity-file", metavar="FILE",
+                   help="private key to log in with (tried first; then the SSH agent and ~/.ssh keys)")
+    g.add_argument("--ssh-user", metavar="USER", help="remote user for hosts without user@ (default: yours)")
+    g.add_argument("--ssh-known-hosts", metavar="FILE",
+                   help="known_hosts file with the hosts' keys (default ~/.ssh/known_hosts); "
+                        "a host whose key is missing or different is refused")
+    g.add_argument("--ssh-accept-unknown-hosts", action="store_true",
+                   help="connect to hosts whose key is not in known_hosts without checking it (a changed key "
+                        "is still refused). RISK: whoever answers for a host name (DNS spoofing, a "
+                        "man in the middle) receives the job's secret and the workers' environment (with "
+                        "any credentials in it) and can send the driver forged worker messages; use it "
+                        "only on a network you trust")
+    g.add_argument("--remote-cwd", metavar="DIR",
+                   help="working directory of remote workers (default: the directory elasticrun runs in)")
+    g.add_argument("--remote-python", default="python3", metavar="PATH",
+                   help="Python 3 on the remote hosts that runs elasticrun's small launcher and watchdog "
+                        "(default python3, looked up on the remote login PATH)")
+    g.add_argument("-x", "--env", dest="env", action="append", default=[], metavar="NAME[=VALUE]",
+                   help="give every worker NAME (its value here) or NAME=VALUE; repeatable")
+    g.add_argument("--no-forward-env", dest="forward_env", action="store_false",
+                   help="remote workers get only their remote login environment plus the -x variables, "
+                        "instead of this environment (as horovodrun forwards it)")
+    where = g.add_mutually_exclusive_group()
+    where.add_argument("--driver-address", metavar="ADDR",
+                       help="address of this machine that workers connect to (default: for each host, the "
+                            "address this machine uses to reach it; 127.0.0.1 for local workers)")
+    where.add_argument("--network-interface", metavar="NIC",
+                       help="use the IPv4 address of interface NIC as --driver-address; also sets "
+                            "GLOO_SOCKET_IFNAME=NIC for the workers unless it is set")
+
+
+def _remote_settings(parser: argparse.ArgumentParser, a: argparse.Namespace) -> dict:
+    from elasticrun.driver import ssh
+
+    extra_env: dict[str, str] = {}
+    for item in a.env:
+        name, eq, value = item.partition("=")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            parser.error(f"-x {item}: {name!r} is not a valid environment variable name")
+        if not eq:
+            if name not in os.environ:
+                parser.error(f"-x {name}: {name} is not set here (use -x {name}=VALUE to set it)")
+            value = os.environ[name]
+        extra_env[name] = value
+    identity = a.ssh_identity_file
+    if identity is not None:
+        if not os.access(identity, os.R_OK):
+            parser.error(f"-i {identity}: no such readable file")
+        identity = os.path.abspath(identity)
+    known = a.ssh_known_hosts
+    if known is not None:
+        if not os.access(known, os.R_OK):
+            parser.error(f"--ssh-known-hosts {known}: no such readable file")
+        known = os.path.abspath(known)
+    address = a.driver_address
+    if a.network_interface is not None:
+        try:
+            address = ssh.interface_address(a.network_interface)
+        except OSError as exc:
+            parser.error(f"--network-interface {a.network_interface}: {exc.strerror or exc}")
+    elif address is not None:
+        try:
+            infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
+            address = sorted(infos, key=lambda i: i[0] != socket.AF_INET)[0][4][0]
+        except socket.gaierror as exc:
+            parser.error(f"--driver-address {a.driver_address}: {exc.strerror}")
+    if address is not None:
+        try:
+            ssh.check_bindable(address)
+        except OSError as exc:
+            flag = f"--network-interface {a.network_interface}" if a.network_interface else f"--driver-address {address}"
+            parser.error(f"{flag}: cannot listen on {address} here ({exc.strerror or exc})")
+    return dict(
+        extra_env=extra_env, launcher=a.launcher, ssh_port=a.ssh_port, ssh_user=a.ssh_user,
+        ssh_identity_file=identity, ssh_known_hosts=known, ssh_accept_unknown_hosts=a.ssh_accept_unknown_hosts,
+        remote_cwd=a.remote_cwd, remote_python=a.remote_python, forward_env=a.forward_env,
+        driver_address=address, network_interface=a.network_interface)
 
 
 def parse_settings(argv: list[str]) -> JobSettings:
@@ -159,7 +248,8 @@ def parse_settings(argv: list[str]) -> JobSettings:
         cooldown_range=tuple(a.blacklist_cooldown_range) if a.blacklist_cooldown_range else None,
         elastic_timeout=a.elastic_timeout, start_timeout=a.start_timeout, collective_timeout=a.collective_timeout,
         heartbeat_timeout=a.heartbeat_timeout,
-        output_filename=a.output_filename, log_level=level, worker_log_level=worker_level)
+        output_filename=a.output_filename, log_level=level, worker_log_level=worker_level,
+        **_remote_settings(parser, a))
 
 
 def main(argv: list[str] | None = None) -> int:

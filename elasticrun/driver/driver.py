@@ -29,8 +29,8 @@ from elasticrun.discovery.host_manager import HostManager
 from elasticrun.discovery.sources import DiscoveryError
 from elasticrun.driver import registry as reg
 from elasticrun.driver.kvstore import KVStore
-from elasticrun.driver.launcher import LocalLauncher, is_local_host
 from elasticrun.driver.output import OutputSink
+from elasticrun.driver.ssh import DriverEndpoints, Launchers, driver_bind_address, forwarded_environment
 
 log = logging.getLogger("elasticrun")
 
@@ -84,7 +84,8 @@ class ElasticDriver:
                                heartbeat_timeout=settings.heartbeat_timeout),
             HostManager(cooldown_range=settings.cooldown_range), new_id=lambda: next(self._ids))
         self._sink = OutputSink(self._rank_of, settings.output_filename)
-        self._launcher = LocalLauncher(self._sink, on_exit=lambda wid, code: self._post("exit", (wid, code)))
+        # Child processes for this machine, SSH for other hosts (--launcher decides).
+        self._launcher = Launchers(settings, self._sink, on_exit=lambda wid, code: self._post("exit", (wid, code)))
         self._pending_rdzv: dict[str, _Pending] = {}
         self._updates: deque[tuple[float, bool, bool]] = deque(maxlen=16)
         self._last_ts = 0.0
@@ -114,9 +115,9 @@ class ElasticDriver:
             sock.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        host = "127.0.0.1"
-        self._control_addr = f"tcp://{host}:{self._router.bind_to_random_port(f'tcp://{host}')}"
-        self._notify_addr = f"tcp://{host}:{self._pub.bind_to_random_port(f'tcp://{host}')}"
+        # 127.0.0.1 (or --driver-address) now; for remote hosts, the address they route to, on demand.
+        self._endpoints = DriverEndpoints(self._router, self._pub, driver_bind_address(self.settings))
+        self._control_addr, self._notify_addr = self._endpoints.local()
         self._rx = Codec(self._secret, self.job_id, new_sender_id("driver-rx"))
         self._pub_codec = Codec(self._secret, self.job_id, new_sender_id("driver-pub"))
         self._store = KVStore()
@@ -308,25 +309,34 @@ class ElasticDriver:
 
     def _launch(self, act: reg.Launch) -> None:
         info, s = act.info, self.settings
-        if not is_local_host(info.host):
-            self._post("exit", (act.worker_id, 255))
-            log.error("host %s is not this machine: launching on remote hosts needs the SSH launcher, "
-                      "which this version does not have", info.host)
-            return
-        worker_env = dict(os.environ)
+        remote = self._launcher.is_remote(info.host)
+        control_addr, notify_addr = self._control_addr, self._notify_addr
+        if remote:
+            try:
+                control_addr, notify_addr = self._endpoints.for_host(info.host)
+            except OSError as exc:
+                log.error("%s: cannot tell which address of this machine its workers could reach (%s); "
+                          "set --driver-address or --network-interface", info.host, exc.strerror or exc)
+                self._post("exit", (act.worker_id, 255))
+                return
+        # Remote workers get the driver's environment minus what describes this shell/session
+        # (or nothing of it, with --no-forward-env); the SSH launcher never puts it on a command line.
+        worker_env = forwarded_environment(os.environ, s.forward_env) if remote else dict(os.environ)
+        if s.network_interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+            worker_env["GLOO_SOCKET_IFNAME"] = s.network_interface
         worker_env.update(s.extra_env)
         worker_env.update({
             env.HOSTNAME: info.host, env.RANK: str(info.rank), env.SIZE: str(info.size),
             env.LOCAL_RANK: str(info.local_rank), env.LOCAL_SIZE: str(info.local_size),
             env.CROSS_RANK: str(info.cross_rank), env.CROSS_SIZE: str(info.cross_size),
             env.SLOT: str(info.slot), env.WORKER_ID: act.worker_id, env.JOB_ID: self.job_id,
-            env.SECRET: self._secret.hex(), env.CONTROL_ADDR: self._control_addr, env.NOTIFY_ADDR: self._notify_addr,
+            env.SECRET: self._secret.hex(), env.CONTROL_ADDR: control_addr, env.NOTIFY_ADDR: notify_addr,
             env.COLLECTIVE_TIMEOUT: str(s.collective_timeout), env.RENDEZVOUS_TIMEOUT: str(s.elastic_wait_limit),
             env.HEARTBEAT_INTERVAL: str(s.heartbeat_interval), env.DRIVER_TIMEOUT: str(s.driver_timeout),
             env.LOG_LEVEL: s.worker_log_level, "PYTHONUNBUFFERED": "1",
         })
         try:
-            self._launcher.launch(act.worker_id, s.command, worker_env)
+            self._launcher.launch(act.worker_id, s.command, worker_env, host=info.host)
         except OSError as exc:
             log.error("could not start %r on %s: %s", s.command[0], info.host, exc.strerror or exc)
             self._post("exit", (act.worker_id, 127))

@@ -1,0 +1,859 @@
+"""Starting workers on other machines over SSH (paramiko), and leaving nothing behind there.
+
+How one remote worker runs
+--------------------------
+The driver opens (or reuses) one SSH connection per host and runs, in a new session channel::
+
+    exec python3 -c 'import sys,json;exec(json.loads(sys.stdin.readline()))' elasticrun-worker JOB WORKER
+
+The command line holds no configuration at all. Over the channel's stdin the driver then sends
+two JSON lines: the source of a small *bootstrap* (``_BOOTSTRAP`` below, standard library only)
+and the launch request: the worker's command, environment, working directory and a per-launch
+marker. The bootstrap then
+
+1. changes to the working directory and looks the command up on the worker's ``PATH``,
+2. forks the worker into **its own process group**, reports the group id on stdout (one
+   marker line), and only then lets the worker ``exec`` — so the driver can signal the whole
+   tree the worker will start before it has started anything;
+3. stays behind as a **watchdog**: when its stdin reaches EOF (the SSH connection is gone
+   because the driver died, was killed with SIGKILL, or closed the channel) or it gets
+   SIGTERM/SIGINT/SIGHUP, it sends SIGTERM to the worker's group and SIGKILL after the grace
+   period; when the worker exits on its own, it SIGKILLs what is left of the group (the worker's
+   children), reports the worker's exit status (one marker line) and exits.
+
+Why the environment travels over stdin (and not an SFTP temp file)
+------------------------------------------------------------------
+* Nothing secret is ever on a command line (``ps`` on either machine shows only the line above)
+  and there is no ``argument list too long``, however large the environment.
+* Nothing is ever written to the remote disk, so there is nothing to clean up when the driver
+  dies between "write the file" and "the remote removed it", and no window in which another
+  process could read it.
+* One channel, no extra round trips, and no dependence on the SFTP subsystem being enabled.
+* The same pipe then serves as the liveness signal the watchdog needs: EOF on it means the
+  driver's connection is gone. (Closing an SSH channel without a pty does *not* kill the remote
+  command — measured — so something on the remote side has to act on it.)
+
+Killing remote workers
+----------------------
+``signal()`` runs ``kill -SIG -- -PGID`` over a second channel on the host's connection (whole
+tree gone in milliseconds, measured). If that is impossible (connection lost), the watchdog
+does it on its own when the connection drops. A worker whose driver vanished without the
+connection dropping (a network partition) exits by itself after ``ELASTICRUN_DRIVER_TIMEOUT``
+without heartbeat answers; the watchdog then kills the rest of its group. Processes that call
+``setsid()`` themselves leave the group and escape this, as they do with the local launcher.
+
+Exit statuses: the watchdog reports the worker's status like ``subprocess`` does (negative for a
+signal). If that report is lost with the connection, the SSH exit status is used with the
+shell's convention (128+N means signal N); with no status at all the worker counts as failed
+with code 255, as ``ssh`` does.
+"""
+
+from __future__ import annotations
+
+import errno
+import getpass
+import ipaddress
+import json
+import logging
+import os
+import secrets
+import shlex
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from elasticrun.common import env as envvars
+from elasticrun.driver.launcher import LocalLauncher, is_local_host
+from elasticrun.driver.output import OutputSink
+
+if TYPE_CHECKING:
+    import paramiko
+
+    from elasticrun.common.settings import JobSettings
+
+log = logging.getLogger("elasticrun")
+
+LAUNCHER_MODES = ("auto", "local", "ssh")
+
+# Variables of the driver's environment that describe the driver's own shell or session and
+# must not be imposed on a remote worker (horovodrun skips the first ones too).
+_NOT_FORWARDED = frozenset({
+    "OLDPWD", "PWD", "SHLVL", "_", "HOSTNAME", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_AUTH_SOCK",
+    "SSH_AGENT_PID", "DISPLAY", "XAUTHORITY", "TMUX", "TMUX_PANE", "STY", "WINDOWID", "TERMCAP",
+})
+_NOT_FORWARDED_PREFIXES = ("BASH_FUNC_",)
+
+# The bootstrap and watchdog, run by the remote Python (3.6+, standard library only).
+_BOOTSTRAP = r'''
+import json, os, shutil, signal, sys, threading, time
+
+
+def _main():
+    cfg = json.loads(sys.stdin.readline())
+    mark = cfg["mark"]
+
+    def report(**fields):
+        try:
+            sys.stdout.write(mark + json.dumps(fields) + "\n")
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass  # the driver is gone; the exit status is all that is left
+
+    env = dict(os.environ)  # the remote login environment, overlaid with the forwarded one
+    env.update(cfg["env"])
+    command, cwd, grace = cfg["command"], cfg["cwd"], float(cfg["grace"])
+    try:
+        os.chdir(cwd)
+    except OSError as exc:
+        report(error="cwd", detail="cannot change to directory %s: %s" % (cwd, exc.strerror))
+        return 126
+    env["PWD"] = cwd if os.path.isabs(cwd) else os.getcwd()
+    prog = command[0]
+    path = env.get("PATH", os.defpath)
+    found = shutil.which(prog, path=path)
+    if found is None:
+        if os.sep in prog:
+            why = "not executable" if os.path.exists(prog) else "no such file"
+            report(error="not_found", detail="%s: %s" % (prog, why))
+        else:
+            report(error="not_found", detail="command not found: %s (searched PATH=%s)" % (prog, path))
+        return 127
+
+    gate_r, gate_w = os.pipe()
+    err_r, err_w = os.pipe()  # close-on-exec: EOF without data means the exec succeeded
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(gate_w)
+            os.close(err_r)
+            os.setpgid(0, 0)
+            os.read(gate_r, 1)  # wait until the driver knows our group
+            os.close(gate_r)
+            for name in ("SIGPIPE", "SIGXFSZ"):  # Python ignores them; the worker must not
+                if hasattr(signal, name):
+                    signal.signal(getattr(signal, name), signal.SIG_DFL)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)  # the worker never reads the driver's pipe
+            os.execve(found, command, env)
+        except BaseException as exc:
+            try:
+                os.write(err_w, ("%s: %s" % (prog, getattr(exc, "strerror", None) or exc)).encode("utf-8", "replace"))
+            except BaseException:
+                pass
+        os._exit(127)
+
+    os.close(gate_r)
+    os.close(err_w)
+    try:
+        os.setpgid(pid, pid)  # also here, so the group exists before anyone signals it
+    except OSError:
+        pass
+    report(pid=pid, pgid=pid, watchdog=os.getpid())
+    os.write(gate_w, b"x")
+    os.close(gate_w)
+    failed = b""
+    while True:
+        chunk = os.read(err_r, 4096)
+        if not chunk:
+            break
+        failed += chunk
+    os.close(err_r)
+    if failed:
+        os.waitpid(pid, 0)
+        report(error="exec", detail=failed.decode("utf-8", "replace"))
+        return 126
+
+    stop = threading.Event()
+    status = []
+
+    def wait_child():
+        status.append(os.waitpid(pid, 0)[1])
+        stop.set()
+
+    def watch_driver():
+        try:
+            while os.read(0, 4096):
+                pass
+        except OSError:
+            pass
+        stop.set()  # EOF: the driver's connection is gone (or it closed this channel)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    threading.Thread(target=wait_child, daemon=True).start()
+    threading.Thread(target=watch_driver, daemon=True).start()
+    while not stop.wait(1.0):
+        pass
+
+    def killpg(sig):
+        try:
+            os.killpg(pid, sig)
+        except OSError:
+            pass
+
+    if not status:  # asked to stop, or the driver is gone: SIGTERM the group, SIGKILL after grace
+        killpg(signal.SIGTERM)
+        deadline = time.time() + grace
+        while not status and time.time() < deadline:
+            time.sleep(0.02)
+    killpg(signal.SIGKILL)  # whatever is left of the group: the worker's own children too
+    deadline = time.time() + 10
+    while not status and time.time() < deadline:
+        time.sleep(0.02)
+    if not status:
+        return 255
+    st = status[0]
+    code = -os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st)
+    report(exit=code)
+    return code if code >= 0 else 128 - code
+
+
+try:
+    _code = _main()
+except BaseException as _exc:
+    import traceback
+    traceback.print_exc()
+    _code = 125
+try:
+    sys.stdout.flush()
+    sys.stderr.flush()
+finally:
+    os._exit(_code)
+'''
+
+_LOADER = "import sys,json;exec(json.loads(sys.stdin.readline()))"
+
+
+# --- pure helpers (unit-tested) --------------------------------------------------------------
+class LaunchError(Exception):
+    """A remote launch failed; the message names the host and the cause."""
+
+    def __init__(self, message: str, code: int = 255):
+        super().__init__(message)
+        self.code = code
+
+
+def split_user(host: str, default_user: str | None = None) -> tuple[str, str]:
+    """``user@name`` → (user, name); a bare name gets ``default_user`` or the current user."""
+    user, at, name = host.rpartition("@")
+    if at and user:
+        return user, name
+    return (default_user or getpass.getuser()), name
+
+
+def remote_command(python: str, job_id: str, worker_id: str) -> str:
+    """The command line run by the remote login shell: no environment, no secret, no user command."""
+    return " ".join(["exec", shlex.quote(python), "-c", shlex.quote(_LOADER), "elasticrun-worker",
+                     shlex.quote(job_id), shlex.quote(worker_id)])
+
+
+def launch_payload(command: list[str], env: Mapping[str, str], cwd: str, grace: float, mark: str) -> bytes:
+    """What the driver writes to the channel's stdin: the bootstrap source, then the request.
+
+    ASCII-only JSON (``ensure_ascii``), so the remote locale cannot garble it, and values that
+    are not valid UTF-8 (lone surrogates from ``os.environ``) come out byte-for-byte the same.
+    """
+    request = {"mark": mark, "command": list(command), "env": dict(env), "cwd": cwd, "grace": grace}
+    return (json.dumps(_BOOTSTRAP) + "\n" + json.dumps(request) + "\n").encode("ascii")
+
+
+def forwarded_environment(environ: Mapping[str, str], forward: bool) -> dict[str, str]:
+    """The part of the driver's environment a remote worker gets (before -x and the job's own).
+
+    ``forward=False`` (``--no-forward-env``): nothing; the worker keeps the remote login
+    environment plus what ``-x`` names.
+    """
+    if not forward:
+        return {}
+    return {k: v for k, v in environ.items()
+            if k not in _NOT_FORWARDED and not k.startswith(_NOT_FORWARDED_PREFIXES)}
+
+
+def decode_exit_status(status: int) -> int:
+    """An SSH exit status as a ``subprocess``-style code: 128+N (the shell's signal N) → -N."""
+    if 128 < status <= 128 + 64:
+        return 128 - status
+    return status
+
+
+def route_source_address(host: str) -> str:
+    """The address of this machine that the kernel uses to reach ``host`` (no packet is sent)."""
+    name = split_user(host, "-")[1]
+    try:
+        infos = socket.getaddrinfo(name, 9, type=socket.SOCK_DGRAM)
+    except socket.gaierror as exc:
+        raise OSError(f"cannot resolve host name {name!r}: {exc.strerror}") from None
+    infos.sort(key=lambda i: i[0] != socket.AF_INET)  # IPv4 first
+    last: OSError | None = None
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect(sockaddr)
+                return s.getsockname()[0]
+            except OSError as exc:
+                last = exc
+    raise OSError(f"no route from this machine to {name}" + (f": {last.strerror or last}" if last else ""))
+
+
+def interface_address(nic: str) -> str:
+    """The IPv4 address of network interface ``nic``; OSError naming the problem otherwise."""
+    import fcntl
+    import struct
+
+    names = [n for _, n in socket.if_nameindex()]
+    if nic not in names:
+        raise OSError(errno.ENODEV, f"no network interface {nic!r} (this machine has: {', '.join(names)})")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", nic.encode()[:15]))  # SIOCGIFADDR
+        except OSError:
+            raise OSError(errno.EADDRNOTAVAIL, f"network interface {nic!r} has no IPv4 address") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def check_bindable(address: str) -> None:
+    """Raise OSError if this machine cannot listen on ``address``."""
+    ip = ipaddress.ip_address(address)
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+
+
+def zmq_endpoint(address: str) -> str:
+    return f"tcp://[{address}]" if ipaddress.ip_address(address).version == 6 else f"tcp://{address}"
+
+
+class DriverEndpoints:
+    """Where remote workers reach the driver: the address each host routes to, bound on demand.
+
+    With ``--driver-address`` (or ``--network-interface``) every worker gets that one address.
+    Otherwise the driver listens on 127.0.0.1 for local workers and, the first time a host
+    needs it, also on the address of this machine that the kernel would use to reach that host
+    (so no interface that nobody needs is exposed, and each host gets one it can route back to).
+    """
+
+    def __init__(self, router: Any, pub: Any, forced: str | None = None,
+                 route: Callable[[str], str] = route_source_address):
+        self._router, self._pub = router, pub
+        self._forced = forced
+        self._route = route
+        self._bound: dict[str, tuple[str, str]] = {}
+
+    def bind(self, address: str) -> tuple[str, str]:
+        if address not in self._bound:
+            import zmq
+
+            base = zmq_endpoint(address)
+            if ipaddress.ip_address(address).version == 6:
+                for sock in (self._router, self._pub):
+                    sock.setsockopt(zmq.IPV6, 1)
+            self._bound[address] = (f"{base}:{self._router.bind_to_random_port(base)}",
+                                    f"{base}:{self._pub.bind_to_random_port(base)}")
+        return self._bound[address]
+
+    def local(self) -> tuple[str, str]:
+        return self.bind(self._forced or "127.0.0.1")
+
+    def for_host(self, host: str) -> tuple[str, str]:
+        return self.bind(self._forced or self._route(host))
+
+
+# --- SSH connections -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SSHOptions:
+    port: int = 22
+    user: str | None = None
+    identity_file: str | None = None
+    known_hosts: str | None = None  # default ~/.ssh/known_hosts
+    accept_unknown_hosts: bool = False
+    connect_timeout: float = 30.0  # --start-timeout
+    remote_cwd: str | None = None  # default: the driver's working directory
+    python: str = "python3"
+    stop_grace: float = 5.0
+
+    @classmethod
+    def from_settings(cls, s: "JobSettings") -> "SSHOptions":
+        return cls(port=s.ssh_port, user=s.ssh_user, identity_file=s.ssh_identity_file,
+                   known_hosts=s.ssh_known_hosts, accept_unknown_hosts=s.ssh_accept_unknown_hosts,
+                   connect_timeout=s.start_timeout, remote_cwd=s.remote_cwd, python=s.remote_python,
+                   stop_grace=s.stop_grace)
+
+    @property
+    def known_hosts_path(self) -> str:
+        return self.known_hosts or os.path.expanduser("~/.ssh/known_hosts")
+
+
+def _host_key_policy(accept_unknown: bool, known_hosts: str) -> "paramiko.MissingHostKeyPolicy":
+    import paramiko
+
+    class Reject(paramiko.MissingHostKeyPolicy):
+        def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
+            raise LaunchError(
+                f"its host key ({key.get_name()} {key.fingerprint}) is not in {known_hosts}; check the "
+                f"fingerprint and add it (ssh-keyscan), or pass --ssh-accept-unknown-hosts")
+
+    class Accept(paramiko.MissingHostKeyPolicy):
+        def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
+            log.warning("%s: accepting its unknown host key %s %s without checking it "
+                        "(--ssh-accept-unknown-hosts)", hostname, key.get_name(), key.fingerprint)
+
+    return Accept() if accept_unknown else Reject()
+
+
+class _HostConnections:
+    """The SSH connections to one host: normally one, more only when sshd's MaxSessions is hit."""
+
+    def __init__(self, host: str, opts: SSHOptions):
+        self.host = host
+        self.opts = opts
+        self.user, self.name = split_user(host, opts.user)
+        self.clients: list[paramiko.SSHClient] = []
+        self._lock = threading.Lock()
+        self._failure: tuple[float, LaunchError] | None = None
+        self.closed = False
+
+    @property
+    def target(self) -> str:
+        return f"{self.user}@{self.name}:{self.opts.port}"
+
+    def _live(self) -> list["paramiko.SSHClient"]:
+        return [c for c in self.clients if (t := c.get_transport()) is not None and t.is_active()]
+
+    def open_session(self, deadline: float) -> "paramiko.Channel":
+        """A new session channel, on an existing connection when one has room."""
+        import paramiko
+
+        asked_at = time.monotonic()
+        for client in self._live():
+            try:
+                return client.get_transport().open_session(timeout=max(0.5, deadline - time.monotonic()))
+            except (paramiko.ChannelException, paramiko.SSHException, EOFError):
+                continue  # full (MaxSessions) or dying: try the next, then a new connection
+        with self._lock:  # one connect at a time per host; those who waited share its outcome
+            if self._failure is not None and self._failure[0] >= asked_at:
+                raise self._failure[1]
+            self.clients = self._live()  # forget dead connections
+            for client in self.clients:  # someone else connected while we waited
+                try:
+                    return client.get_transport().open_session(timeout=max(0.5, deadline - time.monotonic()))
+                except (paramiko.ChannelException, paramiko.SSHException, EOFError):
+                    continue
+            try:
+                client = self._connect(deadline)
+            except LaunchError as exc:
+                self._failure = (time.monotonic(), exc)
+                raise
+            self.clients.append(client)
+            try:
+                return client.get_transport().open_session(timeout=max(0.5, deadline - time.monotonic()))
+            except (paramiko.SSHException, EOFError) as exc:
+                raise LaunchError(f"connected to {self.target} but could not open a session: {exc}") from None
+
+    def _connect(self, deadline: float) -> "paramiko.SSHClient":
+        import paramiko
+
+        if self.closed:
+            raise LaunchError("the job is stopping")
+        timeout = deadline - time.monotonic()
+        if timeout <= 0:
+            raise LaunchError(f"no time left to connect to {self.target} (--start-timeout)")
+        try:
+            sock = socket.create_connection((self.name, self.opts.port), timeout=timeout)
+        except socket.gaierror as exc:
+            raise LaunchError(f"cannot resolve host name {self.name!r}: {exc.strerror}") from None
+        except socket.timeout:
+            raise LaunchError(f"cannot connect to {self.target}: no answer within {timeout:.3g} s "
+                              f"(--start-timeout)") from None
+        except OSError as exc:
+            raise LaunchError(f"cannot connect to {self.target}: {exc.strerror or exc}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # 65 -> 20-25 ms per connect
+        client = paramiko.SSHClient()
+        known = self.opts.known_hosts_path
+        if os.path.exists(known):
+            try:
+                client.load_system_host_keys(known)  # read-only: never written back
+            except (OSError, paramiko.SSHException) as exc:
+                sock.close()
+                raise LaunchError(f"cannot read the known hosts file {known}: {exc}") from None
+        client.set_missing_host_key_policy(_host_key_policy(self.opts.accept_unknown_hosts, known))
+        remaining = max(0.1, deadline - time.monotonic())
+        try:
+            client.connect(self.name, port=self.opts.port, username=self.user, sock=sock,
+                           key_filename=self.opts.identity_file, timeout=remaining, banner_timeout=remaining,
+                           auth_timeout=remaining, channel_timeout=remaining)
+        except LaunchError as exc:
+            client.close()
+            raise LaunchError(f"refusing to connect to {self.target}: {exc}") from None
+        except paramiko.BadHostKeyException as exc:
+            client.close()
+            raise LaunchError(
+                f"refusing to connect to {self.target}: its host key ({exc.key.fingerprint}) does not match "
+                f"the one in {known} ({exc.expected_key.fingerprint}). Someone may be impersonating the "
+                f"host, or it was reinstalled (then remove the old key: ssh-keygen -R)") from None
+        except paramiko.AuthenticationException as exc:
+            client.close()
+            tried = f"-i {self.opts.identity_file}, " if self.opts.identity_file else ""
+            raise LaunchError(f"{self.target} refused our key(s) (tried {tried}the SSH agent and ~/.ssh keys): "
+                              f"{exc}") from None
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            client.close()
+            text = str(exc) or type(exc).__name__
+            if time.monotonic() >= deadline - 0.05 or isinstance(exc, socket.timeout) or "banner" in text:
+                raise LaunchError(f"{self.target} accepted the connection but did not complete the SSH handshake "
+                                  f"within {self.opts.connect_timeout:g} s (--start-timeout): {text}") from None
+            raise LaunchError(f"SSH to {self.target} failed: {text}") from None
+        if self.closed:  # the job stopped while we connected
+            client.close()
+            raise LaunchError("the job is stopping")
+        return client
+
+    def run(self, command: str, timeout: float) -> int:
+        """Run a short command on a new channel; its exit status (-1 if unknown)."""
+        chan = self.open_session(time.monotonic() + timeout)
+        try:
+            chan.settimeout(timeout)
+            chan.exec_command(command)
+            chan.shutdown_write()
+            if not chan.status_event.wait(timeout):
+                return -1
+            return chan.recv_exit_status()
+        finally:
+            chan.close()
+
+    def close(self) -> None:
+        self.closed = True
+        for client in self.clients:
+            client.close()
+
+
+# --- remote workers --------------------------------------------------------------------------
+@dataclass
+class _Remote:
+    worker_id: str
+    host: str
+    mark: str  # per-launch marker of the bootstrap's report lines on stdout
+    channel: Any = None
+    pgid: int | None = None  # the worker's process group, once the bootstrap reported it
+    error: dict | None = None  # the bootstrap's report of why it could not start the worker
+    exit_report: int | None = None  # the worker's status, as reported by the watchdog
+    cancel: int | None = None  # a signal asked for before the worker's group was known
+    started: threading.Event = field(default_factory=threading.Event)  # reported, or gone
+    finished: threading.Event = field(default_factory=threading.Event)  # on_exit was called
+    stderr_tail: deque = field(default_factory=lambda: deque(maxlen=6))
+    threads: list[threading.Thread] = field(default_factory=list)
+    stderr_pump: threading.Thread | None = None
+
+
+class SSHLauncher:
+    """Runs workers on remote hosts; same interface as :class:`LocalLauncher` plus ``host``.
+
+    ``launch()`` returns at once: connecting (in parallel across hosts, reusing one connection
+    per host), starting the remote bootstrap and waiting for it happen on a thread per worker,
+    so the driver loop never blocks on the network. Every launch ends in exactly one
+    ``on_exit(worker_id, code)``; a launch that fails logs the host and the cause first.
+    """
+
+    def __init__(self, sink: OutputSink, on_exit: Callable[[str, int], None], options: SSHOptions):
+        import paramiko  # noqa: F401  (fail here, not in a worker thread, if it is missing)
+
+        # paramiko logs its own view of every failure we report with the host and the cause.
+        plog = logging.getLogger("paramiko")
+        if plog.level == logging.NOTSET and not log.isEnabledFor(logging.DEBUG):
+            plog.setLevel(logging.CRITICAL)
+        self._sink = sink
+        self._on_exit = on_exit
+        self.opts = options
+        self._hosts: dict[str, _HostConnections] = {}
+        self._remotes: dict[str, _Remote] = {}
+        self._lock = threading.Lock()
+        self._stopping = False
+
+    def connections(self, host: str) -> _HostConnections:
+        with self._lock:
+            conns = self._hosts.get(host)
+            if conns is None:
+                conns = self._hosts[host] = _HostConnections(host, self.opts)
+            return conns
+
+    # --- launching ------------------------------------------------------------------------
+    def launch(self, worker_id: str, command: list[str], env: dict[str, str], host: str | None = None) -> None:
+        if host is None:
+            raise ValueError("SSHLauncher.launch needs the host")
+        r = _Remote(worker_id, host, f"@@elasticrun:{secrets.token_hex(8)}@@ ")
+        with self._lock:
+            self._remotes[worker_id] = r
+        t = threading.Thread(target=self._run, args=(r, command, env), name=f"elasticrun-ssh-{worker_id}",
+                             daemon=True)
+        r.threads.append(t)
+        t.start()
+
+    def _run(self, r: _Remote, command: list[str], env: dict[str, str]) -> None:
+        code = 255
+        try:
+            code = self._start_and_wait(r, command, env)
+        except LaunchError as exc:
+            code = exc.code
+            log.error("%s: could not start worker %s over SSH: %s", r.host, r.worker_id, exc)
+        except Exception as exc:  # a bug or an unexpected paramiko error: still a failed worker
+            log.error("%s: could not start worker %s over SSH: %s: %s", r.host, r.worker_id,
+                      type(exc).__name__, exc)
+        finally:
+            r.started.set()
+            if r.channel is not None:
+                r.channel.close()
+            r.finished.set()
+            self._on_exit(r.worker_id, code)
+
+    def _start_and_wait(self, r: _Remote, command: list[str], env: dict[str, str]) -> int:
+        import paramiko
+
+        conns = self.connections(r.host)
+        deadline = time.monotonic() + self.opts.connect_timeout
+        if self._stopping or r.cancel is not None:
+            return -(r.cancel or 15)
+        chan = conns.open_session(deadline)
+        r.channel = chan
+        if self._stopping or r.cancel is not None:
+            return -(r.cancel or 15)
+        job_id = env.get(envvars.JOB_ID, "-")
+        cwd = self.opts.remote_cwd or os.getcwd()
+        try:
+            chan.exec_command(remote_command(self.opts.python, job_id, r.worker_id))
+            chan.sendall(launch_payload(command, env, cwd, self.opts.stop_grace, r.mark))
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            raise LaunchError(f"{conns.target} did not run the bootstrap: {exc or type(exc).__name__}") from None
+        out = threading.Thread(target=self._pump_stdout, args=(r, chan.makefile("rb")),
+                               name=f"elasticrun-output-{r.worker_id}-stdout", daemon=True)
+        err = threading.Thread(target=self._pump_stderr, args=(r, chan.makefile_stderr("rb")),
+                               name=f"elasticrun-output-{r.worker_id}-stderr", daemon=True)
+        r.threads += [out, err]
+        r.stderr_pump = err
+        out.start()
+        err.start()
+        if not r.started.wait(max(2.0, deadline - time.monotonic())):  # python + login shell start
+            chan.close()  # the bootstrap, if it ever runs, sees EOF and stops
+            raise LaunchError(f"the remote bootstrap did not start within {self.opts.connect_timeout:g} s "
+                              f"(--start-timeout)")
+        if r.pgid is None:
+            raise self._bootstrap_failure(r, chan, out)
+        if r.cancel is not None:
+            self._send_signal(r, r.cancel)
+        chan.status_event.wait()  # set by the exit status, or when the channel/connection closes
+        status = chan.exit_status  # -1 if none came
+        out.join(2.0)  # the watchdog's exit report comes before its exit status
+        if r.exit_report is not None:
+            return r.exit_report
+        if status >= 0:
+            return decode_exit_status(status)
+        if not self._stopping:
+            log.error("%s: lost the SSH connection to worker %s; counting it as failed", r.host, r.worker_id)
+        return 255
+
+    def _bootstrap_failure(self, r: _Remote, chan: Any, out: threading.Thread) -> LaunchError:
+        """Why the bootstrap reported no worker: its own report, or the shell's exit status."""
+        chan.status_event.wait(5.0)
+        status = chan.exit_status  # -1 if none came
+        out.join(1.0)
+        if r.stderr_pump is not None:
+            r.stderr_pump.join(1.0)  # the shell's message
+        said = " | ".join(r.stderr_tail)
+        if r.error is not None:
+            kind, detail = r.error.get("error"), r.error.get("detail", "")
+            if kind == "cwd":
+                return LaunchError(f"{detail} (the remote working directory is the driver's unless "
+                                   f"--remote-cwd is given)", 126)
+            if kind == "not_found":
+                return LaunchError(detail, 127)
+            return LaunchError(f"cannot start the worker command: {detail}", 126)
+        if status == 127:
+            return LaunchError(f"{self.opts.python!r} was not found there: elasticrun needs Python 3 on every "
+                               f"remote host (name it with --remote-python). The remote shell said: {said}", 127)
+        if status == 126:
+            return LaunchError(f"{self.opts.python!r} cannot be run there: {said}", 126)
+        if status < 0:
+            return LaunchError("the SSH connection closed before the worker started", 255)
+        return LaunchError(f"the remote bootstrap ({self.opts.python!r}) exited with code {status} before starting "
+                           f"the worker: {said or 'no message'}", status or 255)
+
+    def _pump_stdout(self, r: _Remote, f: Any) -> None:
+        try:
+            for raw in iter(f.readline, b""):
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                if r.mark in line:
+                    before, _, rest = line.partition(r.mark)
+                    if before:
+                        self._sink.write(r.worker_id, "stdout", before)
+                    try:
+                        msg = json.loads(rest)
+                    except ValueError:
+                        msg = {}
+                    if "pid" in msg:
+                        r.pgid = int(msg["pgid"])
+                        r.started.set()
+                    elif "error" in msg:
+                        r.error = msg
+                        r.started.set()
+                    elif "exit" in msg:
+                        r.exit_report = int(msg["exit"])
+                    continue
+                self._sink.write(r.worker_id, "stdout", line)
+        except Exception as exc:  # the connection died under us
+            log.debug("%s: stdout of %s: %s", r.host, r.worker_id, exc)
+        finally:
+            r.started.set()
+
+    def _pump_stderr(self, r: _Remote, f: Any) -> None:
+        try:
+            for raw in iter(f.readline, b""):
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                if r.pgid is None:
+                    r.stderr_tail.append(line)
+                self._sink.write(r.worker_id, "stderr", line)
+        except Exception as exc:
+            log.debug("%s: stderr of %s: %s", r.host, r.worker_id, exc)
+
+    # --- stopping --------------------------------------------------------------------------
+    def _send_signal(self, r: _Remote, sig: int) -> None:
+        """``kill -SIG -- -PGID`` over a second channel; close the channel if that fails."""
+        if r.pgid is None or r.finished.is_set():
+            return
+        try:
+            status = self.connections(r.host).run(f"kill -{int(sig)} -- -{int(r.pgid)}", timeout=5.0)
+            log.debug("%s: kill -%d -- -%d: status %d", r.host, sig, r.pgid, status)
+        except Exception as exc:
+            # The watchdog stops the worker itself once its stdin (this channel) closes.
+            log.warning("%s: could not signal worker %s (%s); closing its channel instead", r.host,
+                        r.worker_id, exc)
+            if r.channel is not None:
+                r.channel.close()
+
+    def signal(self, worker_id: str, sig: int) -> None:
+        """Signal the worker's whole remote process group, without blocking the caller."""
+        r = self._remotes.get(worker_id)
+        if r is None or r.finished.is_set():
+            return
+        if r.pgid is None:
+            r.cancel = sig  # the launch thread sends it as soon as the group is known
+            if r.pgid is None:
+                return
+        threading.Thread(target=self._send_signal, args=(r, sig), name=f"elasticrun-kill-{worker_id}",
+                         daemon=True).start()
+
+    def pid(self, worker_id: str) -> int | None:
+        r = self._remotes.get(worker_id)
+        return r.pgid if r else None
+
+    def stop_all(self, grace: float) -> None:
+        """SIGTERM every remote group, SIGKILL after ``grace``, then close every connection."""
+        self._stopping = True
+        with self._lock:
+            live = [r for r in self._remotes.values() if not r.finished.is_set()]
+        for r in live:
+            if r.pgid is None:
+                r.cancel = 15
+        self._signal_all(live, 15)
+        deadline = time.monotonic() + grace
+        for r in live:
+            r.finished.wait(max(0.0, deadline - time.monotonic()))
+        left = [r for r in live if not r.finished.is_set()]
+        self._signal_all(left, 9)
+        deadline = time.monotonic() + 5.0
+        for r in left:
+            if not r.finished.wait(max(0.0, deadline - time.monotonic())) and r.channel is not None:
+                r.channel.close()
+        with self._lock:
+            hosts = list(self._hosts.values())
+        for conns in hosts:  # anything still running sees EOF and is stopped by its watchdog
+            conns.close()
+
+    def _signal_all(self, remotes: list[_Remote], sig: int) -> None:
+        threads = [threading.Thread(target=self._send_signal, args=(r, sig), daemon=True) for r in remotes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(6.0)
+
+    def drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads = [t for r in self._remotes.values() for t in r.threads]
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
+# --- choosing the launcher per host ------------------------------------------------------------
+class Launchers:
+    """Routes each worker to the local or the SSH launcher, by host and ``--launcher``.
+
+    ``auto``: hosts that are this machine launch locally, others (and any ``user@host``) over
+    SSH; ``local``: never SSH (a host that is not this machine fails to launch); ``ssh``:
+    always SSH, even for names of this machine.
+    """
+
+    def __init__(self, settings: "JobSettings", sink: OutputSink, on_exit: Callable[[str, int], None]):
+        self.settings = settings
+        self.mode = getattr(settings, "launcher", "auto")
+        self._sink, self._on_exit = sink, on_exit
+        self.local = LocalLauncher(sink, on_exit)
+        self._ssh: SSHLauncher | None = None
+        self._where: dict[str, Any] = {}
+
+    @property
+    def ssh(self) -> SSHLauncher:
+        if self._ssh is None:
+            self._ssh = SSHLauncher(self._sink, self._on_exit, SSHOptions.from_settings(self.settings))
+        return self._ssh
+
+    def is_remote(self, host: str) -> bool:
+        if self.mode == "ssh":
+            return True
+        if self.mode == "local":
+            return False
+        return "@" in host or not is_local_host(host)
+
+    def launch(self, worker_id: str, command: list[str], env: dict[str, str], host: str | None = None) -> None:
+        if host is not None and self.is_remote(host):
+            self._where[worker_id] = self.ssh
+            self.ssh.launch(worker_id, command, env, host=host)
+            return
+        if host is not None and self.mode == "local" and not is_local_host(host):
+            raise OSError(f"host {host} is not this machine, and --launcher local never uses SSH")
+        self._where[worker_id] = self.local
+        self.local.launch(worker_id, command, env)
+
+    def signal(self, worker_id: str, sig: int) -> None:
+        launcher = self._where.get(worker_id)
+        if launcher is not None:
+            launcher.signal(worker_id, sig)
+
+    def pid(self, worker_id: str) -> int | None:
+        launcher = self._where.get(worker_id)
+        return launcher.pid(worker_id) if launcher is not None else None
+
+    def stop_all(self, grace: float) -> None:
+        """Stop local and remote workers at the same time (one grace period, not two)."""
+        if self._ssh is None:
+            self.local.stop_all(grace)
+            return
+        t = threading.Thread(target=self.local.stop_all, args=(grace,), name="elasticrun-stop-local", daemon=True)
+        t.start()
+        self._ssh.stop_all(grace)
+        t.join(grace + 10)
+
+    def drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self.local.drain(timeout)
+        if self._ssh is not None:
+            self._ssh.drain(max(0.0, deadline - time.monotonic()))
+
+
+def driver_bind_address(settings: "JobSettings") -> str | None:
+    """The address forced by --driver-address / --network-interface, if any."""
+    if getattr(settings, "driver_address", None):
+        return settings.driver_address
+    nic = getattr(settings, "network_interface", None)
+    return interface_address(nic) if nic else None
+
