@@ -8,7 +8,6 @@ passes. Either way the caller gets :class:`HorovodInternalError`, never a hang o
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -35,11 +34,6 @@ Average, Sum, Min, Max, Product = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, 
 _TORCH_OPS = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
               Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
 
-# Spin this long before blocking: tiny collectives (~0.2 ms on loopback) finish within it
-# without paying a thread wake-up; longer ones block on an event instead of polling.
-_SPIN_SECONDS = 0.0005
-
-
 def _group() -> tuple[runtime.Runtime, dist.ProcessGroup]:
     rt = runtime.get()
     if rt.pg is None:
@@ -50,42 +44,34 @@ def _group() -> tuple[runtime.Runtime, dist.ProcessGroup]:
     return rt, rt.pg
 
 
-def _wait(work: Any, what: str) -> None:
-    """Wait for ``work``; give up when the round is aborted or the collective timeout passes.
+# Poll every 100 us, and every 1 ms once a collective has taken 50 ms. Measured on 2 cores
+# (13 MB allreduce, 2 ranks): this matches a blocking work.wait() (7.9 vs 8.0 ms); a spinning
+# waiter starves the other ranks' gloo threads (21 ms); waking through the work's future
+# callback costs a thread hand-off (9.2 ms).
+_POLL = 0.0001
+_SLOW_POLL = 0.001
+_SLOW_AFTER = 0.05
 
-    The wait blocks on an event that the work's completion *and* the runtime's abort signal
-    both set, so it wakes at once for either, with no polling interval.
-    """
+
+def _wait(work: Any, what: str) -> None:
+    """Wait for ``work``; give up when the round is aborted or the collective timeout passes."""
     rt = runtime.get()
     round_ = rt.round
     start = time.monotonic()
+    deadline = start + rt.collective_timeout
     while not work.is_completed():
-        if time.monotonic() - start > _SPIN_SECONDS:
-            _block(rt, round_, work, what, start + rt.collective_timeout)
-            break
+        reason = rt.aborted_reason(round_)
+        if reason:
+            raise HorovodInternalError(f"{what} abandoned: round {round_} was aborted ({reason})")
+        now = time.monotonic()
+        if now > deadline:
+            raise HorovodInternalError(f"{what} did not complete within the collective timeout "
+                                       f"({rt.collective_timeout:g} s); a peer is hung or unreachable")
+        time.sleep(_POLL if now - start < _SLOW_AFTER else _SLOW_POLL)
     try:
         work.wait()
     except Exception as exc:  # gloo reports a dead peer as RuntimeError / DistBackendError
         raise HorovodInternalError(f"{what} failed: {exc}") from exc
-
-
-def _block(rt: runtime.Runtime, round_: int, work: Any, what: str, deadline: float) -> None:
-    done = threading.Event()
-    work.get_future().add_done_callback(lambda _: done.set())
-    rt.add_waiter(done)
-    try:
-        # The event only says "look again": completion and abort both set it.
-        while not work.is_completed():
-            reason = rt.aborted_reason(round_)
-            if reason:
-                raise HorovodInternalError(f"{what} abandoned: round {round_} was aborted ({reason})")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise HorovodInternalError(f"{what} did not complete within the collective timeout "
-                                           f"({rt.collective_timeout:g} s); a peer is hung or unreachable")
-            done.wait(min(remaining, 1.0))
-    finally:
-        rt.remove_waiter(done)
 
 
 @dataclass

@@ -109,6 +109,7 @@ class _Bucket:
     numel: int = 0
     # Per-step state, reset by _DistributedOptimizer._dist_clear.
     passes: list[int] = field(default_factory=list)  # backward passes seen per parameter
+    staged: list[bool] = field(default_factory=list)  # gradient already copied into the buffer
     ready: int = 0  # parameters that saw backward_passes_per_step passes
     launched: bool = False
     handle: Handle | None = None  # None once launched: nothing to wait for (world of one)
@@ -120,6 +121,7 @@ class _Bucket:
         self.offsets.append(self.numel)
         self.numel += p.numel()
         self.passes.append(0)
+        self.staged.append(False)
 
     @property
     def nbytes(self) -> int:
@@ -226,6 +228,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         error an abandoned collective may still write into them."""
         for b in getattr(self, "_dist_buckets", ()):
             b.passes = [0] * len(b.params)
+            b.staged = [False] * len(b.params)
             b.ready, b.launched, b.handle, b.ctx = 0, False, None, None
             if discard:
                 b.buffer = None
@@ -257,6 +260,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "step(). Increase backward_passes_per_step to accumulate gradients locally.")
             bucket.passes[i] += 1
             if bucket.passes[i] == self.backward_passes_per_step:
+                # Copy now, while backward still computes other layers (as DDP does): at the
+                # last gradient only that one is left to copy before the allreduce starts.
+                self._dist_stage(bucket, i)
                 bucket.ready += 1
                 self._dist_launch_ready()
         except BaseException:
@@ -269,20 +275,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._dist_launch(buckets[self._dist_next])
             self._dist_next += 1
 
-    def _dist_launch(self, b: _Bucket) -> None:
-        b.launched = True
+    def _dist_stage(self, b: _Bucket, i: int) -> None:
+        """Copy parameter ``i``'s gradient into the bucket's flat buffer (zeros if it has none)."""
         if runtime.get().size == 1:
             return  # Average and Sum over one rank are the identity: skip the copies
         if b.buffer is None:
             b.buffer = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+        p, off = b.params[i], b.offsets[i]
+        dst = b.buffer[off:off + p.numel()]
+        g = p.grad
         with torch.no_grad():
-            for p, off in zip(b.params, b.offsets):
-                dst = b.buffer[off:off + p.numel()]
-                g = p.grad
-                if g is None:  # no gradient here, but another rank may have one
-                    dst.zero_()
-                else:
-                    dst.copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
+            if g is None:  # no gradient here, but another rank may have one
+                dst.zero_()
+            else:
+                dst.copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
+        b.staged[i] = True
+
+    def _dist_launch(self, b: _Bucket) -> None:
+        b.launched = True
+        if runtime.get().size == 1:
+            return
+        for i, staged in enumerate(b.staged):  # gradients whose hook never fired this step
+            if not staged:
+                self._dist_stage(b, i)
+        assert b.buffer is not None
+        with torch.no_grad():
             tensor, b.ctx = self._dist_compression.compress(b.buffer)
             b.handle = collectives.allreduce_async_(tensor, name=b.name, op=self._dist_op,
                                                     prescale_factor=self._dist_prescale,

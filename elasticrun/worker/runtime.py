@@ -69,7 +69,6 @@ class Runtime:
         self._updates: dict[float, tuple[bool, bool]] = {}
         self._handled_ts = 0.0
         self._aborted: dict[int, str] = {}
-        self._waiters: set[threading.Event] = set()  # collectives blocked right now
         self._ctx: zmq.Context | None = None
         self._client: DriverClient | None = None
         self._control: ControlChannel | None = None
@@ -105,18 +104,8 @@ class Runtime:
                     self._abort(int(body["round"]), str(body.get("reason", "round aborted")))
 
     def _abort(self, round_: int, reason: str) -> None:
-        """Mark ``round_`` dead and wake every collective blocked in it (caller holds the lock)."""
+        """Mark ``round_`` dead: collectives waiting in it give up at their next poll."""
         self._aborted[round_] = reason
-        for event in self._waiters:
-            event.set()
-
-    def add_waiter(self, event: threading.Event) -> None:
-        with self._lock:
-            self._waiters.add(event)
-
-    def remove_waiter(self, event: threading.Event) -> None:
-        with self._lock:
-            self._waiters.discard(event)
 
     def aborted_reason(self, round_: int) -> str | None:
         return self._aborted.get(round_)
