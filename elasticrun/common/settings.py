@@ -26,6 +26,7 @@ class JobSettings:
     driver_timeout: float = 5.0  # a worker that hears nothing from the driver this long exits
     stop_grace: float = 5.0  # SIGTERM -> SIGKILL delay when stopping workers
     output_filename: str | None = None
+    events_file: str | None = None  # JSON-lines event log (default: OUTPUT_FILENAME/events.jsonl)
     log_level: str = "INFO"
     worker_log_level: str = "WARNING"
     extra_env: dict[str, str] = field(default_factory=dict)  # -x NAME[=VALUE], for every worker

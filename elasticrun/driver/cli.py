@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "is killed and its host handled as failed (default 5)")
     p.add_argument("--output-filename", metavar="DIR",
                    help="also append each rank's output to DIR/rank.N/stdout and stderr")
+    p.add_argument("--events", metavar="FILE", dest="events_file",
+                   help="append the job's event log (JSON lines: discovery, failures, rounds, each "
+                        "worker's reset phases) to FILE (default: DIR/events.jsonl with --output-filename)")
     p.add_argument("--log-level", default=None, type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    help="driver and worker log level (default INFO for the driver's job messages)")
@@ -248,7 +251,8 @@ def parse_settings(argv: list[str]) -> JobSettings:
         cooldown_range=tuple(a.blacklist_cooldown_range) if a.blacklist_cooldown_range else None,
         elastic_timeout=a.elastic_timeout, start_timeout=a.start_timeout, collective_timeout=a.collective_timeout,
         heartbeat_timeout=a.heartbeat_timeout,
-        output_filename=a.output_filename, log_level=level, worker_log_level=worker_level,
+        output_filename=a.output_filename, events_file=a.events_file, log_level=level,
+        worker_log_level=worker_level,
         **_remote_settings(parser, a))
 
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import zmq
 
 from elasticrun.common import env
+from elasticrun.common.events import EventLog
 from elasticrun.common.hosts import HostList
 from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, Message, ProtocolError, new_secret, new_sender_id
 from elasticrun.common.settings import JobSettings
@@ -30,6 +31,7 @@ from elasticrun.discovery.sources import DiscoveryError
 from elasticrun.driver import registry as reg
 from elasticrun.driver.kvstore import KVStore
 from elasticrun.driver.output import OutputSink
+from elasticrun.driver.resets import ResetTracker
 from elasticrun.driver.ssh import DriverEndpoints, Launchers, driver_bind_address, forwarded_environment
 
 log = logging.getLogger("elasticrun")
@@ -91,6 +93,13 @@ class ElasticDriver:
         self._last_ts = 0.0
         self._abort_reason = ""
         self._reported_problems: set[str] = set()
+        events_path = settings.events_file or (
+            os.path.join(settings.output_filename, "events.jsonl") if settings.output_filename else None)
+        if events_path and os.path.dirname(events_path):
+            os.makedirs(os.path.dirname(events_path), exist_ok=True)
+        self._journal = EventLog(events_path)
+        self._resets = ResetTracker()
+        self._last_hosts: dict[str, int] | None = None
         self._started = time.monotonic()
 
     # --- plumbing --------------------------------------------------------------------------
@@ -220,11 +229,15 @@ class ElasticDriver:
                 # lists nothing is far more often broken than a cluster that is truly empty.
                 self._on_event("discovery_failed", "it listed no usable hosts")
                 return
+            if payload.hosts != self._last_hosts:
+                self._last_hosts = dict(payload.hosts)
+                self._journal.write("discovery", hosts=payload.hosts)
             self._execute(self.registry.discovered(payload.hosts, now))
         elif kind == "discovery_failed":
             self._warn_once(f"discovery failed, keeping the last known hosts: {payload}")
         elif kind == "exit":
             worker_id, code = payload
+            self._journal.write("worker_exited", worker=worker_id, code=code, **self._where(worker_id))
             self._pending_rdzv.pop(worker_id, None)
             self._execute(self.registry.exited(worker_id, code, now))
 
@@ -235,6 +248,13 @@ class ElasticDriver:
         except ProtocolError as exc:
             log.warning("dropped a control frame: %s", exc)
             return
+        try:
+            self._dispatch(identity, msg)
+        except Exception as exc:  # one bad request must never take the job down
+            log.warning("ignored a %r request from %s that could not be handled: %s: %s",
+                        msg.type, msg.sender, type(exc).__name__, exc)
+
+    def _dispatch(self, identity: bytes, msg: Message) -> None:
         body = msg.body
         if msg.type == "heartbeat":
             self.registry.heartbeat(str(body.get("worker")), time.monotonic())
@@ -244,6 +264,8 @@ class ElasticDriver:
         elif msg.type == "store":
             pending = _Pending(identity, msg.sender, body.get("req"))
             self._send_store_replies(self._store.handle(pending, body, time.monotonic()))
+        elif msg.type == "events":
+            self._on_worker_events(str(msg.sender), body.get("events") or [])
         elif msg.type == "failing":
             self._reply(identity, msg, "ack", {})
             self._execute(self.registry.failing(str(body.get("worker")), str(body.get("error", ""))[:500],
@@ -275,7 +297,12 @@ class ElasticDriver:
         for act in actions:
             if isinstance(act, reg.Event):
                 log.info("%s", act.message)
+                self._journal.write(act.kind, round=self.registry.round, message=act.message, **act.fields)
+                if act.kind == "round_formed":
+                    self._resets.round_formed(self.registry.round, int(act.fields.get("size", 0)))
             elif isinstance(act, reg.Launch):
+                self._journal.write("worker_started", worker=act.worker_id, host=act.info.host, slot=act.info.slot,
+                                    rank=act.info.rank)
                 self._launch(act)
             elif isinstance(act, reg.Assign):
                 pending = self._pending_rdzv.pop(act.worker_id, None)
@@ -296,12 +323,36 @@ class ElasticDriver:
                 self._last_ts = max(time.time(), self._last_ts + 1e-6)
                 self._updates.append((self._last_ts, act.added, act.removed))
                 self._publish("hosts_updated", {"ts": self._last_ts, "added": act.added, "removed": act.removed})
+                self._journal.write("notification_sent", round=self.registry.round, ts=self._last_ts,
+                                    added=act.added, removed=act.removed)
+                what = " and ".join(w for w, on in (("added", act.added), ("removed", act.removed)) if on)
+                self._resets.trigger("hosts", f"hosts {what}", time.time())
             elif isinstance(act, reg.AbortRound):
                 self._abort_reason = act.reason
                 log.warning("round %d aborted: %s", act.round, act.reason)
                 self._publish("round_aborted", {"round": act.round, "reason": act.reason})
+                self._journal.write("round_aborted", round=act.round, reason=act.reason)
+                self._resets.trigger("failure", act.reason, time.time())
             elif isinstance(act, reg.Finish):
-                pass  # the loop notices registry.finished
+                self._journal.write("job_end", round=self.registry.round, ok=act.ok, reason=act.reason)
+
+    def _where(self, worker_id: str) -> dict[str, Any]:
+        w = self.registry.workers.get(worker_id)
+        return {"host": w.host, "slot": w.slot, "rank": w.rank} if w is not None else {}
+
+    def _on_worker_events(self, sender: str, events: list[Any]) -> None:
+        """Workers' events go to the journal; the first step after a reset closes it."""
+        for e in events[:500]:
+            if not isinstance(e, dict) or not isinstance(e.get("kind"), str):
+                continue
+            e = dict(e)
+            kind, t = e.pop("kind"), float(e.pop("t", time.time()))
+            self._journal.write(kind, source="worker", t=t, **e)
+            if kind == "first_step":
+                done = self._resets.first_step(int(e.get("round", -1)), t)
+                if done is not None:
+                    log.info("%s", done.pop("line"))
+                    self._journal.write("reset", **done)
 
     def _forget_old_rounds(self, current: int) -> None:
         keep = f"round{current}/"
@@ -348,6 +399,8 @@ class ElasticDriver:
             self._wait_for_exits(self.settings.stop_grace)
         self._shutdown()
         elapsed = time.monotonic() - self._started
+        log.info("summary: %s", self._resets.summary(self.registry.hosts.blacklisted()))
+        self._journal.close()
         if finished.ok:
             log.info("job succeeded in %.1f s: %s", elapsed, finished.reason)
             return 0

@@ -95,7 +95,8 @@ class ControlChannel(threading.Thread):
 
     def __init__(self, ctx: zmq.Context, control_addr: str, notify_addr: str, secret: bytes, job_id: str,
                  heartbeat_body: Callable[[], dict[str, Any]], on_message: Callable[[Message], None],
-                 on_driver_lost: Callable[[float], None], interval: float, driver_timeout: float):
+                 on_driver_lost: Callable[[float], None], interval: float, driver_timeout: float,
+                 take_events: Callable[[], list[dict[str, Any]]] = list):
         super().__init__(name="elasticrun-control", daemon=True)
         self._sub = _socket(ctx, zmq.SUB, notify_addr)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -105,6 +106,7 @@ class ControlChannel(threading.Thread):
         self._heartbeat_body = heartbeat_body
         self._on_message = on_message
         self._on_driver_lost = on_driver_lost
+        self._take_events = take_events
         self._interval = interval
         self._driver_timeout = driver_timeout
         self._stopping = threading.Event()
@@ -130,6 +132,7 @@ class ControlChannel(threading.Thread):
                 if now - last_answer > self._driver_timeout:
                     self._on_driver_lost(now - last_answer)
                     return
+                self._ship_events()
                 events = dict(poller.poll(int(max(0.0, min(next_beat - now, 0.1)) * 1000) + 1))
                 for sock, codec in ((self._sub, self._sub_codec), (self._hb, self._hb_codec)):
                     if sock in events:
@@ -142,5 +145,17 @@ class ControlChannel(threading.Thread):
                             last_answer = time.monotonic()
                         self._on_message(msg)
         finally:
+            self._ship_events()  # what the worker recorded last (e.g. at a clean exit)
             self._sub.close(0)
             self._hb.close(0)
+
+    def _ship_events(self) -> None:
+        """Send queued events to the driver's event log (best effort, never blocking)."""
+        while True:
+            batch = self._take_events()
+            if not batch:
+                return
+            try:
+                self._hb.send(self._hb_codec.encode("events", {"events": batch}), zmq.NOBLOCK)
+            except zmq.Again:
+                return

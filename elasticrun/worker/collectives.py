@@ -72,6 +72,9 @@ def _wait(work: Any, what: str) -> None:
         work.wait()
     except Exception as exc:  # gloo reports a dead peer as RuntimeError / DistBackendError
         raise HorovodInternalError(f"{what} failed: {exc}") from exc
+    if rt.awaiting_first_step:  # the first collective after a reset: training moves again
+        rt.awaiting_first_step = False
+        rt.emit("first_step", what=what)
 
 
 @dataclass

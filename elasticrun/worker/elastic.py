@@ -104,25 +104,33 @@ def run(func: F) -> F:
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         rt = runtime.get()
         skip_sync = False
+        resetting = False
         while True:
             try:
                 if not skip_sync:
+                    synced = time.monotonic()
                     state.sync()
+                    rt.emit("sync_done", ms=round((time.monotonic() - synced) * 1000, 2))
+                if resetting:
+                    rt.awaiting_first_step = True
+                    log.info("rank %d/%d: reset to round %d took %.1f ms", rt.rank, rt.size, rt.round,
+                             (time.monotonic() - started) * 1000)
                 return func(state, *args, **kwargs)
             except HorovodInternalError as exc:
                 log.warning("rank %d: %s; restoring the last commit", rt.rank, exc)
+                rt.emit("failure_detected", error=str(exc)[:300])
                 started = time.monotonic()
                 state.restore()
+                rt.emit("restore", ms=round((time.monotonic() - started) * 1000, 2))
                 skip_sync = False
             except HostsUpdatedInterrupt as exc:
                 started = time.monotonic()
                 skip_sync = exc.skip_sync
+            resetting = True
             rt.rendezvous()
             # Newcomers must receive the state even when the interrupt said "removals only":
             # another change may have been folded into the same reset.
             skip_sync = skip_sync and not rt.new_members
             state.on_reset()
-            log.info("rank %d/%d: reset to round %d took %.1f ms", rt.rank, rt.size, rt.round,
-                     (time.monotonic() - started) * 1000)
 
     return wrapper  # type: ignore[return-value]

@@ -18,6 +18,7 @@ job so scripts can be debugged without the launcher.
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import os
 import socket
@@ -69,6 +70,9 @@ class Runtime:
         self._updates: dict[float, tuple[bool, bool]] = {}
         self._handled_ts = 0.0
         self._aborted: dict[int, str] = {}
+        # Events for the driver's event log: appended here, shipped by the control thread.
+        self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=10_000)
+        self.awaiting_first_step = False  # set after a reset; the next completed collective clears it
         self._ctx: zmq.Context | None = None
         self._client: DriverClient | None = None
         self._control: ControlChannel | None = None
@@ -87,13 +91,28 @@ class Runtime:
             heartbeat_body=lambda: {"worker": self.worker_id, "round": self.round},
             on_message=self._on_message, on_driver_lost=self._on_driver_lost,
             interval=float(os.environ.get(env.HEARTBEAT_INTERVAL, "1")),
-            driver_timeout=float(os.environ.get(env.DRIVER_TIMEOUT, "15")))
+            driver_timeout=float(os.environ.get(env.DRIVER_TIMEOUT, "15")),
+            take_events=self._take_events)
         self._control.start()
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        """Record an event for the job's event log (cheap: an append; the control thread ships it)."""
+        if not self.standalone:
+            self._events.append(dict(fields, t=time.time(), kind=kind, round=self.round, rank=self.rank,
+                                     host=self.hostname, slot=self.slot))
+
+    def _take_events(self, most: int = 200) -> list[dict[str, Any]]:
+        batch: list[dict[str, Any]] = []
+        while self._events and len(batch) < most:
+            batch.append(self._events.popleft())
+        return batch
 
     def _on_message(self, msg: Message) -> None:
         body = msg.body
         with self._lock:
             if msg.type == "hosts_updated":
+                if float(body["ts"]) not in self._updates:
+                    self.emit("notification_received", ts=float(body["ts"]))
                 self._updates[float(body["ts"])] = (bool(body["added"]), bool(body["removed"]))
             elif msg.type == "round_aborted":
                 self._abort(int(body["round"]), str(body.get("reason", "round aborted")))
@@ -132,6 +151,7 @@ class Runtime:
             return
         assert self._client is not None
         while True:
+            asked = time.monotonic()
             try:
                 msg = self._client.request("rendezvous", {"worker": self.worker_id, "after_round": self.round},
                                            timeout=self.rendezvous_timeout, what="this worker's place in the next round")
@@ -149,10 +169,13 @@ class Runtime:
             self.cross_rank, self.cross_size = int(a["cross_rank"]), int(a["cross_size"])
             self.new_members = bool(a.get("new_members", True))
             self.rendezvous_count += 1
+            self.emit("rendezvous_complete", size=self.size, waited_ms=round((time.monotonic() - asked) * 1000, 2))
             with self._lock:
                 self._handled_ts = max(self._handled_ts, float(a.get("notify_ts", 0.0)))
             try:
+                started = time.monotonic()
                 self._form_group()
+                self.emit("group_formed", ms=round((time.monotonic() - started) * 1000, 2))
                 return
             except Exception as exc:
                 reason = self.abort_reason()
@@ -205,11 +228,13 @@ class Runtime:
         if agreed[0].item() > self._handled_ts:
             with self._lock:
                 self._handled_ts = agreed[0].item()
-            raise HostsUpdatedInterrupt(skip_sync=agreed[1].item() == 0.0)
+            skip_sync = agreed[1].item() == 0.0
+            self.emit("interrupt", ts=agreed[0].item(), skip_sync=skip_sync)
+            raise HostsUpdatedInterrupt(skip_sync=skip_sync)
 
     def shutdown(self) -> None:
         if self._control is not None:
-            self._control.stop()
+            self._control.stop()  # it ships the last queued events before it ends
             self._control.join(timeout=2)
             self._control = None
         if self._client is not None:

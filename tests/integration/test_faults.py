@@ -78,3 +78,47 @@ echo localhost:1; echo 127.0.0.1:1; echo 'not a host!'; echo 'localhost:0'; echo
     assert "it listed no usable hosts" in r.stderr
     assert r.stderr.count("skipped invalid line, line 3") == 1  # said once, not every interval
     assert {e["size"] for e in r.log} == {2}
+
+
+def _worker_env(tag: str, name: str, timeout: float = 60) -> str:
+    """Read ``name`` from the environment of a running worker of the job tagged ``tag``."""
+    from conftest import tagged_pids
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in tagged_pids(tag):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    for item in f.read().split(b"\0"):
+                        if item.startswith(name.encode() + b"="):
+                            return item.split(b"=", 1)[1].decode()
+            except OSError:
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no worker with {name} appeared")
+
+
+def test_forged_and_oversized_control_messages_are_dropped(job):
+    import zmq
+
+    from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec
+
+    job.start(["-np", "2", "-H", TWO], job.train_cmd(epochs=6, batches=10, sleep=0.05))
+    addr = _worker_env(job.tag, "ELASTICRUN_CONTROL_ADDR")
+    job_id = _worker_env(job.tag, "ELASTICRUN_JOB_ID")
+    ctx = zmq.Context()
+    try:
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(addr)
+        forged = Codec(b"not the job's secret" * 2, job_id, "rogue")
+        rogue.send(forged.encode("rendezvous", {"worker": "w1", "after_round": 0}))  # wrong secret
+        rogue.send(b"\x00" * 40)  # garbage
+        rogue.send(b"x" * (MAX_FRAME_BYTES + 10))  # oversized: the driver drops the connection
+        wait_for_training(job, lines=3)
+    finally:
+        ctx.destroy(linger=0)
+    r = job.finish()
+    assert r.returncode == 0, r.output
+    assert "dropped a control frame: bad MAC" in r.stderr
+    assert [e["epoch"] for e in r.log] == list(range(6))  # nothing was lost or repeated

@@ -1,0 +1,44 @@
+"""ResetTracker: one line per reset with cause, sizes and time to resume; summary at exit."""
+
+import pytest
+
+from elasticrun.driver.resets import ResetTracker
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_failure_reset_is_measured_from_trigger_to_first_step():
+    r = ResetTracker()
+    r.round_formed(0, 3)
+    r.trigger("failure", "b[0] exited with code -9", t=10.0)
+    r.trigger("hosts", "hosts removed", t=10.5)  # folded into the same reset: the first cause counts
+    r.round_formed(1, 2)
+    assert r.first_step(0, t=10.6) is None  # a step of another round does not close it
+    done = r.first_step(1, t=10.05)
+    assert done is not None
+    assert done["cause"] == "b[0] exited with code -9" and done["from_size"] == 3 and done["to_size"] == 2
+    assert done["seconds"] == pytest.approx(0.05)
+    assert "reset 1 (b[0] exited with code -9): 3 -> 2 worker(s), training again 50 ms after it" == done["line"]
+    assert r.first_step(1, t=11.0) is None  # closed once
+
+
+def test_summary_counts_resets_by_cause():
+    r = ResetTracker()
+    r.round_formed(0, 2)
+    r.trigger("hosts", "hosts added", t=1.0)
+    r.round_formed(1, 3)
+    r.first_step(1, t=1.2)
+    r.trigger("failure", "x", t=2.0)
+    r.round_formed(2, 2)
+    r.first_step(2, t=2.1)
+    text = r.summary(["h3"])
+    assert text.startswith("3 round(s), 2 reset(s) (1 after failures, 1 after host changes), 0.30 s")
+    assert text.endswith("blacklisted hosts: h3")
+
+
+def test_no_reset_before_the_first_round():
+    r = ResetTracker()
+    r.trigger("failure", "startup failure", t=1.0)  # before round 0: not a reset
+    r.round_formed(0, 2)
+    assert r.first_step(0, t=2.0) is None
+    assert r.summary([]).startswith("1 round(s), 0 reset(s) (none)")
