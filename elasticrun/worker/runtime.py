@@ -259,12 +259,25 @@ def init() -> Runtime:
             if level:
                 logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
             rt = Runtime()
+            if not rt.standalone:
+                _warm_up()
             rt.rendezvous()
             _runtime = rt
             atexit.register(shutdown)
             if not rt.standalone:
                 _install_excepthook(rt)
         return _runtime
+
+
+def _warm_up() -> None:
+    """Pay torch's one-time lazy costs before joining, not after.
+
+    The first optimizer a process builds imports torch._dynamo (~0.9 s here). Scripts build
+    theirs right after init(); a worker joining a running job would pay it while the
+    survivors already wait for it in sync(). Done before the rendezvous request, the
+    survivors keep training meanwhile.
+    """
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
 
 
 def _install_excepthook(rt: Runtime) -> None:

@@ -1,0 +1,276 @@
+"""Recovery time of a real elastic job, split into phases from the job's event log.
+
+    python benchmarks/recovery.py [--trials 20] [--slots 1]
+
+One long job on two hosts (``localhost``, ``127.0.0.1``; ``--slots`` workers each) trains a
+tiny model, committing every step. Each trial:
+
+* **kill**: SIGKILL a worker of the second host; measure from the kill to the first completed
+  step on the new (smaller) world. The host is blacklisted with a 1 s cooldown, then comes back:
+* **add**: from the host's return to the first step that includes the new worker; and how long
+  the survivors stalled (from their interrupt to their first step on the new world).
+
+Then ``--graceful`` trials remove the second host from discovery and add it back:
+
+* **remove**: from the notification to the first step on the new world (no rollback), and the
+  survivors' stall.
+
+Phases of a kill (medians): detect (kill -> a survivor's collective fails), decide (kill -> the
+driver forms the next round), rendezvous + process group, restore + sync, first step. The
+baseline, measured in this run, is the floor of what any in-process recovery must pay on this
+machine: forming a fresh 2-rank gloo group (one long-lived store, new prefix) plus one tiny
+allreduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+
+HERE = os.path.abspath(__file__)
+
+
+# --- the training worker --------------------------------------------------------------------
+def worker(stop_file: str) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import elasticrun.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    model = torch.nn.Linear(16, 4)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+    @hvd.elastic.run
+    def train(state):
+        while True:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            state.step += 1
+            time.sleep(0.005)  # a short step, so kills land at random points of it
+            state.commit()
+            if state.step % 20 == 0 and os.path.exists(stop_file):
+                return
+
+    train(state)
+
+
+# --- the baseline ---------------------------------------------------------------------------
+def reform_floor(repeats: int = 15) -> float:
+    """Median seconds to form a 2-rank gloo group on a new prefix and run a tiny allreduce."""
+    import torch
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    times = []
+    for i in range(repeats):
+        done: list[float] = []
+
+        def rank(r: int) -> None:
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(f"r{i}", store), r, 2, timedelta(seconds=10))
+            pg.allreduce([torch.ones(2)]).wait()
+            done.append(time.perf_counter())
+            holder = [pg]
+            threading.Thread(target=holder.clear, daemon=True).start()  # teardown off the clock
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        times.append(max(done) - start)
+    return statistics.median(times)
+
+
+# --- driving the job ------------------------------------------------------------------------
+class Journal:
+    """Follows the job's event log as it grows."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.events: list[dict] = []
+        self._offset = 0
+
+    def poll(self) -> None:
+        if not os.path.exists(self.path):
+            return
+        with open(self.path, encoding="utf-8") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self._offset += len(complete.encode())
+        self.events += [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+    def wait_for(self, pred, timeout: float, what: str) -> dict:
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < deadline:
+            self.poll()
+            for e in self.events[seen:]:
+                if pred(e):
+                    return e
+            seen = len(self.events)
+            time.sleep(0.02)
+        raise TimeoutError(f"waited {timeout:g} s for {what}")
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def run_job(args) -> dict[str, list[float]]:
+    tmp = tempfile.mkdtemp(prefix="elasticrun-recovery-")
+    hosts_file, events, stop_file = (os.path.join(tmp, n) for n in ("hosts", "events.jsonl", "stop"))
+    script = os.path.join(tmp, "discover.sh")
+    with open(script, "w") as f:
+        f.write(f"#!/bin/sh\ncat {hosts_file}\n")
+    os.chmod(script, 0o755)
+    both = f"localhost:{args.slots}\n127.0.0.1:{args.slots}\n"
+    with open(hosts_file, "w") as f:
+        f.write(both)
+    n = 2 * args.slots
+    cmd = [sys.executable, "-m", "elasticrun", "-np", str(n), "--min-np", str(args.slots), "--max-np", str(n),
+           "--host-discovery-script", script, "--discovery-interval", "0.1", "--events", events,
+           "--blacklist-cooldown-range", "1", "1", "--log-level", "WARNING",
+           sys.executable, HERE, "--worker", stop_file]
+    driver = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    journal = Journal(events)
+    out: dict[str, list[float]] = {k: [] for k in (
+        "kill", "detect", "decide", "rendezvous", "group", "restore+sync", "first_step", "add", "add_stall",
+        "remove", "remove_stall")}
+
+    def first_step_of(round_: int, timeout: float = 30) -> dict:
+        return journal.wait_for(lambda e: e["kind"] == "first_step" and e.get("round") == round_, timeout,
+                                f"the first step of round {round_}")
+
+    def full_world() -> int:
+        e = journal.wait_for(lambda e: e["kind"] == "round_formed" and e.get("size") == n, 60, f"a round of {n}")
+        return e["round"]
+
+    try:
+        rnd = full_world()
+        journal.wait_for(lambda e: e["kind"] == "first_step" or (e["kind"] == "rendezvous_complete" and e["round"] == rnd),
+                         60, "training to start")
+        for trial in range(args.trials):
+            journal.poll()
+            victims = [e for e in journal.events if e["kind"] == "worker_started" and e["host"] == "127.0.0.1"]
+            pid = _pid_of(victims[-1]["worker"])
+            time.sleep(0.2)  # let training run a little
+            t_kill = time.time()
+            os.kill(pid, signal.SIGKILL)
+            formed = journal.wait_for(lambda e: e["kind"] == "round_formed" and e["t"] > t_kill, 30, "the next round")
+            step = first_step_of(formed["round"])
+            journal.poll()
+            mine = [e for e in journal.events if e["t"] >= t_kill and e.get("host") == "localhost"
+                    and e["source"] == "worker"]
+
+            def at(kind: str) -> dict:
+                return next(e for e in mine if e["kind"] == kind)
+            out["kill"].append(step["t"] - t_kill)
+            out["detect"].append(at("failure_detected")["t"] - t_kill)
+            out["decide"].append(formed["t"] - t_kill)
+            out["rendezvous"].append(at("rendezvous_complete")["t"] - at("restore")["t"])
+            out["group"].append(at("group_formed")["ms"] / 1000)
+            out["restore+sync"].append((at("restore")["ms"] + at("sync_done")["ms"]) / 1000)
+            out["first_step"].append(step["t"] - at("sync_done")["t"])
+            # The host comes back after its cooldown: measure the addition.
+            back = journal.wait_for(lambda e: e["kind"] == "host_whitelisted" and e["t"] > t_kill, 30, "the host's return")
+            grown = journal.wait_for(lambda e: e["kind"] == "round_formed" and e["t"] > back["t"] and e.get("size") == n,
+                                     60, "the world to grow back")
+            step = first_step_of(grown["round"])
+            interrupt = [e for e in journal.events if e["kind"] == "interrupt" and e["t"] > back["t"]]
+            out["add"].append(step["t"] - back["t"])
+            out["add_stall"].append(step["t"] - min(e["t"] for e in interrupt))
+        for trial in range(args.graceful):
+            with open(hosts_file, "w") as f:
+                f.write(f"localhost:{args.slots}\n")
+            sent = journal.wait_for(lambda e: e["kind"] == "notification_sent" and e.get("removed"), 30, "the removal")
+            formed = journal.wait_for(lambda e: e["kind"] == "round_formed" and e["t"] > sent["t"], 30, "the next round")
+            step = first_step_of(formed["round"])
+            journal.poll()
+            interrupt = [e for e in journal.events if e["kind"] == "interrupt" and e["t"] >= sent["t"]]
+            out["remove"].append(step["t"] - sent["t"])
+            out["remove_stall"].append(step["t"] - min(e["t"] for e in interrupt))
+            with open(hosts_file, "w") as f:
+                f.write(both)
+            full_world()
+            time.sleep(0.3)
+        open(stop_file, "w").close()
+        driver.wait(timeout=60)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGTERM)
+            driver.wait(timeout=30)
+    return out
+
+
+def _pid_of(worker_id: str) -> int:
+    """The PID of the worker process with ELASTICRUN_WORKER_ID=worker_id (this machine)."""
+    needle = f"ELASTICRUN_WORKER_ID={worker_id}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        return int(entry)
+            except OSError:
+                continue
+    raise LookupError(f"no process for worker {worker_id}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trials", type=int, default=20, help="kill (and re-add) trials")
+    p.add_argument("--graceful", type=int, default=5, help="graceful removal trials")
+    p.add_argument("--slots", type=int, default=1, help="workers per host (2 hosts)")
+    p.add_argument("--worker", metavar="STOP_FILE", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return
+    floor = reform_floor()
+    out = run_job(args)
+    print(f"2 hosts x {args.slots} slot(s), tiny model, commit every step; {args.trials} kill trials, "
+          f"{args.graceful} graceful removals")
+    print(f"baseline (this run): form a 2-rank gloo group on a new prefix + one tiny allreduce: "
+          f"{floor * 1000:.1f} ms")
+    print(f"{'measure':<46} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8} {'p50/base':>9}")
+    labels = {
+        "kill": "kill -> first step on the new world",
+        "detect": "  detect: kill -> a survivor's collective fails",
+        "decide": "  decide: kill -> driver forms the next round",
+        "rendezvous": "  restore done -> assignment received",
+        "group": "  process group formed",
+        "restore+sync": "  restore + sync",
+        "first_step": "  sync done -> first step",
+        "add": "host back -> first step including it",
+        "add_stall": "  survivors' stall (interrupt -> first step)",
+        "remove": "graceful removal: notification -> first step",
+        "remove_stall": "  survivors' stall (interrupt -> first step)",
+    }
+    for key, label in labels.items():
+        values = out[key]
+        if values:
+            p50 = statistics.median(values)
+            print(f"{label:<46} {p50 * 1000:>8.1f} {pct(values, 0.95) * 1000:>8.1f} {max(values) * 1000:>8.1f} "
+                  f"{p50 / floor:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
