@@ -159,8 +159,9 @@ def run_job(args) -> dict[str, list[float]]:
         return journal.wait_for(lambda e: e["kind"] == "first_step" and e.get("round") == round_, timeout,
                                 f"the first step of round {round_}")
 
-    def full_world() -> int:
-        e = journal.wait_for(lambda e: e["kind"] == "round_formed" and e.get("size") == n, 60, f"a round of {n}")
+    def full_world(after: float = 0.0) -> int:
+        e = journal.wait_for(lambda e: e["kind"] == "round_formed" and e.get("size") == n and e["t"] > after,
+                             60, f"a round of {n}")
         return e["round"]
 
     try:
@@ -198,18 +199,21 @@ def run_job(args) -> dict[str, list[float]]:
             out["add"].append(step["t"] - back["t"])
             out["add_stall"].append(step["t"] - min(e["t"] for e in interrupt))
         for trial in range(args.graceful):
+            changed = time.time()
             with open(hosts_file, "w") as f:
                 f.write(f"localhost:{args.slots}\n")
-            sent = journal.wait_for(lambda e: e["kind"] == "notification_sent" and e.get("removed"), 30, "the removal")
+            sent = journal.wait_for(lambda e: e["kind"] == "notification_sent" and e.get("removed")
+                                    and e["t"] > changed, 30, "the removal")
             formed = journal.wait_for(lambda e: e["kind"] == "round_formed" and e["t"] > sent["t"], 30, "the next round")
             step = first_step_of(formed["round"])
             journal.poll()
             interrupt = [e for e in journal.events if e["kind"] == "interrupt" and e["t"] >= sent["t"]]
             out["remove"].append(step["t"] - sent["t"])
             out["remove_stall"].append(step["t"] - min(e["t"] for e in interrupt))
+            changed = time.time()
             with open(hosts_file, "w") as f:
                 f.write(both)
-            full_world()
+            first_step_of(full_world(after=changed))
             time.sleep(0.3)
         open(stop_file, "w").close()
         driver.wait(timeout=60)

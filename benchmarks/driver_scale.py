@@ -1,0 +1,824 @@
+"""Driver scale: the real ElasticDriver with 256 and 1024 simulated workers, against a bare server.
+
+    flock /tmp/elasticrun-heavy.lock python benchmarks/driver_scale.py [--workers 256 1024]
+        [--slots 4] [--steady 3] [--timeout 60] [--budget 280] [--profile DIR]
+
+For every size N (hosts h0..h{N/4-1} with 4 slots each) two jobs run one after the other, each
+with its server in a separate process (the other core) and all N simulated workers in this one:
+
+  bare    the floor: a minimal ZeroMQ server with the same sockets and the same authenticated
+          frames (HMAC + JSON, elasticrun.common.protocol) that answers heartbeats at once,
+          answers the N rendezvous requests as soon as it holds all N (a barrier), and
+          publishes one ``hosts_updated`` frame on its PUB socket;
+  driver  the real ``ElasticDriver`` (registry, host manager, event loop, discovery thread),
+          whose launcher is replaced by one that asks this process to start simulated
+          workers instead of spawning processes.
+
+A simulated worker speaks the real protocol with the job's secret and its worker id, over
+the same three sockets as a real one (``DriverClient``'s DEALER for rendezvous,
+``ControlChannel``'s DEALER for heartbeats every ELASTICRUN_HEARTBEAT_INTERVAL s and its SUB for
+notifications), one Codec per socket. All 3N sockets are served by one thread through epoll
+on their ZMQ_FDs (zmq_poll over 3072 sockets costs ~8 ms per call here; epoll is O(ready)).
+Like a real worker after HostsUpdatedInterrupt, a worker that learns of a host update (from
+the PUB frame or a heartbeat reply, whichever comes first) asks for the next round at once.
+
+Measured per job:
+  (1) round 0: first launch -> every worker holds its round-0 assignment;
+  (2) graceful removal: discovery drops the last host; the driver's ``hosts_updated`` carries
+      the wall-clock time it was published, so publish -> the last worker knowing of it is
+      exact (same clock); then publish -> every survivor holds its round-1 assignment (the
+      removed host's 4 workers are dismissed);
+  (3) the server process's CPU time (time.process_time: all its threads, ZeroMQ's I/O thread
+      included) per phase and over --steady seconds of heartbeats only, and its peak RSS.
+Ratios are driver / bare. Targets (issue 6): a 1024-worker round in <= 2 s, a notification at
+all 1024 in <= 100 ms.
+
+--profile DIR additionally records the driver process with ``py-spy record --format raw``
+(collapsed stacks, DIR/driver-N.txt); timings of a profiled run are perturbed, so use it to
+see where time goes, not for the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import resource
+import select
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import zmq  # noqa: E402
+
+from elasticrun.common import env as E  # noqa: E402
+from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, ProtocolError, new_sender_id  # noqa: E402
+
+ENV_KEYS = (E.WORKER_ID, E.JOB_ID, E.SECRET, E.CONTROL_ADDR, E.NOTIFY_ADDR, E.HEARTBEAT_INTERVAL,
+            E.DRIVER_TIMEOUT, E.HOSTNAME, E.SLOT)
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not complete (a timeout, a dead server, a protocol error)."""
+
+
+# ==============================================================================================
+# The server process: the real driver, or the bare baseline
+# ==============================================================================================
+def _rss_kib() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
+
+
+def _stats() -> dict:
+    return {"cpu": time.process_time(), "wall": time.time(), "rss_kib": _rss_kib(),
+            "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "threads": threading.active_count()}
+
+
+def _server_main(mode: str, hosts: dict, np_: int, min_np: int, out_conn, in_conn, log_path: str,
+                 options: dict) -> None:
+    """Entry point of the server process (spawned). Talks to the simulator over two pipes."""
+    logging.basicConfig(filename=log_path, level=logging.INFO,
+                        format="%(asctime)s.%(msecs)03d %(threadName)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    if options.get("backlog"):
+        # What-if only (--backlog): every socket of this process listens with a longer accept
+        # queue than ZeroMQ's default of 100, without touching the driver's code.
+        backlog = int(options["backlog"])
+
+        class _Context(zmq.Context):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                self.setsockopt(zmq.BACKLOG, backlog)  # a default for the sockets it creates
+
+        zmq.Context = _Context  # type: ignore[misc]
+    # Both modes import the same modules, so that their memory is comparable.
+    from elasticrun.common.settings import JobSettings
+    from elasticrun.driver import driver as drv
+
+    lock = threading.Lock()
+
+    def send(msg) -> None:
+        with lock:
+            out_conn.send(msg)
+
+    try:
+        send(("hello", os.getpid(), _stats()))
+        if mode == "driver":
+            rc = _run_driver(drv, JobSettings, hosts, np_, min_np, send, in_conn, options)
+        else:
+            rc = _run_bare(hosts, send, in_conn)
+        send(("final", rc, _stats()))
+    except BaseException as exc:  # noqa: BLE001 - reported to the simulator, which fails loudly
+        detail = str(exc) if type(exc).__name__ == "JobFailed" else traceback.format_exc()
+        try:
+            send(("error", f"{type(exc).__name__}: {detail}"))
+        except OSError:
+            pass
+        os._exit(1)
+
+
+class _SimSource:
+    """Discovery whose answer the simulator changes (the driver polls it every interval)."""
+
+    def __init__(self, hosts: dict):
+        self.hosts = dict(hosts)
+
+    def describe(self) -> str:
+        return "simulated discovery"
+
+    def discover(self):
+        from elasticrun.common.hosts import HostList
+
+        return HostList(hosts=dict(self.hosts))
+
+    def close(self) -> None:
+        pass
+
+
+class _SimLauncher:
+    """The driver's launcher interface (launch/signal/pid/stop_all/drain/is_remote), forwarding
+    to the simulator instead of starting processes. Exits come back through ``on_exit``."""
+
+    def __init__(self, send):
+        self._send = send
+        self.stopped = threading.Event()
+
+    def is_remote(self, host: str) -> bool:
+        return False
+
+    def launch(self, worker_id: str, command: list, env: dict, host: str | None = None) -> None:
+        self._send(("launch", worker_id, {k: env[k] for k in ENV_KEYS if k in env}, time.time()))
+
+    def signal(self, worker_id: str, sig: int) -> None:
+        self._send(("signal", worker_id, int(sig)))
+
+    def pid(self, worker_id: str) -> None:
+        return None
+
+    def stop_all(self, grace: float) -> None:
+        self._send(("stop_all",))
+        self.stopped.wait(grace)
+
+    def drain(self, timeout: float) -> None:
+        pass
+
+
+def _run_driver(drv, JobSettings, hosts: dict, np_: int, min_np: int, send, in_conn, options: dict) -> int:
+    # Defaults of the CLI everywhere (heartbeats every 0.5 s, declared hung after 5 s, discovery
+    # every 1 s) unless --heartbeat-timeout says otherwise; discovery_script only has to be set
+    # for the driver to start its discovery thread.
+    settings = JobSettings(command=["<simulated>"], np=np_, min_np=min_np, max_np=None,
+                           discovery_script="<simulated>", heartbeat_timeout=options["heartbeat_timeout"])
+    source = _SimSource(hosts)
+    launcher = _SimLauncher(send)
+
+    class SimDriver(drv.ElasticDriver):
+        def __init__(self) -> None:
+            super().__init__(settings, source)
+            self._launcher = launcher  # instead of Launchers: no processes, no SSH
+
+    driver = SimDriver()
+
+    def control() -> None:
+        while True:
+            try:
+                msg = in_conn.recv()
+            except (EOFError, OSError):
+                os._exit(3)  # the simulator is gone: nothing left to measure or clean up
+            kind = msg[0]
+            if kind == "exit":
+                driver._post("exit", (msg[1], msg[2]))
+            elif kind == "hosts":
+                source.hosts = dict(msg[1])
+            elif kind == "stats":
+                send(("stats", msg[1], _stats()))
+            elif kind == "stopped":
+                launcher.stopped.set()
+
+    threading.Thread(target=control, name="bench-control", daemon=True).start()
+    return driver.run()
+
+
+def _run_bare(hosts: dict, send, in_conn) -> int:
+    """The floor: the same sockets and frames, no registry, no decisions beyond a barrier."""
+    from elasticrun.common.protocol import new_secret
+
+    secret, job_id = new_secret(), "bare" + os.urandom(4).hex()
+    ctx = zmq.Context()
+    router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
+    for s in (router, pub):
+        s.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    control_addr = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    notify_addr = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+    rx = Codec(secret, job_id, new_sender_id("driver-rx"))
+    pub_codec = Codec(secret, job_id, new_sender_id("driver-pub"))
+    place: dict[str, tuple[str, int]] = {}
+    n = itertools.count(1)
+    for host, slots in hosts.items():
+        for slot in range(slots):
+            wid = f"w{next(n)}"
+            place[wid] = (host, slot)
+            send(("launch", wid, {E.WORKER_ID: wid, E.JOB_ID: job_id, E.SECRET: secret.hex(),
+                                  E.CONTROL_ADDR: control_addr, E.NOTIFY_ADDR: notify_addr,
+                                  E.HEARTBEAT_INTERVAL: "0.5", E.DRIVER_TIMEOUT: "5.0", E.HOSTNAME: host,
+                                  E.SLOT: str(slot)}, time.time()))
+    live = set(place)
+    current_hosts = dict(hosts)
+    pending: dict[str, tuple[bytes, str, object]] = {}
+    round_, last_ts, updates = -1, 0.0, []
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    poller.register(in_conn.fileno(), zmq.POLLIN)
+
+    def reply(identity: bytes, to: str, req, type_: str, body: dict) -> None:
+        try:
+            router.send_multipart([identity, rx.encode(type_, dict(body, re=req), to=to)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    try:
+        while live or round_ < 0:
+            events = dict(poller.poll(500))
+            while in_conn.poll():
+                msg = in_conn.recv()
+                if msg[0] == "exit":
+                    live.discard(msg[1])
+                    pending.pop(msg[1], None)
+                elif msg[0] == "hosts":
+                    current_hosts = dict(msg[1])
+                    last_ts = max(time.time(), last_ts + 1e-6)
+                    updates.append([last_ts, False, True])
+                    pub.send(pub_codec.encode("hosts_updated", {"ts": last_ts, "added": False, "removed": True}))
+                elif msg[0] == "stats":
+                    send(("stats", msg[1], _stats()))
+            if router not in events:
+                continue
+            for _ in range(1000):
+                try:
+                    identity, frame = router.recv_multipart(zmq.NOBLOCK)
+                    m = rx.decode(frame)
+                except zmq.Again:
+                    break
+                except (ValueError, ProtocolError):
+                    continue
+                if m.type == "heartbeat":
+                    reply(identity, m.sender, m.body.get("req"), "heartbeat_ack",
+                          {"round": round_, "aborted": False, "reason": "", "updates": updates[-16:]})
+                elif m.type == "rendezvous":
+                    pending[str(m.body.get("worker"))] = (identity, m.sender, m.body.get("req"))
+                    if len(pending) >= len(live) and live <= set(pending):  # the barrier
+                        round_ += 1
+                        members = sorted((w for w in pending if place[w][0] in current_hosts),
+                                         key=lambda w: int(w[1:]))
+                        for rank, w in enumerate(members):
+                            host, slot = place[w]
+                            identity_, to, req = pending[w]
+                            reply(identity_, to, req, "assignment", {
+                                "host": host, "slot": slot, "rank": rank, "size": len(members),
+                                "local_rank": slot, "local_size": 4, "cross_rank": 0, "cross_size": 1,
+                                "round": round_, "notify_ts": last_ts, "new_members": round_ == 0})
+                        for w in pending:
+                            if place[w][0] not in current_hosts:
+                                identity_, to, req = pending[w]
+                                reply(identity_, to, req, "dismiss", {"reason": "host removed"})
+                        pending.clear()
+        return 0
+    finally:
+        router.close(0)
+        pub.close(0)
+        ctx.term()
+
+
+# ==============================================================================================
+# The simulated workers: one thread, epoll over every socket's ZMQ_FD
+# ==============================================================================================
+REQ, HB, SUB = 0, 1, 2
+
+
+class SimWorker:
+    __slots__ = ("wid", "host", "slot", "socks", "codecs", "fds", "req_ids", "pending", "round", "rank",
+                 "launch_ts", "rdzv_sent", "assigned", "handled_ts", "known", "interval", "last_ack",
+                 "max_gap", "alive", "exit_code", "dismissed", "aborts")
+
+    def __init__(self, wid: str, host: str, slot: int, launch_ts: float, interval: float):
+        self.wid, self.host, self.slot = wid, host, slot
+        self.socks: list = []
+        self.codecs: list[Codec] = []
+        self.fds: list[int] = []
+        self.req_ids = itertools.count(1)
+        self.pending: int | None = None
+        self.round, self.rank = -1, -1
+        self.launch_ts = launch_ts
+        self.rdzv_sent: dict[int, float] = {}  # after_round -> wall time sent
+        self.assigned: dict[int, float] = {}  # round -> wall time the assignment arrived
+        self.handled_ts = 0.0
+        self.known: dict[float, tuple[float, int]] = {}  # update ts -> (wall time learned, socket kind)
+        self.interval = interval
+        self.last_ack = time.monotonic()
+        self.max_gap = 0.0
+        self.alive = True
+        self.exit_code: int | None = None
+        self.dismissed: float | None = None
+        self.aborts: list[str] = []
+
+
+class Sim:
+    def __init__(self, conn_in, conn_out, max_workers: int):
+        self.ctx = zmq.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, 3 * max_workers + 64)
+        self.conn_in, self.conn_out = conn_in, conn_out
+        self.ep = select.epoll()
+        self.pipe_fd = conn_in.fileno()
+        self.ep.register(self.pipe_fd, select.EPOLLIN)
+        self.by_fd: dict[int, tuple[SimWorker, int]] = {}
+        self.workers: dict[str, SimWorker] = {}
+        self.beats: list = []
+        self.beat_seq = itertools.count()
+        self.recheck: set = set()
+        self.next_sweep = time.monotonic() + 2.0
+        self.sweep_found = 0
+        self.hello = None
+        self.stats: dict[str, dict] = {}
+        self.final = None
+        self.launch_walls: list[float] = []
+        self.kills: list[tuple[str, int]] = []
+        self.protocol_errors: list[str] = []
+        self.update_ts: list[float] = []  # distinct host-update timestamps, in the order first seen
+        self.frames = 0
+
+    # --- plumbing -------------------------------------------------------------------------
+    def to_server(self, msg) -> None:
+        try:
+            self.conn_out.send(msg)
+        except OSError as exc:
+            raise BenchError(f"the server process is gone ({exc})") from None
+
+    def step(self, timeout: float) -> None:
+        now = time.monotonic()
+        while self.beats and self.beats[0][0] <= now:
+            _, _, w = heapq.heappop(self.beats)
+            if w.alive:
+                self.send(w, HB, "heartbeat", {"worker": w.wid, "round": w.round})
+                heapq.heappush(self.beats, (now + w.interval, next(self.beat_seq), w))
+        if self.beats:
+            timeout = min(timeout, max(0.0, self.beats[0][0] - now))
+        for fd, _ in self.ep.poll(timeout):
+            if fd == self.pipe_fd:
+                self.read_pipe()
+            else:
+                entry = self.by_fd.get(fd)
+                if entry is not None:
+                    self.drain(*entry)
+        # After a send, libzmq may have consumed the FD's edge while taking in new messages:
+        # look at ZMQ_EVENTS of every socket that was sent on (the standard edge-trigger rule).
+        while self.recheck:
+            batch, self.recheck = self.recheck, set()
+            for w, kind in batch:
+                if w.alive and w.socks[kind].getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self.drain(w, kind)
+        if time.monotonic() >= self.next_sweep:  # safety net; counts what the rule above missed
+            self.next_sweep = time.monotonic() + 2.0
+            for w in list(self.workers.values()):
+                for kind in (REQ, HB, SUB):
+                    if w.alive and w.socks[kind].getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        self.sweep_found += 1
+                        self.drain(w, kind)
+
+    def until(self, pred, timeout: float, what: str, progress=lambda: "") -> float:
+        deadline = min(time.monotonic() + timeout, BUDGET_END)
+        while not pred():
+            if self.final is not None and not pred():
+                raise BenchError(f"the server finished (rc={self.final[0]}) before {what}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = "--timeout" if deadline < BUDGET_END else "--budget"
+                raise BenchError(f"timed out ({why}) waiting for {what}; {progress()}")
+            self.step(min(left, 0.05))
+        return time.time()
+
+    def run_for(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            self.step(min(left, 0.05))
+
+    def ask_stats(self, tag: str) -> dict:
+        self.to_server(("stats", tag))
+        self.until(lambda: tag in self.stats, 30, f"the server's stats ({tag})")
+        return self.stats[tag]
+
+    # --- the server's messages ------------------------------------------------------------
+    def read_pipe(self) -> None:
+        while True:
+            try:
+                if not self.conn_in.poll():
+                    return
+                msg = self.conn_in.recv()
+            except (EOFError, OSError):
+                raise BenchError("the server process died (its pipe closed); see its log below") from None
+            kind = msg[0]
+            if kind == "launch":
+                self.launch(msg[1], msg[2], msg[3])
+            elif kind == "signal":
+                w = self.workers.get(msg[1])
+                if w is not None and w.alive and msg[2] in (signal.SIGKILL, signal.SIGTERM):
+                    self.kills.append((msg[1], msg[2]))
+                    self.exit(w, -msg[2])
+            elif kind == "stop_all":
+                for w in self.workers.values():
+                    if w.alive:
+                        self.exit(w, -signal.SIGTERM)
+                self.to_server(("stopped",))
+            elif kind == "stats":
+                self.stats[msg[1]] = msg[2]
+            elif kind == "hello":
+                self.hello = (msg[1], msg[2])
+            elif kind == "final":
+                self.final = (msg[1], msg[2])
+            elif kind == "error":
+                raise BenchError(f"the server failed: {msg[1]}")
+
+    def launch(self, wid: str, env: dict, launch_wall: float) -> None:
+        self.launch_walls.append(launch_wall)
+        w = SimWorker(wid, env[E.HOSTNAME], int(env[E.SLOT]), time.time(), float(env[E.HEARTBEAT_INTERVAL]))
+        secret, job_id = bytes.fromhex(env[E.SECRET]), env[E.JOB_ID]
+        for kind, (stype, addr, name) in enumerate(((zmq.DEALER, env[E.CONTROL_ADDR], "worker"),
+                                                    (zmq.DEALER, env[E.CONTROL_ADDR], "hb"),
+                                                    (zmq.SUB, env[E.NOTIFY_ADDR], "sub"))):
+            sock = self.ctx.socket(stype)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            if stype == zmq.SUB:
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(addr)
+            fd = sock.getsockopt(zmq.FD)
+            w.socks.append(sock)
+            w.codecs.append(Codec(secret, job_id, new_sender_id(name)))
+            w.fds.append(fd)
+            self.by_fd[fd] = (w, kind)
+            self.ep.register(fd, select.EPOLLIN)
+        self.workers[wid] = w
+        # As Runtime: the control thread's first heartbeat at once, then the first rendezvous.
+        self.send(w, HB, "heartbeat", {"worker": wid, "round": w.round})
+        heapq.heappush(self.beats, (time.monotonic() + w.interval, next(self.beat_seq), w))
+        self.rendezvous(w)
+
+    # --- one worker -----------------------------------------------------------------------
+    def send(self, w: SimWorker, kind: int, type_: str, body: dict) -> None:
+        try:
+            w.socks[kind].send(w.codecs[kind].encode(type_, body), zmq.NOBLOCK)
+        except zmq.Again:
+            raise BenchError(f"{w.wid}: could not send {type_} (no connection to the server)") from None
+        self.recheck.add((w, kind))
+
+    def rendezvous(self, w: SimWorker) -> None:
+        w.pending = next(w.req_ids)
+        w.rdzv_sent[w.round] = time.time()
+        self.send(w, REQ, "rendezvous", {"worker": w.wid, "after_round": w.round, "req": w.pending})
+
+    def learn(self, w: SimWorker, ts: float, kind: int) -> None:
+        if ts in w.known:
+            return
+        w.known[ts] = (time.time(), kind)
+        if ts not in self.update_ts:
+            self.update_ts.append(ts)
+        # As after HostsUpdatedInterrupt: ask for the next round (unless a request is in flight;
+        # its answer is then checked against what is known).
+        if ts > w.handled_ts and w.pending is None and w.round >= 0:
+            self.rendezvous(w)
+
+    def drain(self, w: SimWorker, kind: int) -> None:
+        sock, codec = w.socks[kind], w.codecs[kind]
+        while w.alive:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.frames += 1
+            try:
+                msg = codec.decode(frame)
+            except ProtocolError as exc:
+                self.protocol_errors.append(f"{w.wid}: {exc}")
+                continue
+            body = msg.body
+            if kind == REQ:
+                if body.get("re") != w.pending:
+                    continue
+                w.pending = None
+                if msg.type == "assignment":
+                    w.round, w.rank = int(body["round"]), int(body["rank"])
+                    w.assigned[w.round] = time.time()
+                    w.handled_ts = max(w.handled_ts, float(body.get("notify_ts", 0.0)))
+                    if any(ts > w.handled_ts for ts in w.known):
+                        self.rendezvous(w)
+                elif msg.type == "dismiss":
+                    w.dismissed = time.time()
+                    self.exit(w, 0)
+            elif kind == HB:
+                now = time.monotonic()
+                w.max_gap = max(w.max_gap, now - w.last_ack)
+                w.last_ack = now
+                for ts, _added, _removed in body.get("updates", []):
+                    self.learn(w, float(ts), HB)
+                if body.get("aborted"):
+                    w.aborts.append(str(body.get("reason")))
+            else:
+                if msg.type == "hosts_updated":
+                    self.learn(w, float(body["ts"]), SUB)
+                elif msg.type == "round_aborted":
+                    w.aborts.append(str(body.get("reason")))
+
+    def exit(self, w: SimWorker, code: int) -> None:
+        """The simulated process ends: its sockets close, then the server hears of its exit."""
+        self.close_worker(w)
+        w.exit_code = code
+        self.to_server(("exit", w.wid, code))
+
+    def close_worker(self, w: SimWorker) -> None:
+        if not w.alive:
+            return
+        w.alive = False
+        for fd, sock in zip(w.fds, w.socks):
+            self.by_fd.pop(fd, None)
+            try:
+                self.ep.unregister(fd)
+            except (OSError, ValueError):
+                pass
+            sock.close(0)
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            self.close_worker(w)
+        self.ep.close()
+        self.ctx.term()
+        self.conn_in.close()
+        self.conn_out.close()
+
+
+# ==============================================================================================
+# One job: a server process, N simulated workers, the three measurements
+# ==============================================================================================
+BUDGET_END = float("inf")
+
+
+def run_job(mode: str, n_hosts: int, slots: int, args, tmp: str) -> dict:
+    n = n_hosts * slots
+    hosts = {f"h{i}": slots for i in range(n_hosts)}
+    log_path = os.path.join(tmp, f"{mode}-{n}.log")
+    mpctx = mp.get_context("spawn")
+    to_sim_r, to_sim_w = mpctx.Pipe(duplex=False)
+    to_srv_r, to_srv_w = mpctx.Pipe(duplex=False)
+    proc = mpctx.Process(target=_server_main, name=f"bench-{mode}",
+                         args=(mode, hosts, n, n - slots, to_sim_w, to_srv_r, log_path,
+                                                         {"backlog": args.backlog,
+                                                          "heartbeat_timeout": args.heartbeat_timeout}),
+                         daemon=True)
+    proc.start()
+    to_sim_w.close()
+    to_srv_r.close()
+    sim = Sim(to_sim_r, to_srv_w, n)
+    profiler = None
+    res: dict = {"mode": mode, "n": n}
+    try:
+        sim.until(lambda: sim.hello is not None, 60, "the server process to start")
+        pid, hello = sim.hello
+        if args.profile and mode == "driver":
+            os.makedirs(args.profile, exist_ok=True)
+            out = os.path.join(args.profile, f"driver-{n}.txt")
+            profiler = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "200", "--format", "raw",
+                                         "--nonblocking", "--output", out],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            res["profile"] = out
+        ws = sim.workers
+        sim_cpu0 = time.process_time()
+
+        # (1) round 0
+        def launched_and_assigned(r: int):
+            return lambda: len(ws) == n and all(r in w.assigned for w in ws.values())
+
+        def progress(r: int):
+            return lambda: (f"{len(ws)}/{n} launched, {sum(r in w.assigned for w in ws.values())} hold a round-{r} "
+                            f"assignment, {sum(not w.alive for w in ws.values())} exited, {len(sim.kills)} killed "
+                            f"by the server")
+
+        sim.until(launched_and_assigned(0), args.timeout, "every worker's round-0 assignment", progress(0))
+        first_launch = min(sim.launch_walls)
+        res["round0"] = max(w.assigned[0] for w in ws.values()) - first_launch
+        res["round0_after_last_request"] = max(w.assigned[0] for w in ws.values()) - max(
+            w.rdzv_sent[-1] for w in ws.values())
+        res["launch_spread"] = max(sim.launch_walls) - first_launch
+        st_r0 = sim.ask_stats("round0")
+        res["cpu_round0"] = st_r0["cpu"] - hello["cpu"]
+        res["rss_round0_mib"] = st_r0["rss_kib"] / 1024
+
+        # (3) steady state: heartbeats only
+        sim.run_for(0.5)
+        st_a = sim.ask_stats("steady-a")
+        sim.run_for(args.steady)
+        st_b = sim.ask_stats("steady-b")
+        res["cpu_steady"] = (st_b["cpu"] - st_a["cpu"]) / (st_b["wall"] - st_a["wall"])
+
+        # (2) graceful removal of the last host
+        removed = f"h{n_hosts - 1}"
+        alive_before = [w for w in ws.values() if w.alive]
+        known_before = len(sim.update_ts)
+        sim.to_server(("hosts", {h: s for h, s in hosts.items() if h != removed}))
+        sim.until(lambda: len(sim.update_ts) > known_before and all(
+            sim.update_ts[known_before] in w.known or not w.alive for w in alive_before),
+            args.timeout, "every worker to hear of the host update",
+            lambda: f"{len(sim.update_ts) - known_before} update(s) seen so far")
+        ts = sim.update_ts[known_before]
+        heard = [w.known[ts] for w in alive_before if ts in w.known]
+        delays = sorted(t - ts for t, _ in heard)
+        res["notify_last"] = delays[-1]
+        res["notify_median"] = statistics.median(delays)
+        res["notify_via_heartbeat"] = sum(1 for _, kind in heard if kind == HB)
+        res["notify_count"] = len(delays)
+        survivors = [w for w in alive_before if w.host != removed]
+        gone = [w for w in alive_before if w.host == removed]
+        r1 = 1
+        sim.until(lambda: all(r1 in w.assigned for w in survivors) and all(w.dismissed for w in gone),
+                  args.timeout, "every survivor's round-1 assignment",
+                  lambda: (f"{sum(r1 in w.assigned for w in survivors)}/{len(survivors)} survivors hold round 1, "
+                           f"{sum(bool(w.dismissed) for w in gone)}/{len(gone)} removed workers dismissed, "
+                           f"{len(sim.kills)} killed by the server"))
+        res["round1"] = max(w.assigned[r1] for w in survivors) - ts
+        res["round1_after_last_request"] = max(w.assigned[r1] for w in survivors) - max(
+            w.rdzv_sent[0] for w in alive_before)
+        st_r1 = sim.ask_stats("round1")
+        res["cpu_round1"] = st_r1["cpu"] - st_b["cpu"]
+        res["rss_round1_mib"] = st_r1["rss_kib"] / 1024
+        now = time.monotonic()
+        res["max_ack_gap"] = max(max(w.max_gap, now - w.last_ack if w.alive else 0.0) for w in ws.values())
+        res["sim_cpu"] = time.process_time() - sim_cpu0
+        res["rss_start_mib"] = hello["rss_kib"] / 1024
+        res["peak_rss_mib"] = st_r1["maxrss_kib"] / 1024
+
+        # the end: every worker exits 0; the job must conclude by itself
+        for w in ws.values():
+            if w.alive:
+                sim.exit(w, 0)
+        sim.until(lambda: sim.final is not None, args.timeout, "the server to conclude the job")
+        proc.join(10)
+        res["rc"] = sim.final[0]
+        res["kills"] = len(sim.kills)
+        res["aborts"] = sum(len(w.aborts) for w in ws.values())
+        res["protocol_errors"] = len(sim.protocol_errors)
+        res["sweep_found"] = sim.sweep_found
+        res["updates"] = len(sim.update_ts)
+        if sim.kills or res["aborts"] or sim.protocol_errors or res["rc"] != 0 or res["updates"] != 1:
+            res["warning"] = (f"{len(sim.kills)} worker(s) killed by the server, {res['aborts']} abort notice(s), "
+                              f"{len(sim.protocol_errors)} protocol error(s) {sim.protocol_errors[:3]}, "
+                              f"{res['updates']} host update(s), rc={res['rc']}")
+        return res
+    except BenchError as exc:
+        res["error"] = str(exc)
+        res["kills"] = len(sim.kills)
+        if sim.launch_walls:
+            res["failed_after"] = time.time() - min(sim.launch_walls)
+        _print_log_tail(log_path, 8)
+        return res
+    except BaseException:
+        _print_log_tail(log_path)
+        raise
+    finally:
+        if proc.is_alive():
+            proc.terminate()  # the driver stops on SIGTERM like on Ctrl-C
+            proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        if profiler is not None:
+            try:
+                profiler.wait(30)
+            except subprocess.TimeoutExpired:
+                profiler.terminate()
+                profiler.wait(5)
+        sim.close()
+
+
+def _print_log_tail(path: str, lines: int = 25) -> None:
+    try:
+        with open(path) as f:
+            text = f.readlines()
+    except OSError:
+        return
+    hung = sum("sent no heartbeat" in line for line in text)
+    if text:
+        print(f"--- last lines of the server's log ({path}) ---", file=sys.stderr)
+        sys.stderr.writelines(line[:400] + ("...\n" if len(line) > 400 else "") for line in text[-lines:])
+        if hung:
+            print(f"--- ({hung} worker(s) declared hung by --heartbeat-timeout in this log) ---", file=sys.stderr)
+
+
+# ==============================================================================================
+# The table
+# ==============================================================================================
+ROWS = [
+    # key, label, unit, scale, target (in the unit shown), applies only at N
+    ("round0", "round 0: first launch -> all assigned", "s", 1, 2.0, 1024),
+    ("round0_after_last_request", "  of which: last request -> all assigned", "s", 1, None, None),
+    ("notify_last", "hosts_updated: publish -> last worker", "ms", 1e3, 100.0, 1024),
+    ("notify_median", "hosts_updated: publish -> median worker", "ms", 1e3, None, None),
+    ("round1", "round 1 (host removed): publish -> all assigned", "s", 1, 2.0, 1024),
+    ("round1_after_last_request", "  of which: last request -> all assigned", "s", 1, None, None),
+    ("cpu_round0", "server CPU, launch + round 0", "s", 1, None, None),
+    ("cpu_steady", "server CPU, steady (heartbeats only)", "% core", 100, None, None),
+    ("cpu_round1", "server CPU, host removal + round 1", "s", 1, None, None),
+    ("rss_start_mib", "server RSS at start (modules imported)", "MiB", 1, None, None),
+    ("rss_round0_mib", "server RSS after round 0", "MiB", 1, None, None),
+    ("rss_round1_mib", "server RSS after round 1", "MiB", 1, None, None),
+    ("peak_rss_mib", "server peak RSS", "MiB", 1, None, None),
+    ("max_ack_gap", "longest heartbeat-reply gap at a worker", "s", 1, None, None),
+    ("sim_cpu", "simulator CPU (this process), whole job", "s", 1, None, None),
+]
+
+
+def print_table(n: int, bare: dict, drv: dict, args) -> list[str]:
+    notes = [f"heartbeats every 0.5 s, --heartbeat-timeout {args.heartbeat_timeout:g} s"]
+    if args.backlog:
+        notes.append(f"what-if: ZMQ_BACKLOG {args.backlog} on the server's sockets")
+    out = [f"N = {n} workers ({n // args.slots} hosts x {args.slots} slots), " + ", ".join(notes), "",
+           "| metric | bare ZeroMQ | driver | ratio | target |", "| --- | ---: | ---: | ---: | --- |"]
+    for key, label, unit, scale, target, only_n in ROWS:
+        b, d = bare.get(key), drv.get(key)
+        if b is None and d is None:
+            continue
+        fmt = (lambda v: f"{v:.1f}") if unit in ("ms", "% core", "MiB") else (lambda v: f"{v:.3f}")
+        cell = lambda v, res: f"{fmt(v * scale)} {unit}" if v is not None else "failed" if res.get("error") else "-"
+        ratio = f"{d / b:.1f}x" if b and d is not None else "-"
+        tgt = ""
+        if target is not None and (only_n is None or only_n == n):
+            met = d is not None and d * scale <= target
+            tgt = f"<= {target:g} {unit}: " + ("met" if met else "MISSED")
+        out.append(f"| {label} | {cell(b, bare)} | {cell(d, drv)} | {ratio} | {tgt} |")
+    for res in (bare, drv):
+        if res.get("error"):
+            after = f" {res['failed_after']:.1f} s after the first launch" if "failed_after" in res else ""
+            out.append(f"\n{res['mode']} FAILED{after}: {res['error']}"[:1500])
+        if res.get("warning"):
+            out.append(f"\nWARNING ({res['mode']}): {res['warning']}")
+        if res.get("notify_via_heartbeat"):
+            out.append(f"\nnote ({res['mode']}): {res['notify_via_heartbeat']} worker(s) heard of the update "
+                       f"from a heartbeat reply before the PUB frame")
+    return out
+
+
+def main() -> int:
+    global BUDGET_END
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workers", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--slots", type=int, default=4)
+    p.add_argument("--steady", type=float, default=3.0, help="seconds of heartbeats-only load to measure")
+    p.add_argument("--timeout", type=float, default=60.0, help="limit for each phase, in seconds")
+    p.add_argument("--budget", type=float, default=280.0, help="limit for the whole run, in seconds")
+    p.add_argument("--modes", nargs="+", default=["bare", "driver"], choices=["bare", "driver"])
+    p.add_argument("--profile", metavar="DIR", help="record the driver process with py-spy into DIR")
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                   help="the driver's --heartbeat-timeout (default 5, the CLI's default)")
+    p.add_argument("--backlog", type=int, default=None,
+                   help="what-if: set ZMQ_BACKLOG on the server's sockets (ZeroMQ's default is 100)")
+    args = p.parse_args()
+    if args.profile and not shutil.which("py-spy"):
+        p.error("--profile needs py-spy on PATH")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 4 * max(args.workers) * 3 + 256  # per socket: a mailbox fd and a TCP fd on each side
+    if soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(need, soft)), hard))
+    BUDGET_END = time.monotonic() + args.budget
+    tmp = tempfile.mkdtemp(prefix="driver-scale-")
+    failed = False
+    try:
+        for n in args.workers:
+            if n % args.slots:
+                p.error(f"--workers {n} is not a multiple of --slots {args.slots}")
+            results = {m: {"mode": m, "n": n} for m in ("bare", "driver")}  # "-" where not run (--modes)
+            for mode in args.modes:
+                t0 = time.monotonic()
+                results[mode] = res = run_job(mode, n // args.slots, args.slots, args, tmp)
+                failed |= bool(res.get("error"))
+                print(f"N={n} {mode}: {'FAILED' if res.get('error') else 'done'} in {time.monotonic() - t0:.1f} s"
+                      + (f"; profile in {res['profile']}" if res.get("profile") else ""), file=sys.stderr, flush=True)
+            table = print_table(n, results["bare"], results["driver"], args)
+            print("\n".join(table) + "\n", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
