@@ -45,20 +45,28 @@ def assign(hosts: Sequence[tuple[str, int]], max_np: int | None,
     """
     budget = max_np if max_np is not None else sum(s for _, s in hosts)
     used: list[tuple[str, int]] = []
+    total = 0
     for host, slots in hosts:
-        take = min(slots, budget - sum(n for _, n in used))
+        take = min(slots, budget - total)
         if take <= 0:
             break
         used.append((host, take))
-    size = sum(n for _, n in used)
+        total += take
+    # cross_rank / cross_size: hosts that have a worker at each local rank, in host order.
+    cross_size: list[int] = []
+    cross_rank: dict[tuple[str, int], int] = {}
+    for host, n in used:
+        cross_size.extend([0] * (n - len(cross_size)))
+        for local in range(n):
+            cross_rank[(host, local)] = cross_size[local]
+            cross_size[local] += 1
+    previous = previous or {}
     out: list[SlotInfo] = []
     rank = 0
-    previous = previous or {}
     for host, local_size in used:
         order = sorted(range(local_size), key=lambda s: ((host, s) not in previous, previous.get((host, s), 0), s))
         for slot in order:
-            peers = [h for h, n in used if n > slot]  # hosts that have a worker at this local rank
-            out.append(SlotInfo(host=host, slot=slot, rank=rank, size=size, local_rank=slot,
-                                local_size=local_size, cross_rank=peers.index(host), cross_size=len(peers)))
+            out.append(SlotInfo(host=host, slot=slot, rank=rank, size=total, local_rank=slot, local_size=local_size,
+                                cross_rank=cross_rank[(host, slot)], cross_size=cross_size[slot]))
             rank += 1
     return out

@@ -161,6 +161,11 @@ class Registry:
         self.finished: Finish | None = None
         self._notified_target: frozenset[tuple[str, int]] | None = None
         self._wait_started: float | None = None
+        # Batching (the driver's choice): events only update state and mark it dirty, and
+        # flush() decides once per batch of messages. A round of N workers then costs O(N)
+        # decisions instead of O(N) per arrival. Off by default: one decision per event.
+        self.defer = False
+        self._dirty = False
 
     # --- events --------------------------------------------------------------------------
     def discovered(self, hosts: Mapping[str, int], now: float) -> list[Action]:
@@ -172,7 +177,7 @@ class Registry:
             acts.append(Event("host_removed", f"host {h} removed", {"host": h}))
         for h in change.resized:
             acts.append(Event("host_resized", f"host {h} now has {hosts[h]} slots", {"host": h}))
-        return acts + self._reconcile(now)
+        return acts + self._decide(now)
 
     def rendezvous(self, worker_id: str, now: float) -> list[Action]:
         """A worker asks for its place in the next round (first time, or after an interrupt)."""
@@ -183,7 +188,7 @@ class Registry:
             return [Dismiss(worker_id, "the job has finished" if self.finished or self._succeeded()
                             else "this process has no place in the job any more")]
         w.state, w.last_seen = WorkerState.WAITING, now
-        return self._reconcile(now)
+        return self._decide(now)
 
     def heartbeat(self, worker_id: str, now: float) -> None:
         """A sign of life from a worker (no decision depends on it until it stops)."""
@@ -197,27 +202,46 @@ class Registry:
             return []
         w.exited, w.exit_code = True, code
         if w.state in (WorkerState.LEFT, WorkerState.FAILED):  # already accounted for
-            return self._reconcile(now)
+            return self._decide(now)
         if code == 0:
             w.state = WorkerState.SUCCEEDED
             return [Event("worker_succeeded", f"{w.label} (rank {w.rank}) finished", {"host": w.host})] \
-                + self._reconcile(now)
+                + self._decide(now)
         return self._fail(w, f"exited with code {code}" + (f": {detail}" if detail else ""), now) \
-            + self._reconcile(now)
+            + self._decide(now)
 
     def failing(self, worker_id: str, error: str, now: float) -> list[Action]:
         """A worker reports it is failing (before its exit, which is then only recorded)."""
         w = self.workers.get(worker_id)
         if w is None or w.state in _GONE:
             return []
-        return self._fail(w, f"failed: {error}", now) + self._reconcile(now)
+        return self._fail(w, f"failed: {error}", now) + self._decide(now)
 
     def tick(self, now: float) -> list[Action]:
         """Time passed: cooldowns, start timeouts and waits may have expired."""
         change = self.hosts.refresh(now)
         acts: list[Action] = [Event("host_whitelisted", f"host {h} is back after its blacklist cooldown",
                                     {"host": h}) for h in change.added]
+        self._dirty = False
         return acts + self._reconcile(now)
+
+    @property
+    def dirty(self) -> bool:
+        """Events arrived (with ``defer``) that no decision has looked at yet."""
+        return self._dirty
+
+    def flush(self, now: float) -> list[Action]:
+        """With ``defer``: decide once for every event since the last flush."""
+        if not self._dirty:
+            return []
+        self._dirty = False
+        return self._reconcile(now)
+
+    def _decide(self, now: float) -> list[Action]:
+        if self.defer:
+            self._dirty = True
+            return []
+        return self._reconcile(now)
 
     # --- queries -------------------------------------------------------------------------
     def live(self) -> list[WorkerRecord]:
