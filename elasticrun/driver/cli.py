@@ -13,6 +13,7 @@ from elasticrun import __version__
 from elasticrun.common.hosts import HostSpecError, parse_hostfile, parse_hosts_arg
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.sources import FixedHosts, ScriptDiscovery
+from elasticrun.driver import check, config
 
 DESCRIPTION = """\
 Run COMMAND as an elastic, fault-tolerant data-parallel job.
@@ -67,10 +68,26 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"elasticrun: error: {message} (see elasticrun --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="elasticrun", description=DESCRIPTION, epilog=EPILOG,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+class _RaisingParser(_Parser):
+    """For ``elasticrun.run()``: the same checks and messages, raised as ValueError."""
+
+    def error(self, message: str) -> None:
+        raise ValueError(message)
+
+
+def build_parser(parser_class: type[argparse.ArgumentParser] = _Parser,
+                 host_source_required: bool = True) -> argparse.ArgumentParser:
+    p = parser_class(prog="elasticrun", description=DESCRIPTION, epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"elasticrun {__version__}")
+    p.add_argument("--check", action="store_true",
+                   help="check this installation (torch, gloo/NCCL, pyzmq, paramiko, cloudpickle) and that "
+                        "each host of -H/--hostfile/--host-discovery-script is reachable (SSH, python, torch); "
+                        "no training command needed; exit 0 when all is well, 1 otherwise")
+    p.add_argument("--config-file", metavar="FILE",
+                   help="TOML file of options (keys are long option names, e.g. min-np = 2); "
+                        "flags override ELASTICRUN_* environment variables, which override the file "
+                        "(see docs/configuration.md)")
     p.add_argument("-np", "--num-proc", dest="np", type=_positive_int, required=True,
                    help="number of processes to start with (the first round waits for this many slots)")
     p.add_argument("--min-np", "--min-num-proc", dest="min_np", type=_positive_int,
@@ -78,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-np", "--max-num-proc", dest="max_np", type=_positive_int,
                    help="most processes to use (default: -np with a fixed host list, "
                         "all discovered slots with a discovery script)")
-    hosts = p.add_mutually_exclusive_group(required=True)
+    hosts = p.add_mutually_exclusive_group(required=host_source_required)
     hosts.add_argument("--host-discovery-script", metavar="PATH",
                        help="executable printing the usable hosts, one `host[:slots]` per line")
     hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="fixed host list, e.g. localhost:2,127.0.0.1:2")
@@ -204,9 +221,12 @@ def _remote_settings(parser: argparse.ArgumentParser, a: argparse.Namespace) -> 
         driver_address=address, network_interface=a.network_interface)
 
 
-def parse_settings(argv: list[str]) -> JobSettings:
-    parser = build_parser()
-    a = parser.parse_args(argv)
+def parse_settings(argv: list[str], *, api: bool = False) -> JobSettings:
+    """Validate ``argv`` into JobSettings; errors exit 2 (``api=True``: raise ValueError, and
+    allow no host source, for ``elasticrun.run(discovery=callable)``)."""
+    kind, required = (_RaisingParser, False) if api else (_Parser, True)
+    parser = build_parser(kind, required)
+    a = config.parse_args(parser, argv, probe_parser=build_parser(kind, required))
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
         parser.error("missing the training command, e.g. `elasticrun -np 2 -H localhost:2 python train.py`")
@@ -257,7 +277,14 @@ def parse_settings(argv: list[str]) -> JobSettings:
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "timeline":
+        from elasticrun import timeline
+
+        return timeline.main(argv[1:])
+    if check.wants_check(argv):
+        return check.main(argv)
+    settings = parse_settings(argv)
     logging.basicConfig(level=settings.log_level, format="[elasticrun] %(message)s", stream=sys.stderr)
     from elasticrun.driver.driver import ElasticDriver, JobFailed
 

@@ -1,0 +1,260 @@
+"""``elasticrun --check``: is this installation usable, and can each host run workers?
+
+Like ``horovodrun --check-build``, plus the host checks: for every host of ``-H``,
+``--hostfile`` or one run of ``--host-discovery-script``, a host of this machine must have a
+Python that imports torch and elasticrun; another host must accept the SSH connection
+(``elasticrun/driver/ssh.py``: same port, user, keys and known_hosts rules as a job), run
+``--remote-python`` in the remote working directory and import torch and elasticrun there.
+One line per check; exit status 0 when everything is OK, 1 otherwise (2 for bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+# Run by the (local or remote) Python: argv[1] is the working directory to import from.
+_PROBE = r'''
+import json, os, sys
+r = {"python": sys.version.split()[0]}
+try:
+    os.chdir(sys.argv[1])
+    sys.path.insert(0, os.getcwd())
+except OSError as e:
+    r["cwd_error"] = "%s: %s" % (sys.argv[1], e.strerror)
+for m in ("torch", "elasticrun"):
+    try:
+        r[m] = getattr(__import__(m), "__version__", "?")
+    except Exception as e:
+        r[m + "_error"] = "%s: %s" % (type(e).__name__, e)
+print("ELASTICRUN-CHECK " + json.dumps(r))
+'''
+
+
+def wants_check(argv: list[str]) -> bool:
+    """True if the command line asks for --check (not counting the training command's args)."""
+    if "--check" not in argv:
+        return False
+    from elasticrun.driver.cli import build_parser
+
+    probe = build_parser()
+    for action in probe._actions:
+        action.required = False
+    for group in probe._mutually_exclusive_groups:
+        group.required = False
+    return bool(probe.parse_args(argv).check)
+
+
+# --- this installation -----------------------------------------------------------------------
+def _installation() -> list[tuple[bool, str]]:
+    from elasticrun import __version__
+
+    lines: list[tuple[bool, str]] = [(True, f"elasticrun {__version__}, python {sys.version.split()[0]} "
+                                            f"({sys.executable})")]
+    try:
+        import torch
+        import torch.distributed as dist
+
+        lines.append((True, f"torch {torch.__version__}"))
+        if not dist.is_available():
+            lines.append((False, "torch.distributed: not available in this torch build"))
+        else:
+            gloo = dist.is_gloo_available()
+            lines.append((gloo, "gloo: available" if gloo else "gloo: not available (elasticrun's collectives "
+                                                               "need it)"))
+            nccl = dist.is_nccl_available()
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            lines.append((True, f"nccl: {'available' if nccl else 'not available'} ({gpus} CUDA device(s); "
+                                f"not required)"))
+    except Exception as exc:  # noqa: BLE001 - any import failure is the answer
+        lines.append((False, f"torch: cannot import ({type(exc).__name__}: {exc})"))
+    try:
+        import zmq
+
+        curve = zmq.has("curve")
+        lines.append((True, f"pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()}, CURVE "
+                            f"{'available' if curve else 'not available'}; control messages are "
+                            f"authenticated with HMAC-SHA256 either way)"))
+    except Exception as exc:  # noqa: BLE001
+        lines.append((False, f"pyzmq: cannot import ({type(exc).__name__}: {exc})"))
+    for name in ("paramiko", "cloudpickle"):
+        try:
+            module = __import__(name)
+            lines.append((True, f"{name} {getattr(module, '__version__', '?')}"))
+        except Exception as exc:  # noqa: BLE001
+            lines.append((False, f"{name}: cannot import ({type(exc).__name__}: {exc})"))
+    return lines
+
+
+# --- hosts -----------------------------------------------------------------------------------
+def _verdict(result: dict, python: str, where: str) -> tuple[bool, str]:
+    if "cwd_error" in result:
+        return False, f"{where}: no working directory {result['cwd_error']} (see --remote-cwd)"
+    for m in ("torch", "elasticrun"):
+        if m + "_error" in result:
+            return False, f"{where}: {python} (python {result['python']}) cannot import {m}: {result[m + '_error']}"
+    return True, f"{where}: python {result['python']}, torch {result['torch']}, elasticrun {result['elasticrun']}"
+
+
+def _parse_probe(out: str) -> dict | None:
+    for line in out.splitlines():
+        if line.startswith("ELASTICRUN-CHECK "):
+            try:
+                return json.loads(line[len("ELASTICRUN-CHECK "):])
+            except ValueError:
+                return None
+    return None
+
+
+def _check_local(timeout: float) -> tuple[bool, str]:
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE, os.getcwd()], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return False, f"this machine: {sys.executable} did not answer within {timeout:g} s"
+    result = _parse_probe(proc.stdout)
+    if result is None:
+        return False, f"this machine: {sys.executable} failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
+    return _verdict(result, sys.executable, "this machine")
+
+
+def _check_ssh(host: str, a: argparse.Namespace, timeout: float) -> tuple[bool, str]:
+    from elasticrun.driver.ssh import LaunchError, SSHOptions, _HostConnections
+
+    opts = SSHOptions(port=a.ssh_port, user=a.ssh_user,
+                      identity_file=os.path.abspath(a.ssh_identity_file) if a.ssh_identity_file else None,
+                      known_hosts=os.path.abspath(a.ssh_known_hosts) if a.ssh_known_hosts else None,
+                      accept_unknown_hosts=a.ssh_accept_unknown_hosts, connect_timeout=timeout,
+                      remote_cwd=a.remote_cwd, python=a.remote_python)
+    conn = _HostConnections(host, opts)
+    deadline = time.monotonic() + timeout
+    try:
+        try:
+            chan = conn.open_session(deadline)
+        except LaunchError as exc:
+            return False, f"SSH: {exc}"
+        cwd = opts.remote_cwd or os.getcwd()
+        command = " ".join(["exec", shlex.quote(opts.python), "-c", shlex.quote(_PROBE), shlex.quote(cwd)])
+        chan.settimeout(max(0.5, deadline - time.monotonic()))
+        try:
+            chan.exec_command(command)
+            chan.shutdown_write()
+            out = chan.makefile("r").read().decode(errors="replace")
+            err = chan.makefile_stderr("r").read().decode(errors="replace")
+            status = chan.recv_exit_status()
+        except OSError as exc:  # socket.timeout included
+            return False, f"SSH to {conn.target} OK, but {opts.python} did not answer within {timeout:g} s ({exc})"
+        finally:
+            chan.close()
+        result = _parse_probe(out)
+        if result is None:
+            if status == 127:
+                return False, (f"SSH to {conn.target} OK, but {opts.python!r} is not on the remote login PATH "
+                               f"(see --remote-python)")
+            return False, f"SSH to {conn.target} OK, but {opts.python} failed (exit {status}): {err.strip()[-300:]}"
+        return _verdict(result, opts.python, f"SSH to {conn.target} OK")
+    finally:
+        conn.close()
+
+
+def _check_host(host: str, a: argparse.Namespace, timeout: float) -> tuple[bool, str]:
+    from elasticrun.driver.launcher import is_local_host
+
+    local = is_local_host(host)
+    if a.launcher == "ssh" or (a.launcher == "auto" and ("@" in host or not local)):
+        return _check_ssh(host, a, timeout)
+    if not local:
+        return False, "not this machine, and --launcher local never uses SSH"
+    return _check_local(timeout)
+
+
+def _fixed_hosts(parser: argparse.ArgumentParser, a: argparse.Namespace) -> dict[str, int] | None:
+    """-H / --hostfile, parsed strictly like a job's (bad ones exit 2 before any check runs)."""
+    from elasticrun.common.hosts import HostSpecError, parse_hostfile, parse_hosts_arg
+
+    try:
+        if a.hosts is not None:
+            return parse_hosts_arg(a.hosts, a.slots_per_host)
+        if a.hostfile is not None:
+            try:
+                with open(a.hostfile, encoding="utf-8") as f:
+                    return parse_hostfile(f.read(), a.slots_per_host, a.hostfile)
+            except OSError as exc:
+                parser.error(f"--hostfile {a.hostfile}: {exc.strerror}")
+    except HostSpecError as exc:
+        parser.error(str(exc))
+    return None
+
+
+def _discovered(a: argparse.Namespace, say: Callable[[str], None]) -> dict[str, int]:
+    from elasticrun.discovery.sources import DiscoveryError, ScriptDiscovery
+
+    script = os.path.abspath(a.host_discovery_script)
+    try:
+        found = ScriptDiscovery(script, a.slots_per_host, a.discovery_timeout).discover()
+    except DiscoveryError as exc:
+        say(f"FAIL  discovery: {exc}".replace("\n", "\n      "))
+        return {}
+    for problem in found.errors:
+        say(f"FAIL  discovery: {script} {problem} (skipped)")
+    for warning in found.warnings:
+        say(f"WARN  discovery: {script} {warning}")
+    if not found.hosts:
+        say(f"FAIL  discovery: {script} printed no valid hosts")
+    else:
+        say(f"OK    discovery: {script} lists " + ",".join(f"{h}:{s}" for h, s in found.hosts.items()))
+    return found.hosts
+
+
+def main(argv: list[str]) -> int:
+    from elasticrun.driver import config
+    from elasticrun.driver.cli import build_parser
+
+    parser = build_parser()
+    a = config.parse_args(parser, argv, probe_parser=build_parser())
+    hosts = _fixed_hosts(parser, a)
+    if a.host_discovery_script is not None and not os.path.isfile(a.host_discovery_script):
+        parser.error(f"--host-discovery-script {a.host_discovery_script}: no such file")
+    ok = True
+
+    def say(line: str) -> None:
+        nonlocal ok
+        if line.startswith("FAIL"):
+            ok = False
+        print(line, flush=True)
+
+    print("installation:", flush=True)
+    for good, text in _installation():
+        say(f"{'OK  ' if good else 'FAIL'}  {text}")
+    if a.host_discovery_script is not None:
+        hosts = _discovered(a, say)
+    if hosts is None:
+        print("hosts: none given (-H, --hostfile or --host-discovery-script)", flush=True)
+    else:
+        print("hosts:", flush=True)
+        timeout = a.start_timeout
+        results: dict[str, tuple[bool, str]] = {}
+
+        def run(host: str) -> None:
+            try:
+                results[host] = _check_host(host, a, timeout)
+            except Exception as exc:  # noqa: BLE001 - report, never crash the check
+                results[host] = (False, f"{type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=run, args=(h,), daemon=True) for h in hosts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout + 10)
+        for host in hosts:
+            good, text = results.get(host, (False, f"no answer within {timeout:g} s (--start-timeout)"))
+            say(f"{'OK  ' if good else 'FAIL'}  {host}: {text}")
+    print("all checks passed" if ok else "some checks FAILED", flush=True)
+    return 0 if ok else 1

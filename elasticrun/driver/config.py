@@ -1,0 +1,229 @@
+"""Option values from a TOML config file and from environment variables, below the flags.
+
+Precedence, highest first: command-line flags > ``ELASTICRUN_*`` environment variables >
+``--config-file`` (TOML) > built-in defaults. Both layers are validated like the flags (same
+range checks), and every problem is one line naming the key or variable, exiting with 2.
+
+Environment variable names must never be one of the driver->worker protocol names of
+``elasticrun.common.env`` (``ELASTICRUN_RANK``, ``ELASTICRUN_LOG_LEVEL``, ...): a worker
+inherits the driver's environment, and the driver must not read what it sets for workers.
+That is why ``--log-level`` and ``--collective-timeout`` have no variable here
+(``tests/integration/test_config.py`` checks the sets are disjoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Mapping
+
+# Per-cluster options settable from the environment: variable -> argparse dest.
+ENV_VARS: dict[str, str] = {
+    "ELASTICRUN_CONFIG_FILE": "config_file",
+    "ELASTICRUN_DISCOVERY_INTERVAL": "discovery_interval",
+    "ELASTICRUN_DISCOVERY_TIMEOUT": "discovery_timeout",
+    "ELASTICRUN_SLOTS_PER_HOST": "slots_per_host",
+    "ELASTICRUN_START_TIMEOUT": "start_timeout",
+    "ELASTICRUN_ELASTIC_TIMEOUT": "elastic_timeout",
+    "ELASTICRUN_HEARTBEAT_TIMEOUT": "heartbeat_timeout",
+    "ELASTICRUN_LAUNCHER": "launcher",
+    "ELASTICRUN_SSH_PORT": "ssh_port",
+    "ELASTICRUN_SSH_USER": "ssh_user",
+    "ELASTICRUN_SSH_IDENTITY_FILE": "ssh_identity_file",
+    "ELASTICRUN_SSH_KNOWN_HOSTS": "ssh_known_hosts",
+    "ELASTICRUN_REMOTE_PYTHON": "remote_python",
+    "ELASTICRUN_NETWORK_INTERFACE": "network_interface",
+}
+
+# Flags that are not options a file can hold.
+_NOT_IN_FILE = {"help", "version", "config_file", "check"}
+
+_SUPPRESS = argparse.SUPPRESS
+
+
+def _fail(parser: argparse.ArgumentParser, message: str) -> None:
+    parser.error(message)
+
+
+def _option_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.option_strings and a.dest not in _NOT_IN_FILE]
+
+
+def _file_keys(parser: argparse.ArgumentParser) -> dict[str, tuple[argparse.Action, bool]]:
+    """Accepted TOML keys -> (action, named_by_flag). Dashes and underscores are the same."""
+    keys: dict[str, tuple[argparse.Action, bool]] = {}
+    for action in _option_actions(parser):
+        keys[action.dest.replace("_", "-")] = (action, False)
+        for flag in action.option_strings:
+            name = flag.lstrip("-")
+            if len(name) > 1:
+                keys.setdefault(name, (action, True))
+    return keys
+
+
+def _type_name(action: argparse.Action) -> str:
+    kind = getattr(action.type, "__name__", "")
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        return "true or false"
+    if isinstance(action, argparse._AppendAction):
+        return "a list of strings"
+    if action.nargs == 2:
+        return "a list of 2 numbers"
+    if kind in ("_positive_int", "_non_negative_int"):
+        return "a whole number"
+    if kind == "_seconds":
+        return "a number of seconds"
+    if action.choices:
+        return "one of " + ", ".join(repr(c) for c in action.choices)
+    return "a string"
+
+
+def _convert(action: argparse.Action, value: Any, named_by_flag: bool) -> Any:
+    """A TOML value as the dest's value; ValueError(expected type) or ArgumentTypeError(range)."""
+    expected = _type_name(action)
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise ValueError(expected)
+        # `no-forward-env = true` means the flag is given; `forward-env = false` is the dest itself.
+        if named_by_flag and isinstance(action, argparse._StoreFalseAction):
+            return not value
+        return value
+    if isinstance(action, argparse._AppendAction):
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise ValueError(expected)
+        return list(value)
+    if action.nargs == 2:
+        if not (isinstance(value, list) and len(value) == 2
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+            raise ValueError(expected)
+        return [action.type(str(v)) for v in value]
+    kind = getattr(action.type, "__name__", "")
+    if kind in ("_positive_int", "_non_negative_int"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(expected)
+        return action.type(str(value))
+    if kind == "_seconds":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(expected)
+        return action.type(str(value))
+    if not isinstance(value, str):
+        raise ValueError(expected)
+    if action.type is not None:
+        value = action.type(value)
+    if action.choices and value not in action.choices:
+        raise ValueError(expected)
+    return value
+
+
+def _toml_kind(value: Any) -> str:
+    return {bool: "a boolean", int: "a whole number", float: "a number", str: "a string",
+            list: "a list", dict: "a table"}.get(type(value), type(value).__name__)
+
+
+def read_config_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """The options in TOML file ``path`` as argparse dests -> values (exit 2 on any problem)."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        _fail(parser, f"--config-file {path}: {exc.strerror or exc}")
+    except tomllib.TOMLDecodeError as exc:
+        _fail(parser, f"--config-file {path}: not valid TOML: {exc}")
+    keys = _file_keys(parser)
+    values: dict[str, Any] = {}
+    seen: dict[str, str] = {}
+    for key, value in data.items():
+        found = keys.get(key.replace("_", "-"))
+        if found is None:
+            _fail(parser, f"--config-file {path}: unknown key {key!r} (keys are elasticrun's long option "
+                          f"names, e.g. min-np)")
+        action, by_flag = found
+        if action.dest in seen:
+            _fail(parser, f"--config-file {path}: keys {seen[action.dest]!r} and {key!r} set the same option")
+        seen[action.dest] = key
+        try:
+            values[action.dest] = _convert(action, value, by_flag)
+        except ValueError as exc:
+            _fail(parser, f"--config-file {path}: key {key!r} must be {exc}, not {_toml_kind(value)} ({value!r})")
+        except argparse.ArgumentTypeError as exc:
+            _fail(parser, f"--config-file {path}: key {key!r}: {exc}")
+    for group in _exclusive_groups(parser):
+        both = [seen[a.dest] for a in group._group_actions if a.dest in seen]
+        if len(both) > 1:
+            _fail(parser, f"--config-file {path}: keys {both[0]!r} and {both[1]!r} cannot be used together")
+    return values
+
+
+def read_environment(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> dict[str, Any]:
+    """Options set by ``ELASTICRUN_*`` variables (see ENV_VARS) as dests -> values."""
+    actions = {a.dest: a for a in parser._actions}
+    values: dict[str, Any] = {}
+    for name, dest in ENV_VARS.items():
+        text = environ.get(name)
+        if text is None or text == "" or dest not in actions:
+            continue
+        action = actions[dest]
+        try:
+            value = action.type(text) if action.type is not None else text
+        except argparse.ArgumentTypeError as exc:
+            _fail(parser, f"environment variable {name}={text!r}: {exc}")
+        if action.choices and value not in action.choices:
+            _fail(parser, f"environment variable {name}={text!r}: must be one of "
+                          + ", ".join(action.choices))
+        values[dest] = value
+    return values
+
+
+def _exclusive_groups(parser: argparse.ArgumentParser) -> list[argparse._MutuallyExclusiveGroup]:
+    return list(parser._mutually_exclusive_groups)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str],
+               environ: Mapping[str, str] | None = None,
+               probe_parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` with the config file and the environment under the flags.
+
+    ``probe_parser`` is a second, identical parser (``build_parser()`` again) used to learn
+    which options the command line itself gives. With ``--check``, -np and the host options
+    are not required.
+    """
+    environ = os.environ if environ is None else environ
+    probe = probe_parser
+    for action in probe._actions:
+        if action.dest != "help":
+            action.default = _SUPPRESS
+        action.required = False
+    for group in _exclusive_groups(probe):
+        group.required = False
+    given = vars(probe.parse_args(argv))
+    given.pop("command", None)
+
+    from_env = read_environment(parser, environ)
+    path = given.get("config_file") or from_env.get("config_file")
+    from_file = read_config_file(parser, path) if path else {}
+    layered = dict(from_file)
+    # Within a group of mutually exclusive options (-H / --hostfile / --host-discovery-script),
+    # a higher layer replaces the whole choice of a lower one.
+    for higher, lower in ((from_env, layered), (given, layered)):
+        for group in _exclusive_groups(parser):
+            dests = {a.dest for a in group._group_actions}
+            if dests & set(higher):
+                for d in dests - set(higher):
+                    lower.pop(d, None)
+        if higher is from_env:
+            layered.update(from_env)
+    parser.set_defaults(**layered)
+    for action in parser._actions:
+        if action.dest in layered:
+            action.required = False
+    for group in _exclusive_groups(parser):
+        if any(a.dest in layered for a in group._group_actions):
+            group.required = False
+    if given.get("check"):
+        for action in parser._actions:
+            action.required = False
+        for group in _exclusive_groups(parser):
+            group.required = False
+    return parser.parse_args(argv)
