@@ -5,3 +5,14 @@ workers use :mod:`elasticrun.torch`, a ``horovod.torch``-compatible API.
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["run", "RunError", "__version__"]
+
+
+def __getattr__(name: str):
+    # Imported on first use: workers import this package too, and need none of the driver.
+    if name in ("run", "RunError"):
+        from elasticrun import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'elasticrun' has no attribute {name!r}")

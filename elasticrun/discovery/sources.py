@@ -1,13 +1,17 @@
-"""Where hosts come from: a user's discovery script, or a fixed list (``-H`` / ``--hostfile``)."""
+"""Where hosts come from: a user's discovery script or callable, or a fixed list (``-H`` / ``--hostfile``)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import threading
+import time
+import traceback
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
-from elasticrun.common.hosts import HostList, parse_discovery_output
+from elasticrun.common.hosts import HostList, HostSpecError, parse_discovery_output, parse_host_entry
 
 
 class DiscoveryError(RuntimeError):
@@ -90,3 +94,75 @@ class FixedHosts:
 
     def discover(self) -> HostList:
         return HostList(hosts=dict(self.hosts))
+
+
+class CallableDiscovery:
+    """A Python callable returning ``{host: slots}`` (``elasticrun.run(discovery=...)``).
+
+    Each call runs on its own daemon thread and is waited for at most ``timeout`` seconds: a
+    callable that raises, hangs or returns something else counts as a failed discovery run
+    (the driver keeps the last known hosts). A hung call cannot be interrupted in Python, so
+    no new call starts until it returns; its thread is abandoned when the job ends.
+    """
+
+    def __init__(self, fn: Callable[[], Mapping[str, int]], timeout: float):
+        self.fn = fn
+        self.timeout = timeout
+        self._closed = threading.Event()
+        self._busy: threading.Thread | None = None
+        self._name = getattr(fn, "__qualname__", None) or repr(fn)
+
+    def describe(self) -> str:
+        return f"discovery callable {self._name}"
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def discover(self) -> HostList:
+        if self._closed.is_set():
+            raise DiscoveryError("discovery is closed: the job is ending")
+        if self._busy is not None and self._busy.is_alive():
+            raise DiscoveryError(f"{self._name}() has still not returned from an earlier call")
+        box: dict[str, object] = {}
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                box["value"] = self.fn()
+            except BaseException as exc:  # reported to the driver, never raised on this thread
+                box["error"] = exc
+                box["trace"] = traceback.format_exc()
+            finally:
+                done.set()
+
+        self._busy = threading.Thread(target=call, name="elasticrun-discovery-call", daemon=True)
+        self._busy.start()
+        deadline = time.monotonic() + self.timeout
+        while not done.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+            if self._closed.is_set():
+                raise DiscoveryError("discovery is closed: the job is ending")
+            if time.monotonic() >= deadline:
+                raise DiscoveryError(f"{self._name}() did not return within {self.timeout:g} s "
+                                     f"(discovery_timeout); no new call starts until it does")
+        if "error" in box:
+            tail = str(box["trace"]).strip()[-2000:]
+            raise DiscoveryError(f"{self._name}() raised {type(box['error']).__name__}: {box['error']}\n{tail}")
+        return hosts_from_mapping(box.get("value"), self._name)
+
+
+def hosts_from_mapping(value: object, name: str) -> HostList:
+    """Check a callable's ``{host: slots}``; a bad entry is reported and skipped, like a bad line."""
+    if not isinstance(value, Mapping):
+        raise DiscoveryError(f"{name}() returned {type(value).__name__}, expected a dict {{host: slots}}")
+    result = HostList()
+    for host, slots in value.items():
+        if not isinstance(host, str) or isinstance(slots, bool) or not isinstance(slots, int):
+            result.errors.append(f"entry {host!r}: {slots!r}: expected a host name and a whole number of slots")
+            continue
+        try:
+            host, slots = parse_host_entry(f"{host}:{slots}", 1)
+        except HostSpecError as exc:
+            result.errors.append(f"entry {host!r}: {exc}")
+            continue
+        result.add(host, slots, f"entry {host!r}")
+    return result

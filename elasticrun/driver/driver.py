@@ -8,6 +8,7 @@ through a pipe that the ZeroMQ poller watches alongside the sockets.
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import queue
@@ -101,6 +102,11 @@ class ElasticDriver:
         self._resets = ResetTracker()
         self._last_hosts: dict[str, int] | None = None
         self._started = time.monotonic()
+        # elasticrun.run(): the pickled (fn, args, kwargs) that workers fetch (set by the caller),
+        # and per worker id what each sent back ({"kind": "value"|"error", "parts": [bytes], ...}).
+        self.function_payload: bytes | None = None
+        self.function_sys_path: list[str] = []
+        self.results: dict[str, dict[str, Any]] = {}
 
     # --- plumbing --------------------------------------------------------------------------
     def _post(self, kind: str, payload: Any) -> None:
@@ -122,6 +128,9 @@ class ElasticDriver:
         self._pub = ctx.socket(zmq.PUB)
         for sock in (self._router, self._pub):
             sock.setsockopt(zmq.LINGER, 0)
+            # Hundreds of workers connect at once; the default accept queue (100) drops
+            # connections that then retry only after a second.
+            sock.setsockopt(zmq.BACKLOG, 4096)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # 127.0.0.1 (or --driver-address) now; for remote hosts, the address they route to, on demand.
@@ -130,10 +139,12 @@ class ElasticDriver:
         self._rx = Codec(self._secret, self.job_id, new_sender_id("driver-rx"))
         self._pub_codec = Codec(self._secret, self.job_id, new_sender_id("driver-pub"))
         self._store = KVStore()
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        # Signal handlers can only be set in the main thread (elasticrun.run() may be called elsewhere).
+        previous = ({s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+                    if threading.current_thread() is threading.main_thread() else {})
         try:
             self._execute(self.registry.discovered(first.hosts, time.monotonic()))
-            if self.settings.discovery_script:
+            if self.settings.hosts is None:  # a discovery script or callable: poll it
                 threading.Thread(target=self._discovery_loop, name="elasticrun-discovery", daemon=True).start()
             finished = self._loop()
             return self._conclude(finished)
@@ -162,7 +173,8 @@ class ElasticDriver:
         try:
             found = self.source.discover()
         except DiscoveryError as exc:
-            raise JobFailed(f"The discovery script is misconfigured: its first run failed.\n{exc}", 2) from None
+            what = "discovery script" if self.settings.discovery_script else self.source.describe()
+            raise JobFailed(f"The {what} is misconfigured: its first run failed.\n{exc}", 2) from None
         self._report_discovery_problems(found)
         if not found.hosts:
             log.warning("%s found no hosts yet; waiting up to --start-timeout %g s",
@@ -192,11 +204,16 @@ class ElasticDriver:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        # Events only update the registry; it decides once per drained batch (flush), and
+        # time-driven checks (tick) run only when a deadline is due: with 1024 workers a
+        # round costs O(N), and heartbeats cost O(1) each.
+        self.registry.defer = True
+        next_tick = time.monotonic()
         while True:
             now = time.monotonic()
-            deadlines = [d for d in (self.registry.next_deadline(), self._store.next_deadline()) if d is not None]
-            timeout = min([0.5] + [max(0.0, d - now) for d in deadlines])
-            events = dict(poller.poll(int(timeout * 1000) + 1))
+            store_deadline = self._store.next_deadline()
+            due = min(next_tick, store_deadline) if store_deadline is not None else next_tick
+            events = dict(poller.poll(int(max(0.0, min(0.5, due - now)) * 1000) + 1))
             if self._wake_r in events:
                 os.read(self._wake_r, 4096)
             while True:
@@ -215,7 +232,11 @@ class ElasticDriver:
                         continue
                     self._on_frame(identity, frame)
             now = time.monotonic()
-            self._execute(self.registry.tick(now))
+            decided = now >= next_tick or self.registry.dirty
+            self._execute(self.registry.tick(now) if now >= next_tick else self.registry.flush(now))
+            if decided:
+                deadline = self.registry.next_deadline()
+                next_tick = min(deadline, now + 1.0) if deadline is not None else now + 1.0
             self._send_store_replies(self._store.expire(now))
             if self.registry.finished is not None:
                 return self.registry.finished
@@ -270,6 +291,11 @@ class ElasticDriver:
             self._reply(identity, msg, "ack", {})
             self._execute(self.registry.failing(str(body.get("worker")), str(body.get("error", ""))[:500],
                                                 time.monotonic()))
+        elif msg.type == "function":  # elasticrun.run(): a worker fetches the function, part by part
+            self._reply(identity, msg, "function", self._function_part(int(body.get("part", 0))))
+        elif msg.type == "result":  # elasticrun.run(): a worker's return value or exception, part by part
+            self._on_result(str(body.get("worker")), body)
+            self._reply(identity, msg, "ack", {})
         elif msg.type == "rendezvous":
             worker_id = str(body.get("worker"))
             self._pending_rdzv[worker_id] = _Pending(identity, msg.sender, body.get("req"))
@@ -353,6 +379,35 @@ class ElasticDriver:
                 if done is not None:
                     log.info("%s", done.pop("line"))
                     self._journal.write("reset", **done)
+
+    # --- elasticrun.run(): the function goes out, the results come back ------------------------
+    #: Raw bytes per part: their base64 (4/3) plus the JSON envelope stays under MAX_FRAME_BYTES.
+    FUNCTION_PART_BYTES = MAX_FRAME_BYTES // 2
+
+    def _function_part(self, part: int) -> dict[str, Any]:
+        blob, n = self.function_payload, self.FUNCTION_PART_BYTES
+        if blob is None:
+            return {"error": "this job runs a command, not a function"}
+        parts = max(1, -(-len(blob) // n))
+        if not 0 <= part < parts:
+            return {"error": f"there is no part {part} of {parts}"}
+        return {"part": part, "parts": parts, "data": base64.b64encode(blob[part * n:(part + 1) * n]).decode(),
+                "sys_path": self.function_sys_path if part == 0 else []}
+
+    def _on_result(self, worker_id: str, body: dict[str, Any]) -> None:
+        w = self.registry.workers.get(worker_id)
+        if w is None:
+            raise ValueError(f"unknown worker {worker_id!r}")
+        kind, part, parts = str(body["kind"]), int(body["part"]), int(body["parts"])
+        if kind not in ("value", "error") or not 0 <= part < parts <= 1 << 16:
+            raise ValueError(f"bad result part {part}/{parts} of kind {kind!r}")
+        r = self.results.get(worker_id)
+        if r is None or r["kind"] != kind or len(r["parts"]) != parts:
+            r = self.results[worker_id] = {
+                "kind": kind, "parts": [None] * parts, "round": int(body.get("round", w.round)),
+                "rank": int(body.get("rank", w.rank)), "host": w.host, "slot": w.slot,
+                "error": str(body.get("error", ""))[:2000], "traceback": str(body.get("traceback", ""))[-20000:]}
+        r["parts"][part] = base64.b64decode(body["data"])
 
     def _forget_old_rounds(self, current: int) -> None:
         keep = f"round{current}/"

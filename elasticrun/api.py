@@ -1,0 +1,249 @@
+"""``elasticrun.run(fn, ...)``: launch a Python function elastically, like ``horovod.run``.
+
+The function and its arguments are pickled with cloudpickle and fetched by every worker from
+the driver over the authenticated control channel (never unpickled before the HMAC check).
+Each worker process (``python -m elasticrun.worker.entry``) joins the job (``hvd.init()`` is
+done for it), calls ``fn(*args, **kwargs)`` and sends back its return value, or its exception
+and traceback. ``run`` returns the values of the final round's ranks, ordered by rank.
+
+Options are validated by the command line's own parser, so ``run`` and ``elasticrun`` reject
+the same bad input with the same message (``run`` raises it as ValueError).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import cloudpickle
+
+from elasticrun.driver.driver import JobFailed
+
+__all__ = ["run", "RunError"]
+
+WORKER_COMMAND = [sys.executable, "-m", "elasticrun.worker.entry"]
+_ALIASES = {"discovery_script": "host_discovery_script", "events": "events_file"}
+_NOT_OPTIONS = {"help", "version", "check", "command"}
+
+
+class RunError(JobFailed):
+    """``elasticrun.run`` failed. ``str()`` has the job's failure reason and, when a rank's
+    function raised, that rank's traceback; the exception it raised (when it could be
+    pickled) is the ``__cause__``.
+
+    Attributes: ``reason`` (the job's failure paragraph), ``exit_code`` (as the CLI's),
+    ``rank``/``host`` (the failing rank, or None), ``remote_traceback`` (str or None), and
+    ``failures``: every error a worker sent, oldest first (dicts: round, rank, host, error, traceback).
+    """
+
+    def __init__(self, reason: str, exit_code: int = 1, failure: dict[str, Any] | None = None,
+                 failures: list[dict[str, Any]] | None = None):
+        message = reason
+        if failure is not None:
+            message += (f"\n\nrank {failure['rank']} ({failure['host']}[{failure['slot']}]) raised "
+                        f"{failure['error']}; its traceback:\n{failure['traceback'].rstrip()}")
+        super().__init__(message, exit_code)
+        self.reason = reason
+        self.rank = failure["rank"] if failure else None
+        self.host = failure["host"] if failure else None
+        self.remote_traceback = failure["traceback"] if failure else None
+        self.failures = failures or []
+
+
+def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, *,
+        np: int | None = None, min_np: int | None = None, max_np: int | None = None,
+        hosts: str | Mapping[str, int] | Sequence[str] | None = None, hostfile: str | None = None,
+        discovery_script: str | None = None, discovery: Callable[[], Mapping[str, int]] | None = None,
+        **options: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on every worker of an elastic job; return the final round's values.
+
+    Give exactly one host source: ``hosts`` ("h1:2,h2:2", ``{"h1": 2}`` or ``["h1:2"]``),
+    ``hostfile``, ``discovery_script`` (a path) or ``discovery`` (a callable returning
+    ``{host: slots}``, called in this process every ``discovery_interval`` seconds on a
+    separate thread; raising, returning something else or not returning within
+    ``discovery_timeout`` counts as a failed discovery run). Any other option of the
+    ``elasticrun`` command is a keyword named like its long flag (``elastic_timeout=60``,
+    ``reset_limit=3``, ``env={"NAME": "value"}``, ``verbose=True``, ...).
+
+    Raises ValueError for bad options (the command line's message), TypeError for an unknown
+    keyword or something that cannot be pickled, and :class:`RunError` when the job fails or a
+    rank of the final round returned no value. Worker output streams to ``sys.stdout`` /
+    ``sys.stderr`` with rank prefixes; the driver's messages go to ``sys.stderr``.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if discovery is not None and not callable(discovery):
+        raise TypeError(f"discovery must be a callable returning {{host: slots}}, got {type(discovery).__name__}")
+    given = [name for name, v in (("hosts", hosts), ("hostfile", hostfile), ("discovery_script", discovery_script),
+                                  ("discovery", discovery)) if v is not None]
+    if not given:
+        raise ValueError("one of hosts=, hostfile=, discovery_script= or discovery= is required")
+    if discovery is not None and len(given) > 1:
+        raise ValueError(f"discovery= cannot be combined with {given[0]}=: give one host source")
+
+    from elasticrun.driver.cli import parse_settings
+
+    argv = _argv(dict(options, np=np, min_np=min_np, max_np=max_np, hosts=hosts, hostfile=hostfile,
+                      discovery_script=discovery_script))
+    settings = parse_settings(argv + ["--", *WORKER_COMMAND], api=True)
+    try:
+        payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    except Exception as exc:
+        raise TypeError(f"the function or its arguments cannot be pickled: {exc}") from exc
+
+    from elasticrun.discovery.sources import CallableDiscovery, FixedHosts, ScriptDiscovery
+    from elasticrun.driver.driver import ElasticDriver
+
+    if discovery is not None:
+        source: Any = CallableDiscovery(discovery, settings.discovery_timeout)
+    elif settings.discovery_script:
+        source = ScriptDiscovery(settings.discovery_script, settings.slots_per_host, settings.discovery_timeout)
+    else:
+        assert settings.hosts is not None
+        source = FixedHosts(settings.hosts)
+
+    threads_before = set(threading.enumerate())
+    with _driver_logging(settings.log_level):
+        driver = ElasticDriver(settings, source)
+        driver.function_payload = payload
+        driver.function_sys_path = [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")]
+        try:
+            code = driver.run()
+        except JobFailed as exc:
+            failures = _failures(driver)
+            last = _root_cause(failures)
+            raise RunError(str(exc), exc.exit_code, last, failures) from _exception(last)
+        finally:
+            _join_new_threads(threads_before, deadline=time.monotonic() + 5.0)
+    if code != 0:
+        name = signal.Signals(code - 128).name if code > 128 else f"exit code {code}"
+        if code > 128 and threading.current_thread() is threading.main_thread():
+            # The workers are stopped and our handlers are gone: let the caller's handler act
+            # (KeyboardInterrupt for SIGINT; the default SIGTERM action ends the program).
+            signal.raise_signal(code - 128)
+        raise RunError(f"The job was stopped by {name}.", code)
+    return _final_values(driver)
+
+
+# --- options -------------------------------------------------------------------------------
+def _argv(options: dict[str, Any]) -> list[str]:
+    """Keyword options -> the command line's flags (its parser validates them)."""
+    from elasticrun.driver.cli import build_parser
+
+    actions: dict[str, argparse.Action] = {}
+    for action in build_parser()._actions:
+        if not action.option_strings or action.dest in _NOT_OPTIONS:
+            continue
+        actions[action.dest] = action
+        for opt in action.option_strings:
+            if opt.startswith("--"):
+                actions.setdefault(opt[2:].replace("-", "_"), action)
+    argv: list[str] = []
+    for name, value in options.items():
+        action = actions.get(_ALIASES.get(name, name))
+        if action is None:
+            raise TypeError(f"run() got an unexpected keyword argument {name!r}")
+        if value is None:
+            continue
+        flag = next(o for o in action.option_strings if o.startswith("--"))
+        if action.nargs == 0:  # on/off flags: --verbose, --no-forward-env, ...
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}= must be True or False, got {value!r}")
+            if (value != action.default) if _ALIASES.get(name, name) == action.dest else value:
+                argv.append(flag)
+        elif isinstance(action, argparse._AppendAction):  # -x NAME[=VALUE], repeatable
+            items = ([f"{k}={v}" for k, v in value.items()] if isinstance(value, Mapping)
+                     else [value] if isinstance(value, str) else list(value))
+            argv += [f"{flag}={item}" for item in items]
+        elif action.nargs == 2:
+            if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != 2:
+                raise ValueError(f"{name}= must be a pair (LOW, HIGH), got {value!r}")
+            argv += [flag, *map(str, value)]
+        else:
+            if action.dest == "hosts" and not isinstance(value, str):
+                value = ",".join(f"{h}:{s}" for h, s in value.items()) if isinstance(value, Mapping) \
+                    else ",".join(map(str, value))
+            argv.append(f"{flag}={value}")
+    return argv
+
+
+# --- results -------------------------------------------------------------------------------
+def _complete(r: dict[str, Any]) -> bytes | None:
+    return None if any(p is None for p in r["parts"]) else b"".join(r["parts"])
+
+
+def _failures(driver: Any) -> list[dict[str, Any]]:
+    return [dict(r, worker=wid) for wid, r in driver.results.items() if r["kind"] == "error"]
+
+
+def _root_cause(failures: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first error of the last round that had errors (later ones are usually its echoes)."""
+    if not failures:
+        return None
+    last_round = max(f["round"] for f in failures)
+    return next(f for f in failures if f["round"] == last_round)
+
+
+def _exception(failure: dict[str, Any] | None) -> BaseException | None:
+    blob = _complete(failure) if failure is not None else None
+    if not blob:
+        return None
+    try:  # it came in frames authenticated with the job's secret, from our own workers
+        exc = cloudpickle.loads(blob)
+    except Exception:
+        return None
+    return exc if isinstance(exc, BaseException) else None
+
+
+def _final_values(driver: Any) -> list[Any]:
+    reg = driver.registry
+    members = sorted((reg.workers[wid] for wid in reg.members.values()), key=lambda w: w.rank)
+    values: list[Any] = []
+    for w in members:
+        r = driver.results.get(w.id)
+        blob = _complete(r) if r is not None and r["kind"] == "value" else None
+        if blob is None:
+            failure = dict(r, worker=w.id) if r is not None and r["kind"] == "error" else None
+            why = w.why or (f"exited with code {w.exit_code}" if w.exit_code is not None else "did not finish")
+            raise RunError(f"The job finished, but rank {w.rank} ({w.label}) of its final round returned no "
+                           f"value: it {why}.", 1, failure, _failures(driver)) from _exception(failure)
+        values.append(cloudpickle.loads(blob))
+    return values
+
+
+# --- the caller's process ------------------------------------------------------------------
+@contextlib.contextmanager
+def _driver_logging(level: str) -> Iterator[None]:
+    """The driver's messages on the caller's stderr while the job runs (the root logger is left alone)."""
+    logger = logging.getLogger("elasticrun")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[elasticrun] %(message)s"))
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+def _join_new_threads(before: set[threading.Thread], deadline: float) -> None:
+    """Wait (bounded) for the job's helper threads to end, so none outlives ``run``.
+
+    A discovery callable that never returns cannot be stopped: its thread is left as a daemon.
+    """
+    for t in threading.enumerate():
+        if (t in before or t is threading.current_thread() or not t.name.startswith("elasticrun")
+                or t.name == "elasticrun-discovery-call"):
+            continue
+        t.join(max(0.0, deadline - time.monotonic()))
