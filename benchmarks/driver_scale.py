@@ -1,18 +1,19 @@
 """Driver scale: the real ElasticDriver with 256 and 1024 simulated workers, against a bare server.
 
     flock /tmp/elasticrun-heavy.lock python benchmarks/driver_scale.py [--workers 256 1024]
-        [--slots 4] [--steady 3] [--timeout 60] [--budget 280] [--profile DIR]
+        [--slots 4] [--steady 3] [--timeout 60] [--budget 280] [--modes bare driver]
+        [--heartbeat-timeout 5] [--backlog N] [--profile DIR]
 
 For every size N (hosts h0..h{N/4-1} with 4 slots each) two jobs run one after the other, each
 with its server in a separate process (the other core) and all N simulated workers in this one:
 
-  bare    the floor: a minimal ZeroMQ server with the same sockets and the same authenticated
-          frames (HMAC + JSON, elasticrun.common.protocol) that answers heartbeats at once,
-          answers the N rendezvous requests as soon as it holds all N (a barrier), and
-          publishes one ``hosts_updated`` frame on its PUB socket;
-  driver  the real ``ElasticDriver`` (registry, host manager, event loop, discovery thread),
-          whose launcher is replaced by one that asks this process to start simulated
-          workers instead of spawning processes.
+  bare    the floor: a minimal ZeroMQ server with the same sockets, socket options and
+          authenticated frames (HMAC + JSON, elasticrun.common.protocol) that answers
+          heartbeats at once, answers the N rendezvous requests as soon as it holds all N (a
+          barrier), and publishes one ``hosts_updated`` frame on its PUB socket;
+  driver  the real ``ElasticDriver`` (registry, host manager, event loop, discovery thread,
+          CLI defaults), whose launcher is replaced by one that asks this process to start
+          simulated workers instead of spawning processes (driver.py is not modified).
 
 A simulated worker speaks the real protocol with the job's secret and its worker id, over
 the same three sockets as a real one (``DriverClient``'s DEALER for rendezvous,
@@ -21,21 +22,26 @@ notifications), one Codec per socket. All 3N sockets are served by one thread th
 on their ZMQ_FDs (zmq_poll over 3072 sockets costs ~8 ms per call here; epoll is O(ready)).
 Like a real worker after HostsUpdatedInterrupt, a worker that learns of a host update (from
 the PUB frame or a heartbeat reply, whichever comes first) asks for the next round at once.
+Exits (dismissed, killed by the driver, end of job) are reported to the server's launcher.
 
 Measured per job:
   (1) round 0: first launch -> every worker holds its round-0 assignment;
   (2) graceful removal: discovery drops the last host; the driver's ``hosts_updated`` carries
       the wall-clock time it was published, so publish -> the last worker knowing of it is
-      exact (same clock); then publish -> every survivor holds its round-1 assignment (the
-      removed host's 4 workers are dismissed);
+      exact (same clock; PUB frames are stamped as they leave their socket, before this one
+      thread decodes them); then publish -> every survivor holds its round-1 assignment (the
+      removed host's workers are dismissed);
   (3) the server process's CPU time (time.process_time: all its threads, ZeroMQ's I/O thread
-      included) per phase and over --steady seconds of heartbeats only, and its peak RSS.
-Ratios are driver / bare. Targets (issue 6): a 1024-worker round in <= 2 s, a notification at
-all 1024 in <= 100 ms.
+      included) per phase and over --steady seconds of heartbeats only, and its RSS.
+Also the longest gap between heartbeat replies any worker saw: a real worker exits when it
+exceeds its --driver-timeout (5 s). Ratios are driver / bare. Targets (issue 6): a
+1024-worker round in <= 2 s, a notification at all 1024 in <= 100 ms.
 
---profile DIR additionally records the driver process with ``py-spy record --format raw``
-(collapsed stacks, DIR/driver-N.txt); timings of a profiled run are perturbed, so use it to
-see where time goes, not for the table.
+What-ifs (not the defaults): --heartbeat-timeout sets the driver's (the CLI default is 5 s);
+--backlog sets ZMQ_BACKLOG on the server process's sockets (ZeroMQ's default accept queue is
+100; longer bursts of connections overflow it and the kernel drops SYNs, which TCP retries
+after 1 s). --profile DIR records the driver process with ``py-spy record --format raw``
+(collapsed stacks, DIR/driver-N.txt); a profiled run's timings are perturbed.
 """
 
 from __future__ import annotations
@@ -308,6 +314,7 @@ def _run_bare(hosts: dict, send, in_conn) -> int:
 # The simulated workers: one thread, epoll over every socket's ZMQ_FD
 # ==============================================================================================
 REQ, HB, SUB = 0, 1, 2
+PIPE = ("pipe", -1)  # epoll entry of the pipe from the server process
 
 
 class SimWorker:
@@ -377,13 +384,27 @@ class Sim:
                 heapq.heappush(self.beats, (now + w.interval, next(self.beat_seq), w))
         if self.beats:
             timeout = min(timeout, max(0.0, self.beats[0][0] - now))
-        for fd, _ in self.ep.poll(timeout):
-            if fd == self.pipe_fd:
+        ready = [self.by_fd.get(fd) if fd != self.pipe_fd else PIPE for fd, _ in self.ep.poll(timeout)]
+        # Notifications first, each stamped as it is taken off its socket and decoded after the
+        # batch: the time a worker hears of an update is then not inflated by this one thread
+        # decoding the frames of the 1023 other workers first (real workers decode in parallel).
+        stamped = []
+        for entry in ready:
+            if entry is not None and entry[1] == SUB:
+                w = entry[0]
+                while True:
+                    try:
+                        stamped.append((w, w.socks[SUB].recv(zmq.NOBLOCK), time.time()))
+                    except zmq.Again:
+                        break
+        for entry in ready:
+            if entry is PIPE:
                 self.read_pipe()
-            else:
-                entry = self.by_fd.get(fd)
-                if entry is not None:
-                    self.drain(*entry)
+            elif entry is not None and entry[1] != SUB:
+                self.drain(*entry)
+        for w, frame, t in stamped:
+            if w.alive:
+                self.handle(w, SUB, frame, t)
         # After a send, libzmq may have consumed the FD's edge while taking in new messages:
         # look at ZMQ_EVENTS of every socket that was sent on (the standard edge-trigger rule).
         while self.recheck:
@@ -490,10 +511,10 @@ class Sim:
         w.rdzv_sent[w.round] = time.time()
         self.send(w, REQ, "rendezvous", {"worker": w.wid, "after_round": w.round, "req": w.pending})
 
-    def learn(self, w: SimWorker, ts: float, kind: int) -> None:
+    def learn(self, w: SimWorker, ts: float, kind: int, received: float) -> None:
         if ts in w.known:
             return
-        w.known[ts] = (time.time(), kind)
+        w.known[ts] = (received, kind)
         if ts not in self.update_ts:
             self.update_ts.append(ts)
         # As after HostsUpdatedInterrupt: ask for the next round (unless a request is in flight;
@@ -502,45 +523,48 @@ class Sim:
             self.rendezvous(w)
 
     def drain(self, w: SimWorker, kind: int) -> None:
-        sock, codec = w.socks[kind], w.codecs[kind]
+        sock = w.socks[kind]
         while w.alive:
             try:
                 frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.frames += 1
-            try:
-                msg = codec.decode(frame)
-            except ProtocolError as exc:
-                self.protocol_errors.append(f"{w.wid}: {exc}")
-                continue
-            body = msg.body
-            if kind == REQ:
-                if body.get("re") != w.pending:
-                    continue
-                w.pending = None
-                if msg.type == "assignment":
-                    w.round, w.rank = int(body["round"]), int(body["rank"])
-                    w.assigned[w.round] = time.time()
-                    w.handled_ts = max(w.handled_ts, float(body.get("notify_ts", 0.0)))
-                    if any(ts > w.handled_ts for ts in w.known):
-                        self.rendezvous(w)
-                elif msg.type == "dismiss":
-                    w.dismissed = time.time()
-                    self.exit(w, 0)
-            elif kind == HB:
-                now = time.monotonic()
-                w.max_gap = max(w.max_gap, now - w.last_ack)
-                w.last_ack = now
-                for ts, _added, _removed in body.get("updates", []):
-                    self.learn(w, float(ts), HB)
-                if body.get("aborted"):
-                    w.aborts.append(str(body.get("reason")))
-            else:
-                if msg.type == "hosts_updated":
-                    self.learn(w, float(body["ts"]), SUB)
-                elif msg.type == "round_aborted":
-                    w.aborts.append(str(body.get("reason")))
+            self.handle(w, kind, frame, time.time())
+
+    def handle(self, w: SimWorker, kind: int, frame: bytes, received: float) -> None:
+        self.frames += 1
+        try:
+            msg = w.codecs[kind].decode(frame)
+        except ProtocolError as exc:
+            self.protocol_errors.append(f"{w.wid}: {exc}")
+            return
+        body = msg.body
+        if kind == REQ:
+            if body.get("re") != w.pending:
+                return
+            w.pending = None
+            if msg.type == "assignment":
+                w.round, w.rank = int(body["round"]), int(body["rank"])
+                w.assigned[w.round] = received
+                w.handled_ts = max(w.handled_ts, float(body.get("notify_ts", 0.0)))
+                if any(ts > w.handled_ts for ts in w.known):
+                    self.rendezvous(w)
+            elif msg.type == "dismiss":
+                w.dismissed = time.time()
+                self.exit(w, 0)
+        elif kind == HB:
+            now = time.monotonic()
+            w.max_gap = max(w.max_gap, now - w.last_ack)
+            w.last_ack = now
+            for ts, _added, _removed in body.get("updates", []):
+                self.learn(w, float(ts), HB, received)
+            if body.get("aborted"):
+                w.aborts.append(str(body.get("reason")))
+        else:
+            if msg.type == "hosts_updated":
+                self.learn(w, float(body["ts"]), SUB, received)
+            elif msg.type == "round_aborted":
+                w.aborts.append(str(body.get("reason")))
 
     def exit(self, w: SimWorker, code: int) -> None:
         """The simulated process ends: its sockets close, then the server hears of its exit."""
@@ -582,11 +606,9 @@ def run_job(mode: str, n_hosts: int, slots: int, args, tmp: str) -> dict:
     mpctx = mp.get_context("spawn")
     to_sim_r, to_sim_w = mpctx.Pipe(duplex=False)
     to_srv_r, to_srv_w = mpctx.Pipe(duplex=False)
-    proc = mpctx.Process(target=_server_main, name=f"bench-{mode}",
-                         args=(mode, hosts, n, n - slots, to_sim_w, to_srv_r, log_path,
-                                                         {"backlog": args.backlog,
-                                                          "heartbeat_timeout": args.heartbeat_timeout}),
-                         daemon=True)
+    options = {"backlog": args.backlog, "heartbeat_timeout": args.heartbeat_timeout}
+    proc = mpctx.Process(target=_server_main, name=f"bench-{mode}", daemon=True,
+                         args=(mode, hosts, n, n - slots, to_sim_w, to_srv_r, log_path, options))
     proc.start()
     to_sim_w.close()
     to_srv_r.close()
@@ -647,6 +669,7 @@ def run_job(mode: str, n_hosts: int, slots: int, args, tmp: str) -> dict:
         res["notify_last"] = delays[-1]
         res["notify_median"] = statistics.median(delays)
         res["notify_via_heartbeat"] = sum(1 for _, kind in heard if kind == HB)
+        res["notify_first"] = delays[0]
         res["notify_count"] = len(delays)
         survivors = [w for w in alive_before if w.host != removed]
         gone = [w for w in alive_before if w.host == removed]
@@ -697,6 +720,10 @@ def run_job(mode: str, n_hosts: int, slots: int, args, tmp: str) -> dict:
         raise
     finally:
         if proc.is_alive():
+            try:  # nothing of ours is left to stop: let its launcher's stop_all return at once
+                sim.conn_out.send(("stopped",))
+            except OSError:
+                pass
             proc.terminate()  # the driver stops on SIGTERM like on Ctrl-C
             proc.join(10)
         if proc.is_alive():
@@ -738,6 +765,7 @@ ROWS = [
     ("round1_after_last_request", "  of which: last request -> all assigned", "s", 1, None, None),
     ("cpu_round0", "server CPU, launch + round 0", "s", 1, None, None),
     ("cpu_steady", "server CPU, steady (heartbeats only)", "% core", 100, None, None),
+    # from the end of the steady window: the driver's includes up to 1 s waiting for its discovery poll
     ("cpu_round1", "server CPU, host removal + round 1", "s", 1, None, None),
     ("rss_start_mib", "server RSS at start (modules imported)", "MiB", 1, None, None),
     ("rss_round0_mib", "server RSS after round 0", "MiB", 1, None, None),
@@ -762,14 +790,19 @@ def print_table(n: int, bare: dict, drv: dict, args) -> list[str]:
         cell = lambda v, res: f"{fmt(v * scale)} {unit}" if v is not None else "failed" if res.get("error") else "-"
         ratio = f"{d / b:.1f}x" if b and d is not None else "-"
         tgt = ""
-        if target is not None and (only_n is None or only_n == n):
+        ran = d is not None or drv.get("error")
+        if target is not None and (only_n is None or only_n == n) and ran:
             met = d is not None and d * scale <= target
-            tgt = f"<= {target:g} {unit}: " + ("met" if met else "MISSED")
+            tgt = f"<= {target:g} {unit}: " + ("met" if met else "MISSED" if d is not None else "not reached")
+        if key == "max_ack_gap" and d is not None:
+            tgt = "< 5 s (worker --driver-timeout): " + ("ok" if d < 5.0 else "EXCEEDED, real workers would exit")
         out.append(f"| {label} | {cell(b, bare)} | {cell(d, drv)} | {ratio} | {tgt} |")
     for res in (bare, drv):
         if res.get("error"):
             after = f" {res['failed_after']:.1f} s after the first launch" if "failed_after" in res else ""
-            out.append(f"\n{res['mode']} FAILED{after}: {res['error']}"[:1500])
+            killed = f" ({res['kills']} simulated worker(s) killed by the server)" if res.get("kills") else ""
+            error = res["error"] if len(res["error"]) < 400 else res["error"][:400] + "..."
+            out.append(f"\n{res['mode']} FAILED{after}{killed}: {error}")
         if res.get("warning"):
             out.append(f"\nWARNING ({res['mode']}): {res['warning']}")
         if res.get("notify_via_heartbeat"):
