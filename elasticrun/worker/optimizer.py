@@ -94,6 +94,10 @@ class Compression:
 
 #: The first bucket is small so that the first allreduce starts early in backward (as DDP).
 _FIRST_BUCKET_BYTES = 1 << 20
+# The first bucket carries two extra elements: "some rank has a host update pending" and
+# "some update added hosts". check_host_updates() then reads the already-agreed flags instead
+# of running its own allreduce every step (0.7 ms per step on 2 ranks here, ~0.05 this way).
+_FLAGS = 2
 
 
 @dataclass(eq=False)
@@ -280,7 +284,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if runtime.get().size == 1:
             return  # Average and Sum over one rank are the identity: skip the copies
         if b.buffer is None:
-            b.buffer = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+            b.buffer = torch.empty(b.numel + (_FLAGS if _carries_flags(b) else 0), dtype=b.dtype, device=b.device)
         p, off = b.params[i], b.offsets[i]
         dst = b.buffer[off:off + p.numel()]
         g = p.grad
@@ -300,6 +304,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._dist_stage(b, i)
         assert b.buffer is not None
         with torch.no_grad():
+            if _carries_flags(b):
+                pending, added = runtime.get().local_update_flags()
+                b.buffer[b.numel] = 1.0 if pending else 0.0
+                b.buffer[b.numel + 1] = 1.0 if added else 0.0
             tensor, b.ctx = self._dist_compression.compress(b.buffer)
             b.handle = collectives.allreduce_async_(tensor, name=b.name, op=self._dist_op,
                                                     prescale_factor=self._dist_prescale,
@@ -313,6 +321,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         p.grad = torch.zeros_like(p)
                 return
             out = self._dist_compression.decompress(collectives.synchronize(b.handle), b.ctx)
+            if _carries_flags(b):  # any positive sum (or average) means "some rank"
+                runtime.get().note_agreed_updates(bool(out[b.numel] > 0), bool(out[b.numel + 1] > 0))
             for p, off in zip(b.params, b.offsets):
                 src = out[off:off + p.numel()].view(p.shape)
                 g = p.grad
@@ -444,6 +454,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
 _ALIGN = 16  # byte offsets stay aligned so that views of the flat buffer can be any dtype
 _BCAST_CHUNK_BYTES = 64 << 20
+
+
+def _carries_flags(b: _Bucket) -> bool:
+    return b.index == 0 and b.dtype.is_floating_point
 
 
 def _nbytes(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> int:

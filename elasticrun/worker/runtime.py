@@ -73,6 +73,9 @@ class Runtime:
         # Events for the driver's event log: appended here, shipped by the control thread.
         self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=10_000)
         self.awaiting_first_step = False  # set after a reset; the next completed collective clears it
+        # (round, some rank has an update pending, some update added hosts), agreed through the
+        # gradient allreduce since the last check_host_updates() (see worker/optimizer.py).
+        self._agreed: tuple[int, bool, bool] | None = None
         self._ctx: zmq.Context | None = None
         self._client: DriverClient | None = None
         self._control: ControlChannel | None = None
@@ -213,9 +216,33 @@ class Runtime:
         except Exception as exc:  # the exit code still tells the driver
             log.debug("could not report the failure: %s", exc)
 
+    def local_update_flags(self) -> tuple[bool, bool]:
+        """(this rank has an update newer than the last handled one, one of them added hosts)."""
+        with self._lock:
+            newer = [flags for ts, flags in self._updates.items() if ts > self._handled_ts]
+        return bool(newer), any(added for added, _ in newer)
+
+    def note_agreed_updates(self, pending: bool, added: bool) -> None:
+        """Flags every rank agreed on inside a gradient allreduce of the current round."""
+        self._agreed = (self.round, pending, added)
+
     def check_host_updates(self) -> None:
-        """Collective: raise HostsUpdatedInterrupt on every rank if any rank saw a newer update."""
+        """Collective: raise HostsUpdatedInterrupt on every rank if any rank saw a newer update.
+
+        When the optimizer's gradient allreduce already carried the flags since the last
+        check, their agreed value is used and no extra collective runs. Every rank takes the
+        same path: they all ran the same steps.
+        """
         if self.standalone:
+            return
+        agreed, self._agreed = self._agreed, None
+        if agreed is not None and agreed[0] == self.round:
+            _, pending, added = agreed
+            if pending:
+                with self._lock:  # the rendezvous will bring every rank to the driver's latest
+                    self._handled_ts = max([self._handled_ts, *self._updates])
+                self.emit("interrupt", skip_sync=not added, agreed_in="gradient allreduce")
+                raise HostsUpdatedInterrupt(skip_sync=not added)
             return
         with self._lock:
             newer = {ts: flags for ts, flags in self._updates.items() if ts > self._handled_ts}
