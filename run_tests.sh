@@ -10,7 +10,7 @@ PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c 'import torch' 2>/dev/null; then
   "$PYTHON" -m pip install --quiet torch==2.13.0
 fi
-if ! "$PYTHON" -c 'import elasticrun, zmq, cloudpickle, paramiko, pytest, pytest_timeout, hypothesis, sklearn' 2>/dev/null \
+if ! "$PYTHON" -c 'import elasticrun, zmq, cloudpickle, paramiko, pytest, pytest_timeout, hypothesis, sklearn, matplotlib' 2>/dev/null \
    || ! command -v elasticrun >/dev/null; then
   "$PYTHON" -m pip install --quiet -e '.[test]'
 fi

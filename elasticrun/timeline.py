@@ -629,7 +629,7 @@ def write_png(events: list[dict[str, Any]], path: str, title: str = "elasticrun 
         bx.set_yticks(range(n), [f"{rs.index}. {rs.cause[:40]}" for rs in a.resets], fontsize=8)
         bx.invert_yaxis()
         bx.set_xlabel("ms from trigger to the first step of the new round")
-        bx.legend(fontsize=7, ncol=len(PHASES), loc="upper center", bbox_to_anchor=(0.5, -0.35))
+        bx.legend(fontsize=7, ncol=len(PHASES), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     else:
         bx.axis("off")
         bx.text(0.5, 0.5, "no resets", ha="center", transform=bx.transAxes)

@@ -270,3 +270,11 @@ def test_recorded_failure_log():
     names = {e["name"] for e in trace["traceEvents"]}
     assert {"restore", "failure detected", "worker failed: 127.0.0.2", "host blacklisted: 127.0.0.2"} <= names
     assert "exited with code -9" in timeline.summary(a)
+
+
+def test_png_of_a_real_demo_log_is_produced(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is in the test extras: pip install -e .[test]")
+    out = tmp_path / "timeline.png"
+    assert timeline.main([str(DATA / "events_demo.jsonl"), "-o", str(out), "-q"]) == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
