@@ -28,26 +28,34 @@ class ResetTracker:
     rounds: int = 0
     by_kind: Counter = field(default_factory=Counter)
     recovering: float = 0.0  # seconds from triggers to training again, summed
-    _open: _Open | None = None
+    # Resets not closed yet, oldest first. More than one when a trigger ends a round whose
+    # first step has not been reported yet (workers ship their events a little late): a host
+    # update during a reset is a reset of its own, not folded into the previous one.
+    _open: list[_Open] = field(default_factory=list)
     _done: list[str] = field(default_factory=list)
 
     def trigger(self, kind: str, cause: str, t: float) -> None:
         """A failure or a host update ends the current round (the first trigger counts)."""
-        if self._open is None and self.rounds > 0:
-            self._open = _Open(cause, kind, t, self.size)
+        if self.rounds > 0 and (not self._open or self._open[-1].round is not None):
+            self._open.append(_Open(cause, kind, t, self.size))
 
     def round_formed(self, round_: int, size: int) -> None:
         self.rounds += 1
         self.size = size
-        if self._open is not None:
-            self._open.round, self._open.to_size = round_, size
+        if self._open and self._open[-1].round is None:
+            self._open[-1].round, self._open[-1].to_size = round_, size
 
     def first_step(self, round_: int, t: float) -> dict | None:
-        """Training resumed in ``round_``: close the open reset and describe it (or None)."""
-        o = self._open
-        if o is None or o.round != round_:
+        """Training resumed in ``round_``: close the open reset and describe it (or None).
+
+        Older resets whose round never trained (it was aborted, or ended by another update
+        before its first step) end here too: they are folded into this one (first cause,
+        first start, first size)."""
+        mine = [o for o in self._open if o.round is not None and o.round <= round_]
+        if not mine or mine[-1].round != round_:
             return None
-        self._open = None
+        self._open = [o for o in self._open if all(o is not m for m in mine)]
+        o = _Open(mine[0].cause, mine[0].kind, mine[0].start, mine[0].from_size, round_, mine[-1].to_size)
         seconds = max(0.0, t - o.start)
         self.by_kind[o.kind] += 1
         self.recovering += seconds

@@ -17,6 +17,7 @@ import copy
 from typing import Any, Callable
 
 import torch
+import torch.distributed
 
 from elasticrun.worker import collectives, runtime
 from elasticrun.worker.elastic import ObjectState
@@ -115,7 +116,7 @@ class ModelStateHandler(StateHandler):
                 live[name].copy_(buf)
 
     def sync(self) -> None:
-        broadcast_parameters(self.value.state_dict(), root_rank=0)
+        broadcast_parameters(self.value.state_dict(), root_rank=getattr(self, "sync_root", 0))
 
 
 class OptimizerStateHandler(StateHandler):
@@ -190,7 +191,7 @@ class OptimizerStateHandler(StateHandler):
                         live[k] = v.to(device, copy=True)
 
     def sync(self) -> None:
-        broadcast_optimizer_state(self.value, root_rank=0)
+        broadcast_optimizer_state(self.value, root_rank=getattr(self, "sync_root", 0))
 
 
 class LRSchedulerStateHandler(StateHandler):
@@ -208,7 +209,8 @@ class LRSchedulerStateHandler(StateHandler):
         self.value.load_state_dict(copy.deepcopy(self._saved))
 
     def sync(self) -> None:
-        self.value.load_state_dict(collectives.broadcast_object(self.value.state_dict(), 0, "lr_scheduler"))
+        self.value.load_state_dict(collectives.broadcast_object(self.value.state_dict(), getattr(self, "sync_root", 0),
+                                                                "lr_scheduler"))
 
 
 class SamplerStateHandler(StateHandler):
@@ -250,7 +252,7 @@ class SamplerStateHandler(StateHandler):
     def sync(self) -> None:
         s = self.value
         gathered = collectives.allgather_object((s.epoch, sorted(s.processed_indices)), "sampler.sync")
-        epoch = gathered[0][0]  # rank 0's
+        epoch = gathered[getattr(self, "sync_root", 0)][0]  # the sync root's (rank 0's unless told)
         merged: set[int] = set()
         for e, part in gathered:
             if e == epoch:  # a newcomer's empty epoch-0 set must not mix into another epoch
@@ -304,7 +306,9 @@ class TorchState(ObjectState):
                 object.__setattr__(self, name, value)
         object.__setattr__(self, "_handlers", handlers)
         object.__setattr__(self, "_constructed", False)
-        super().__init__(bcast_object=lambda obj: collectives.broadcast_object(obj, root_rank=0),
+        object.__setattr__(self, "_commit_seq", 0)  # saves by commit(); the newest commit wins a sync
+        object.__setattr__(self, "_sync_root", 0)
+        super().__init__(bcast_object=lambda obj: collectives.broadcast_object(obj, root_rank=self._sync_root),
                          get_rank=runtime.rank, **plain)
         self._constructed = True
 
@@ -336,6 +340,7 @@ class TorchState(ObjectState):
             return
         for handler in self._handlers_in_order():
             handler.merge()
+        self._commit_seq += 1
         self._save_local()
 
     def _save_local(self) -> None:
@@ -349,7 +354,16 @@ class TorchState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
+        # Sync from the rank holding the newest commit (the lowest such rank): rank 0 unless
+        # a commit completed on some ranks while others abandoned it (a peer died at the end
+        # of its merge and they saw the abort first). Syncing from rank 0 then would mix
+        # rank 0's older model with the newer, merged sampler set: samples lost.
+        newest = torch.tensor([self._commit_seq * 65536 + 65535 - runtime.get().rank], dtype=torch.int64)
+        collectives.allreduce_inplace(newest, torch.distributed.ReduceOp.MAX, "state.newest_commit")
+        self._sync_root = 65535 - int(newest.item()) % 65536
+        self._commit_seq = int(newest.item()) // 65536
         for handler in self._handlers_in_order():
+            handler.sync_root = self._sync_root  # type: ignore[attr-defined]
             handler.sync()
         if self._object_keys:
             for name, value in self._bcast_object(self._live()).items():

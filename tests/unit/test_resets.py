@@ -42,3 +42,32 @@ def test_no_reset_before_the_first_round():
     r.round_formed(0, 2)
     assert r.first_step(0, t=2.0) is None
     assert r.summary([]).startswith("1 round(s), 0 reset(s) (none)")
+
+
+def test_an_update_during_a_reset_is_a_reset_of_its_own():
+    # Storm: round 1's first step is shipped after the next update already ended round 1.
+    r = ResetTracker()
+    r.round_formed(0, 3)
+    r.trigger("hosts", "hosts removed", t=1.0)
+    r.round_formed(1, 2)
+    r.trigger("hosts", "hosts removed", t=1.05)  # before round 1's first step reached the driver
+    first = r.first_step(1, t=1.04)
+    assert first is not None and first["from_size"] == 3 and first["to_size"] == 2
+    r.round_formed(2, 1)
+    second = r.first_step(2, t=1.1)
+    assert second is not None and second["from_size"] == 2 and second["to_size"] == 1
+    assert second["seconds"] == pytest.approx(0.05)
+    assert r.summary([]).startswith("3 round(s), 2 reset(s) (2 after host changes)")
+
+
+def test_a_round_that_never_trained_is_folded_into_the_next_reset():
+    r = ResetTracker()
+    r.round_formed(0, 4)
+    r.trigger("failure", "a died", t=1.0)
+    r.round_formed(1, 3)
+    r.trigger("failure", "b died while re-forming", t=1.1)  # round 1 never took a step
+    r.round_formed(2, 2)
+    done = r.first_step(2, t=1.3)
+    assert done is not None and done["cause"] == "a died" and done["from_size"] == 4 and done["to_size"] == 2
+    assert done["seconds"] == pytest.approx(0.3)
+    assert r.summary([]).startswith("3 round(s), 1 reset(s)")
