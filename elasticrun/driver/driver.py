@@ -299,7 +299,9 @@ class ElasticDriver:
         elif msg.type == "rendezvous":
             worker_id = str(body.get("worker"))
             self._pending_rdzv[worker_id] = _Pending(identity, msg.sender, body.get("req"))
-            self._execute(self.registry.rendezvous(worker_id, time.monotonic()))
+            error = body.get("error")
+            self._execute(self.registry.rendezvous(worker_id, time.monotonic(),
+                                                   error=str(error)[:300] if error else None))
         else:
             log.warning("ignored a %r message from %s", msg.type, msg.sender)
 

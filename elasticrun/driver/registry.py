@@ -179,16 +179,23 @@ class Registry:
             acts.append(Event("host_resized", f"host {h} now has {hosts[h]} slots", {"host": h}))
         return acts + self._decide(now)
 
-    def rendezvous(self, worker_id: str, now: float) -> list[Action]:
-        """A worker asks for its place in the next round (first time, or after an interrupt)."""
+    def rendezvous(self, worker_id: str, now: float, error: str | None = None) -> list[Action]:
+        """A worker asks for its place in the next round (first time, after an interrupt, or
+        after ``error``: a collective failed on its side)."""
         w = self.workers.get(worker_id)
         if w is None:
             return [Dismiss(worker_id, "this process is not part of the job")]
         if w.state in _GONE:
             return [Dismiss(worker_id, "the job has finished" if self.finished or self._succeeded()
                             else "this process has no place in the job any more")]
+        acts: list[Action] = []
+        if error and w.state is WorkerState.RUNNING and w.round == self.round and not self.aborted:
+            # Its peers may be blocked in a collective with it (e.g. it gave up on its own
+            # collective timeout): without an abort they would wait out theirs.
+            self.aborted = True
+            acts.append(AbortRound(self.round, f"{w.label} left round {self.round} after an error: {error}"))
         w.state, w.last_seen = WorkerState.WAITING, now
-        return self._decide(now)
+        return acts + self._decide(now)
 
     def heartbeat(self, worker_id: str, now: float) -> None:
         """A sign of life from a worker (no decision depends on it until it stops)."""

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from elasticrun.worker import runtime
-from elasticrun.worker.exceptions import HorovodInternalError
+from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
 
 
 class ReduceOp:
@@ -65,7 +65,7 @@ def _wait(work: Any, what: str) -> None:
             raise HorovodInternalError(f"{what} abandoned: round {round_} was aborted ({reason})")
         now = time.monotonic()
         if now > deadline:
-            raise HorovodInternalError(f"{what} did not complete within the collective timeout "
+            raise CollectiveTimeout(f"{what} did not complete within the collective timeout "
                                        f"({rt.collective_timeout:g} s); a peer is hung or unreachable")
         time.sleep(_POLL if now - start < _SLOW_AFTER else _SLOW_POLL)
     try:

@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Iterable, TypeVar
 
 from elasticrun.worker import collectives, runtime
-from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError, HostsUpdatedInterrupt
 
 log = logging.getLogger("elasticrun.worker")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -105,6 +105,7 @@ def run(func: F) -> F:
         rt = runtime.get()
         skip_sync = False
         resetting = False
+        error: str | None = None
         while True:
             try:
                 if not skip_sync:
@@ -123,11 +124,14 @@ def run(func: F) -> F:
                 state.restore()
                 rt.emit("restore", ms=round((time.monotonic() - started) * 1000, 2))
                 skip_sync = False
+                # Only this rank knows of its own timeout; a dead peer the driver sees itself.
+                error = str(exc) if isinstance(exc, CollectiveTimeout) else None
             except HostsUpdatedInterrupt as exc:
                 started = time.monotonic()
                 skip_sync = exc.skip_sync
+                error = None
             resetting = True
-            rt.rendezvous()
+            rt.rendezvous(error=error)
             # Newcomers must receive the state even when the interrupt said "removals only":
             # another change may have been folded into the same reset.
             skip_sync = skip_sync and not rt.new_members

@@ -10,6 +10,14 @@ class HorovodInternalError(RuntimeError):
     """
 
 
+class CollectiveTimeout(HorovodInternalError):
+    """A collective did not complete within the collective timeout on this rank.
+
+    Unlike a connection error (a peer died: the driver sees that too), only this rank knows;
+    it tells the driver when it asks for the next round, so the round is aborted for all.
+    """
+
+
 class HostsUpdatedInterrupt(RuntimeError):
     """Hosts were added or removed; raised on every rank at the same commit/check.
 

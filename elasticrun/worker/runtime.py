@@ -145,8 +145,13 @@ class Runtime:
         """Why the current round was aborted, or None while it is healthy."""
         return self._aborted.get(self.round)
 
-    def rendezvous(self) -> None:
-        """Get this worker's place in the next round and form that round's process group."""
+    def rendezvous(self, error: str | None = None) -> None:
+        """Get this worker's place in the next round and form that round's process group.
+
+        ``error``: why this worker leaves its round (a failed collective). The driver then
+        aborts the round for everyone, so peers still blocked in a collective with this
+        worker give up at once instead of at their collective timeout.
+        """
         if self.standalone:
             if self.pg is None:
                 self.round = 0
@@ -156,7 +161,8 @@ class Runtime:
         while True:
             asked = time.monotonic()
             try:
-                msg = self._client.request("rendezvous", {"worker": self.worker_id, "after_round": self.round},
+                msg = self._client.request("rendezvous", {"worker": self.worker_id, "after_round": self.round,
+                                                          "error": error},
                                            timeout=self.rendezvous_timeout, what="this worker's place in the next round")
             except DriverTimeout as exc:
                 raise HorovodInternalError(str(exc)) from None
@@ -175,6 +181,7 @@ class Runtime:
             self.emit("rendezvous_complete", size=self.size, waited_ms=round((time.monotonic() - asked) * 1000, 2))
             with self._lock:
                 self._handled_ts = max(self._handled_ts, float(a.get("notify_ts", 0.0)))
+            error = None  # a retry after an aborted formation is not this worker's error
             try:
                 started = time.monotonic()
                 self._form_group()

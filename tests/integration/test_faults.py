@@ -122,3 +122,25 @@ def test_forged_and_oversized_control_messages_are_dropped(job):
     assert r.returncode == 0, r.output
     assert "dropped a control frame: bad MAC" in r.stderr
     assert [e["epoch"] for e in r.log] == list(range(6))  # nothing was lost or repeated
+
+
+def test_a_rank_that_times_out_alone_aborts_the_round_for_its_peers(job):
+    """127.0.0.1 stalls 4 s in user code; localhost gives up after the 2 s collective timeout and
+    says so when it asks for the next round. The driver aborts the round, so the stalled rank's
+    next collective is abandoned at once instead of waiting out a timeout of its own."""
+    from elasticrun.common.events import read_events
+
+    events_file = job.tmp / "events.jsonl"
+    r = job.run(["-np", "2", "-H", TWO, "--collective-timeout", "2", "--heartbeat-timeout", "10",
+                 "--events", str(events_file)],
+                job.train_cmd("--fail=127.0.0.1:0@1:stall", epochs=3))
+    assert r.returncode == 0, r.output
+    events = read_events(str(events_file))
+    aborted = [e for e in events if e["kind"] == "round_aborted"]
+    assert len(aborted) == 1 and "localhost[0] left round 0 after an error" in aborted[0]["reason"], aborted
+    assert "collective timeout" in aborted[0]["reason"]
+    stalled = [e for e in events if e["kind"] == "failure_detected" and e.get("host") == "127.0.0.1"]
+    # Freed by the abort (before or while issuing its collective), not by a timeout of its own.
+    assert stalled and "round 0 was aborted: localhost[0] left round 0" in stalled[0]["error"], stalled
+    assert not stalled[0]["error"].startswith("allreduce"), stalled
+    assert [e["size"] for e in r.log][-1] == 2 and r.log[-1]["rendezvous"] == 2  # both kept going

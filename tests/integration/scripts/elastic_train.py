@@ -25,7 +25,7 @@ p.add_argument("--sleep", type=float, default=0.02)
 p.add_argument("--log", required=True)
 p.add_argument("--progress", default=None)
 p.add_argument("--fail", action="append", default=[],
-               help="HOST:SLOT@EPOCH:MODE (MODE exception|sigkill|latekill|exit|sigstop); once per marker dir")
+               help="HOST:SLOT@EPOCH:MODE (MODE exception|sigkill|latekill|exit|sigstop|stall); once per marker dir")
 p.add_argument("--marker-dir", default=None)
 p.add_argument("--await-size", action="append", default=[],
                help="EPOCH:SIZE: at the start of EPOCH, wait (checking for host updates) until size() == SIZE")
@@ -55,6 +55,9 @@ def maybe_fail(epoch: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "exit":
             os._exit(3)
+        if mode == "stall":  # alive and heartbeating, but late to its next collective
+            time.sleep(4)
+            return
         if mode == "sigstop":  # hung: alive but silent
             os.kill(os.getpid(), signal.SIGSTOP)
         raise RuntimeError(f"injected failure on {me}")
