@@ -338,7 +338,7 @@ class ElasticDriver:
                     self._reply(pending.identity, pending, "assignment", dict(
                         act.info.as_dict(), round=act.round, notify_ts=self._last_ts, new_members=act.new_members))
                 if act.info.rank == 0:
-                    self._forget_old_rounds(act.round)
+                    self._store.keep_only(f"round{act.round}/")  # earlier rounds' keys are dead
             elif isinstance(act, reg.Dismiss):
                 pending = self._pending_rdzv.pop(act.worker_id, None)
                 if pending is not None:
@@ -410,10 +410,6 @@ class ElasticDriver:
                 "rank": int(body.get("rank", w.rank)), "host": w.host, "slot": w.slot,
                 "error": str(body.get("error", ""))[:2000], "traceback": str(body.get("traceback", ""))[-20000:]}
         r["parts"][part] = base64.b64decode(body["data"])
-
-    def _forget_old_rounds(self, current: int) -> None:
-        keep = f"round{current}/"
-        self._store.data = {k: v for k, v in self._store.data.items() if k.startswith(keep)}
 
     def _launch(self, act: reg.Launch) -> None:
         info, s = act.info, self.settings

@@ -69,9 +69,10 @@ class KVStore:
         return [(w.token, "store_error", {"error": "timed out waiting for keys "
                                            + ", ".join(k for k in w.keys if k not in self.data)}) for w in expired]
 
-    def drop_prefix_before(self, prefix: str, keep: str) -> None:
-        """Forget keys of old rounds (``prefix`` + number lower than ``keep``'s)."""
-        self.data = {k: v for k, v in self.data.items() if not k.startswith(prefix) or k.startswith(keep)}
+    def keep_only(self, prefix: str) -> None:
+        """Forget every key, and every waiter, outside ``prefix`` (a round that is over)."""
+        self.data = {k: v for k, v in self.data.items() if k.startswith(prefix)}
+        self._waiters = [w for w in self._waiters if all(k.startswith(prefix) for k in w.keys)]
 
     def next_deadline(self) -> float | None:
         return min((w.deadline for w in self._waiters), default=None)

@@ -143,7 +143,7 @@ class Runtime:
     # --- rounds -----------------------------------------------------------------------------
     def abort_reason(self) -> str | None:
         """Why the current round was aborted, or None while it is healthy."""
-        return self._aborted.get(self.round)
+        return self.aborted_reason(self.round)
 
     def rendezvous(self, error: str | None = None) -> None:
         """Get this worker's place in the next round and form that round's process group.
