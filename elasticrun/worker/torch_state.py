@@ -14,12 +14,15 @@ parameters and optimizer state keep their identity (hooks, the DistributedOptimi
 from __future__ import annotations
 
 import copy
+import operator
+from itertools import chain
 from typing import Any, Callable
 
 import torch
 import torch.distributed
 
 from elasticrun.worker import collectives, runtime
+from elasticrun.worker.copier import CopyPlan
 from elasticrun.worker.elastic import ObjectState
 from elasticrun.worker.optimizer import _DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from elasticrun.worker.sampler import ElasticSampler
@@ -64,41 +67,81 @@ def _host_buffer(buf: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
     return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
 
 
-def _copy_in(buffers: dict[Any, torch.Tensor], key: Any, src: torch.Tensor) -> torch.Tensor:
-    buf = _host_buffer(buffers.get(key), src)
-    buffers[key] = buf
-    buf.copy_(src.detach(), non_blocking=src.is_cuda)
-    return buf
+# Bumped whenever any module registers (or replaces) a parameter, a buffer or a submodule:
+# the cheap part of telling whether a model's state_dict() could have changed since a plan.
+_structure_generation = 0
 
 
-def _wait_for_copies(tensors: Any) -> None:
-    """Device-to-host copies were asynchronous (into pinned memory): wait once for all."""
-    if torch.cuda.is_available() and any(t.is_cuda for t in tensors):
-        torch.cuda.synchronize()
+def _structure_changed(*_args: Any) -> None:
+    global _structure_generation
+    _structure_generation += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_structure_changed)
+torch.nn.modules.module.register_module_buffer_registration_hook(_structure_changed)
+torch.nn.modules.module.register_module_module_registration_hook(_structure_changed)
+
+
+def _plain_state_dict(module: torch.nn.Module) -> bool:
+    """True if ``module.state_dict()`` is exactly its parameters and persistent buffers (no
+    override, no extra state, no hooks): then a copy plan can stand in for the walk."""
+    cls, base = type(module), torch.nn.Module
+    return (cls.state_dict is base.state_dict and cls._save_to_state_dict is base._save_to_state_dict
+            and getattr(cls, "get_extra_state", base.get_extra_state) is base.get_extra_state
+            and not module._state_dict_hooks and not module._state_dict_pre_hooks)
+
+
+def _structure_dicts(modules: list[torch.nn.Module]) -> list[Any]:
+    """The containers whose sizes change when a module's state_dict() could (deletions and
+    hook registrations do not go through the registration hooks)."""
+    return [d for m in modules for d in (m._parameters, m._buffers, m._modules, m._non_persistent_buffers_set,
+                                         m._state_dict_hooks, m._state_dict_pre_hooks)]
 
 
 class ModelStateHandler(StateHandler):
-    """A ``torch.nn.Module``: parameters and persistent buffers (its ``state_dict``)."""
+    """A ``torch.nn.Module``: parameters and persistent buffers (its ``state_dict``).
+
+    The first save walks ``state_dict()`` and builds a :class:`CopyPlan`; later saves replay
+    it without the walk as long as nothing could have changed the state_dict: no parameter,
+    buffer or submodule registered anywhere since (a global registration hook counts them),
+    no container of the model changed size (deletions, hooks), and every tensor still points
+    at the same memory (``p.data = ...``, ``model.to(...)``). Otherwise the save walks again.
+    """
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
         self._buffers: dict[str, torch.Tensor] = {}
         self._extra: dict[str, Any] = {}  # non-tensor entries (module extra state)
+        self._plan: CopyPlan | None = None
+        self._plan_generation = -1
+        self._dicts: list[Any] = []  # see _structure_dicts; empty: no fast path
+        self._sizes: list[int] = []
         self.save()
 
+    def _plan_is_current(self) -> bool:
+        return (self._plan is not None and bool(self._dicts) and self._plan_generation == _structure_generation
+                and list(map(len, self._dicts)) == self._sizes and self._plan.current())
+
     def save(self) -> None:
+        if self._plan_is_current():
+            self._plan.run()  # type: ignore[union-attr]
+            return
+        generation = _structure_generation
         live = self.value.state_dict(keep_vars=True)
-        with torch.no_grad():
-            for name, t in live.items():
-                if isinstance(t, torch.Tensor):
-                    _copy_in(self._buffers, name, t)
-                else:
-                    self._extra[name] = copy.deepcopy(t)
-        for gone in [k for k in self._buffers if k not in live]:
-            del self._buffers[gone]
-        for gone in [k for k in self._extra if k not in live]:
-            del self._extra[gone]
-        _wait_for_copies(t for t in live.values() if isinstance(t, torch.Tensor))
+        names = [k for k, t in live.items() if isinstance(t, torch.Tensor)]
+        self._extra = {k: copy.deepcopy(t) for k, t in live.items() if not isinstance(t, torch.Tensor)}
+        sources = [live[k] for k in names]
+        if self._plan is None or not self._plan.current(sources) or list(self._buffers) != names:
+            self._buffers = {k: _host_buffer(self._buffers.get(k), live[k]) for k in names}
+            self._plan = CopyPlan(sources, list(self._buffers.values()))
+        self._plan.run()
+        modules = list(self.value.modules())
+        if not self._extra and all(_plain_state_dict(m) for m in modules):
+            self._dicts = _structure_dicts(modules)
+            self._sizes = list(map(len, self._dicts))
+            self._plan_generation = generation
+        else:
+            self._dicts, self._sizes = [], []
 
     def restore(self) -> None:
         live = self.value.state_dict(keep_vars=True)
@@ -122,7 +165,13 @@ class ModelStateHandler(StateHandler):
 class OptimizerStateHandler(StateHandler):
     """A ``torch.optim.Optimizer`` (plain or DistributedOptimizer): per-parameter state and
     the options of every param group (lr, momentum, ...). Parameters are identified by
-    their position in ``param_groups``, like ``Optimizer.state_dict`` does."""
+    their position in ``param_groups``, like ``Optimizer.state_dict`` does.
+
+    Like the model's, the tensor copy is a :class:`CopyPlan` replayed while the layout holds:
+    the same parameters, the same per-parameter state dicts with the same keys, the same
+    tensor objects at the same memory (optimizers update their state in place; one that
+    replaces a tensor, or a parameter gaining state, makes the next save rebuild the plan).
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
@@ -131,37 +180,75 @@ class OptimizerStateHandler(StateHandler):
         self._state: dict[int, dict[str, Any]] = {}
         self._devices: dict[tuple[int, str], torch.device] = {}
         self._groups: list[dict[str, Any]] = []
+        # The layout the plan was built on: parameters, optimizer.state's keys and dicts, every
+        # entry's key in order, and where the tensors are among the entries' values.
+        self._plan: CopyPlan | None = None
+        self._plan_params: list[torch.Tensor] = []
+        self._state_keys: list[Any] = []
+        self._state_dicts: list[dict[str, Any]] = []
+        self._entry_keys: list[str] = []
+        self._tensor_positions: list[int] = []
+        self._plain_keys: list[tuple[int, dict[str, Any], str]] = []  # non-tensor entries: deep-copied
         self.save()
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.value.param_groups for p in g["params"]]
 
+    def _plan_is_current(self, params: list[torch.Tensor]) -> bool:
+        # Identity and size checks over C-level iterators: hashing a tensor key calls
+        # Tensor.__hash__ in Python, so per-parameter dict lookups would cost more than the copy.
+        state = self.value.state
+        if (self._plan is None or len(state) != len(self._state_keys) or len(params) != len(self._plan_params)
+                or not all(map(operator.is_, params, self._plan_params))
+                or not all(map(operator.is_, state.keys(), self._state_keys))
+                or not all(map(operator.is_, state.values(), self._state_dicts))
+                or list(chain.from_iterable(map(dict.keys, self._state_dicts))) != self._entry_keys):
+            return False
+        values = list(chain.from_iterable(map(dict.values, self._state_dicts)))
+        return self._plan.current([values[i] for i in self._tensor_positions])
+
     def save(self) -> None:
         opt = self.value
         self._groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        params = self._params()
+        if self._plan_is_current(params):
+            for i, live, k in self._plain_keys:
+                self._state[i][k] = copy.deepcopy(live[k])
+            self._plan.run()  # type: ignore[union-attr]
+            return
         state: dict[int, dict[str, Any]] = {}
-        used: set[tuple[int, str]] = set()
-        copied: list[torch.Tensor] = []
-        with torch.no_grad():
-            for i, p in enumerate(self._params()):
-                live = opt.state.get(p)
-                if not live:
-                    continue
-                entry: dict[str, Any] = {}
-                for k, v in live.items():
-                    if isinstance(v, torch.Tensor):
-                        entry[k] = _copy_in(self._buffers, (i, k), v)
-                        self._devices[(i, k)] = v.device
-                        used.add((i, k))
-                        copied.append(v)
-                    else:
-                        entry[k] = copy.deepcopy(v)
-                state[i] = entry
-        for gone in [k for k in self._buffers if k not in used]:
-            del self._buffers[gone]
-            self._devices.pop(gone, None)
-        self._state = state
-        _wait_for_copies(copied)
+        buffers: dict[tuple[int, str], torch.Tensor] = {}
+        sources: list[torch.Tensor] = []
+        self._plain_keys = []
+        for i, p in enumerate(params):
+            live = opt.state.get(p)
+            if not live:
+                continue
+            entry: dict[str, Any] = {}
+            for k, v in live.items():
+                if isinstance(v, torch.Tensor):
+                    entry[k] = buffers[(i, k)] = _host_buffer(self._buffers.get((i, k)), v)
+                    self._devices[(i, k)] = v.device
+                    sources.append(v)
+                else:
+                    entry[k] = copy.deepcopy(v)
+                    self._plain_keys.append((i, live, k))
+            state[i] = entry
+        for gone in [k for k in self._devices if k not in buffers]:
+            del self._devices[gone]
+        self._buffers, self._state = buffers, state
+        self._plan = CopyPlan(sources, list(buffers.values()))
+        self._plan.run()
+        # The fast check walks optimizer.state in its own order; the plan's sources are in
+        # parameter order. Record where each source sits in the flattened values.
+        self._plan_params = params
+        self._state_keys, self._state_dicts = list(opt.state.keys()), list(opt.state.values())
+        self._entry_keys = list(chain.from_iterable(map(dict.keys, self._state_dicts)))
+        flat = [id(v) for v in chain.from_iterable(map(dict.values, self._state_dicts))]
+        where = {v: i for i, v in enumerate(flat)}
+        self._tensor_positions = [where.get(id(t), -1) for t in sources]
+        if -1 in self._tensor_positions:  # cannot happen with a dict-of-dicts state; be safe
+            self._plan_params = []  # never current: every save rebuilds
 
     def restore(self) -> None:
         opt = self.value
