@@ -23,7 +23,7 @@ import ctypes
 import operator
 from collections import deque
 from itertools import starmap
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -58,10 +58,13 @@ class CopyPlan:
         self._raw: list[tuple[int, int, int]] = []
         self._torch: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._device = False
+        self._all: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (buffers, sources)
         for src, dst in zip(self._keep, self._buffers):
             nbytes = src.numel() * src.element_size()
             if nbytes == 0:
                 continue
+            self._all[0].append(dst)
+            self._all[1].append(src)
             if _raw_copyable(src, dst):
                 self._raw.append((_data_ptr(dst), _data_ptr(src), nbytes))
             else:
@@ -71,6 +74,13 @@ class CopyPlan:
     def __len__(self) -> int:
         return len(self._sources)
 
+    def split(self, first: Callable[[torch.Tensor], bool]) -> tuple[CopyPlan, CopyPlan]:
+        """Two plans: the pairs whose source satisfies ``first``, and the others."""
+        pairs = list(zip(self._sources, self._buffers))
+        yes = [pair for pair in pairs if first(pair[0])]
+        no = [pair for pair in pairs if not first(pair[0])]
+        return CopyPlan([s for s, _ in yes], [b for _, b in yes]), CopyPlan([s for s, _ in no], [b for _, b in no])
+
     def current(self, sources: Sequence[torch.Tensor] | None = None) -> bool:
         """True if replaying copies the live state: the sources still point at the memory the
         plan was built on (and, if given, ``sources`` are the very same objects)."""
@@ -78,6 +88,16 @@ class CopyPlan:
                                     or not all(map(operator.is_, sources, self._sources))):
             return False
         return list(map(_data_ptr, self._sources)) == self._ptrs
+
+    def run_released(self) -> None:
+        """The same copy in one torch call, which takes the GIL once instead of once per
+        tensor: for a background thread, whose per-tensor GIL hand-offs would otherwise
+        queue behind the training thread's Python."""
+        if self._device:  # mixed devices: not one foreach call
+            self.run()
+        elif self._all[0]:
+            with torch.no_grad():
+                torch._foreach_copy_(*self._all)
 
     def run(self) -> None:
         """Copy every source into its buffer (waits for device copies)."""

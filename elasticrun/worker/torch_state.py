@@ -13,8 +13,10 @@ parameters and optimizer state keep their identity (hooks, the DistributedOptimi
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import operator
+import weakref
 from itertools import chain
 from typing import Any, Callable
 
@@ -55,6 +57,15 @@ class StateHandler:
 
     def merge(self) -> None:
         """Collective step before a commit's save (default: nothing to agree on)."""
+
+    def save_deferred(self, guarded: frozenset[int]) -> Callable[[], None] | None:
+        """A save split in two for ``TorchState(background_commit=True)``: do now what may
+        change before the next optimizer step, and return the rest (a function another
+        thread will run before any optimizer in the state steps again), or None if nothing
+        is left. ``guarded`` holds the ids of the parameters those optimizers update.
+        The default saves everything now."""
+        self.save()
+        return None
 
     def on_reset(self) -> None:
         """Local step after a reset (the world may have a new size)."""
@@ -116,6 +127,8 @@ class ModelStateHandler(StateHandler):
         self._plan_generation = -1
         self._dicts: list[Any] = []  # see _structure_dicts; empty: no fast path
         self._sizes: list[int] = []
+        # For background commits: (guarded parameter ids, their plan, the rest's plan).
+        self._split: tuple[frozenset[int], CopyPlan, CopyPlan] | None = None
         self.save()
 
     def _plan_is_current(self) -> bool:
@@ -134,6 +147,7 @@ class ModelStateHandler(StateHandler):
         if self._plan is None or not self._plan.current(sources) or list(self._buffers) != names:
             self._buffers = {k: _host_buffer(self._buffers.get(k), live[k]) for k in names}
             self._plan = CopyPlan(sources, list(self._buffers.values()))
+            self._split = None
         self._plan.run()
         modules = list(self.value.modules())
         if not self._extra and all(_plain_state_dict(m) for m in modules):
@@ -142,6 +156,18 @@ class ModelStateHandler(StateHandler):
             self._plan_generation = generation
         else:
             self._dicts, self._sizes = [], []
+
+    def save_deferred(self, guarded: frozenset[int]) -> Callable[[], None] | None:
+        # Buffers (BatchNorm statistics change in forward) and parameters no optimizer of
+        # the state updates are copied now; the guarded parameters later.
+        if not self._plan_is_current():
+            self.save()
+            return None
+        if self._split is None or self._split[0] != guarded:
+            now_plan, later_plan = self._plan.split(lambda t: id(t) not in guarded)  # type: ignore[union-attr]
+            self._split = (guarded, now_plan, later_plan)
+        self._split[1].run()
+        return self._split[2].run_released
 
     def restore(self) -> None:
         live = self.value.state_dict(keep_vars=True)
@@ -207,15 +233,29 @@ class OptimizerStateHandler(StateHandler):
         values = list(chain.from_iterable(map(dict.values, self._state_dicts)))
         return self._plan.current([values[i] for i in self._tensor_positions])
 
-    def save(self) -> None:
+    def _save_unless_current(self) -> bool:
+        """Save everything but the plan's tensor copy if the plan is current (True), or
+        everything (False)."""
         opt = self.value
         self._groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
         params = self._params()
         if self._plan_is_current(params):
             for i, live, k in self._plain_keys:
                 self._state[i][k] = copy.deepcopy(live[k])
+            return True
+        self._rebuild(params)
+        return False
+
+    def save(self) -> None:
+        if self._save_unless_current():
             self._plan.run()  # type: ignore[union-attr]
-            return
+
+    def save_deferred(self, guarded: frozenset[int]) -> Callable[[], None] | None:
+        # Only a step changes the optimizer's tensors, and steps wait for the copy.
+        return self._plan.run_released if self._save_unless_current() else None  # type: ignore[union-attr]
+
+    def _rebuild(self, params: list[torch.Tensor]) -> None:
+        opt = self.value
         state: dict[int, dict[str, Any]] = {}
         buffers: dict[tuple[int, str], torch.Tensor] = {}
         sources: list[torch.Tensor] = []
@@ -347,6 +387,11 @@ class SamplerStateHandler(StateHandler):
         s.load_state_dict({"epoch": epoch, "processed_indices": sorted(merged)})
 
 
+def _call_all(functions: list[Callable[[], None]]) -> None:
+    for f in functions:
+        f()
+
+
 HandlerFactory = Callable[[Any], StateHandler]
 
 #: (type, factory), most recently registered first; the first isinstance match wins.
@@ -375,12 +420,27 @@ register_handler(torch.nn.Module, ModelStateHandler)
 
 class TorchState(ObjectState):
     """``TorchState(model, optimizer, sampler=..., epoch=0, batch=0)``: every keyword is an
-    attribute; handled types go through their handlers, the rest is ObjectState."""
+    attribute; handled types go through their handlers, the rest is ObjectState.
+
+    ``background_commit=True`` (keyword only; not an attribute) moves the bulk of each
+    commit's copy, the parameters and optimizer state, to a background thread, so that the
+    training thread pays only for what the next forward may change (BatchNorm statistics
+    and other buffers, non-tensor state) and for the host check. Every optimizer of the
+    state waits for the copy before it steps, and ``restore()``, ``sync()`` and the next
+    commit wait too. It pays off when a core is idle while training runs (GPU training,
+    or fewer ranks than cores); with every core busy the copy only moves. The contract:
+    between a commit and the next ``optimizer.step()``, parameters change only through
+    the state's optimizers; code that changes them otherwise calls
+    :meth:`wait_for_commit` first.
+    """
 
     register_handler = staticmethod(register_handler)
 
+    #: How long a wait for a background commit copy may take before it is reported.
+    COMMIT_WAIT_TIMEOUT = 600.0
+
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 **kwargs: Any) -> None:
+                 *, background_commit: bool = False, **kwargs: Any) -> None:
         kwargs = {"model": model, "optimizer": optimizer, **kwargs}
         handlers: dict[str, StateHandler] = {}
         plain: dict[str, Any] = {}
@@ -395,9 +455,47 @@ class TorchState(ObjectState):
         object.__setattr__(self, "_constructed", False)
         object.__setattr__(self, "_commit_seq", 0)  # saves by commit(); the newest commit wins a sync
         object.__setattr__(self, "_sync_root", 0)
+        object.__setattr__(self, "_background", bool(background_commit))
+        object.__setattr__(self, "_pending", None)  # the background copy in flight (a Future)
+        object.__setattr__(self, "_copy_thread", None)  # ThreadPoolExecutor, created at first use
+        object.__setattr__(self, "_guarded", weakref.WeakKeyDictionary())  # optimizer -> its step hook
         super().__init__(bcast_object=lambda obj: collectives.broadcast_object(obj, root_rank=self._sync_root),
                          get_rank=runtime.rank, **plain)
         self._constructed = True
+
+    def wait_for_commit(self) -> None:
+        """Return once the last commit's background copy (if any) is complete; raise what
+        it raised. A no-op without ``background_commit``."""
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            pending.result(timeout=self.COMMIT_WAIT_TIMEOUT)
+        except concurrent.futures.TimeoutError:
+            raise RuntimeError(f"the background copy of commit {self._commit_seq} did not finish within "
+                               f"{self.COMMIT_WAIT_TIMEOUT:.0f} s") from None
+        finally:
+            if pending.done():
+                self._pending = None
+
+    def _guard_optimizers(self) -> frozenset[int]:
+        """Hook every optimizer of the state so that its step waits for the copy; the ids of
+        the parameters they update (which the copy may take its time over)."""
+        guarded: set[int] = set()
+        for handler in self._handlers.values():
+            if isinstance(handler, OptimizerStateHandler):
+                opt = handler.value
+                if opt not in self._guarded:
+                    ref = weakref.ref(self)
+
+                    def wait(*_: Any, _ref: Any = ref) -> None:
+                        state = _ref()
+                        if state is not None:
+                            state.wait_for_commit()
+
+                    self._guarded[opt] = opt.register_step_pre_hook(wait)
+                guarded.update(id(p) for g in opt.param_groups for p in g["params"])
+        return frozenset(guarded)
 
     def __setattr__(self, name: str, value: Any) -> None:
         handlers: dict[str, StateHandler] | None = self.__dict__.get("_handlers")
@@ -428,19 +526,31 @@ class TorchState(ObjectState):
         for handler in self._handlers_in_order():
             handler.merge()
         self._commit_seq += 1
-        self._save_local()
+        self._save_local(background=self._background)
 
-    def _save_local(self) -> None:
-        for handler in self._handlers.values():
-            handler.save()
+    def _save_local(self, background: bool = False) -> None:
+        self.wait_for_commit()  # the buffers are about to be overwritten
+        if background:
+            guarded = self._guard_optimizers()
+            later = [f for f in (h.save_deferred(guarded) for h in self._handlers.values()) if f is not None]
+            if later:
+                if self._copy_thread is None:
+                    self._copy_thread = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix="elasticrun-commit")
+                self._pending = self._copy_thread.submit(_call_all, later)
+        else:
+            for handler in self._handlers.values():
+                handler.save()
         super().save()
 
     def restore(self) -> None:
+        self.wait_for_commit()
         for handler in self._handlers.values():
             handler.restore()
         super().restore()
 
     def sync(self) -> None:
+        self.wait_for_commit()
         # Sync from the rank holding the newest commit (the lowest such rank): rank 0 unless
         # a commit completed on some ranks while others abandoned it (a peer died at the end
         # of its merge and they saw the abort first). Syncing from rank 0 then would mix

@@ -67,6 +67,12 @@ SCENARIOS = {s.name: s for s in [
     # were never trained in the committed history (6 lost). sync() now takes the newest commit.
     Scenario("split_commit", ("-np", "3", "--min-np", "2", "-H", H3),
              ("commit@127.0.0.2:0@1:3", "abandon@localhost:0@1:3"), 2),
+    # The same with the commit's copy on a background thread: a restore, a sync and the
+    # next step must each wait for a copy that may still be running.
+    Scenario("commit_background", ("-np", "3", "--min-np", "2", "-H", H3), ("commit@127.0.0.2:0@1:3",), 2,
+             extra=("--background-commit",)),
+    Scenario("allreduce_background", ("-np", "3", "--min-np", "2", "-H", H3), ("allreduce@127.0.0.1:0@1:4",), 2,
+             extra=("--background-commit",)),
     # Below --min-np: the job stops with the reason after --elastic-timeout.
     Scenario("below_min_np", ("-np", "2", "--min-np", "2", "--elastic-timeout", "1.5", "-H", H2),
              ("step@127.0.0.1:0@1:3",), None,

@@ -48,6 +48,7 @@ p.add_argument("--batch-size", type=int, default=6)
 p.add_argument("--sleep", type=float, default=0.01)
 p.add_argument("--log-dir", required=True)
 p.add_argument("--fault", action="append", default=[], help="PHASE@WHO[@EPOCH:BATCH]")
+p.add_argument("--background-commit", action="store_true", help="TorchState(background_commit=True)")
 args = p.parse_args()
 
 HOST, SLOT = os.environ.get("ELASTICRUN_HOSTNAME", "?"), os.environ.get("ELASTICRUN_SLOT", "?")
@@ -243,7 +244,8 @@ class LoggedState(hvd.elastic.TorchState):
         super().check_host_updates()
 
 
-state = LoggedState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, batch=0, commits=0)
+state = LoggedState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, batch=0, commits=0,
+                    background_commit=args.background_commit)
 stepped_round = -1
 
 
