@@ -33,6 +33,12 @@ example:
 """
 
 
+def _log_level(value: str) -> str:
+    """A level name, upper-cased; horovodrun's TRACE and FATAL map to logging's names."""
+    value = value.upper()
+    return {"TRACE": "DEBUG", "FATAL": "CRITICAL"}.get(value, value)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -99,7 +105,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = _Parser,
     hosts.add_argument("--host-discovery-script", metavar="PATH",
                        help="executable printing the usable hosts, one `host[:slots]` per line")
     hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="fixed host list, e.g. localhost:2,127.0.0.1:2")
-    hosts.add_argument("--hostfile", metavar="FILE", help="file with one `host[:slots]` or `host slots=N` per line")
+    hosts.add_argument("--hostfile", "-hostfile", metavar="FILE", help="file with one `host[:slots]` or `host slots=N` per line")
     p.add_argument("--slots-per-host", "--slots", dest="slots_per_host", type=_positive_int, default=1,
                    help="slots for hosts listed without a count (default 1)")
     p.add_argument("--discovery-interval", type=_seconds, default=1.0, metavar="SECONDS",
@@ -126,9 +132,10 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = _Parser,
     p.add_argument("--events", metavar="FILE", dest="events_file",
                    help="append the job's event log (JSON lines: discovery, failures, rounds, each "
                         "worker's reset phases) to FILE (default: DIR/events.jsonl with --output-filename)")
-    p.add_argument("--log-level", default=None, type=str.upper,
+    p.add_argument("--log-level", default=None, type=_log_level,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                   help="driver and worker log level (default INFO for the driver's job messages)")
+                   help="driver and worker log level (default INFO for the driver's job messages; "
+                        "horovodrun's TRACE and FATAL mean DEBUG and CRITICAL)")
     p.add_argument("--verbose", action="store_true", help="same as --log-level DEBUG")
     _add_remote_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training command, e.g. python train.py")

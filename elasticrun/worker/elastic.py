@@ -32,7 +32,12 @@ class State:
         """Call these after every reset (e.g. to scale the learning rate with the new size)."""
         self._reset_callbacks.extend(callbacks)
 
+    def reset(self) -> None:
+        """Hook for subclasses: called after every reset, before the reset callbacks (as in
+        Horovod). The default does nothing."""
+
     def on_reset(self) -> None:
+        type(self).reset(self)  # through the class: an ObjectState attribute may be named "reset"
         for callback in self._reset_callbacks:
             callback()
 

@@ -45,3 +45,15 @@ def test_non_executable_discovery_script(tmp_path):
 def test_long_aliases_and_module_entry_point():
     r = elasticrun("--num-proc", "2", "--min-num-proc", "1", "--max-num-proc", "3", "--help")
     assert r.returncode == 0 and "--host-discovery-script" in r.stdout
+
+
+def test_horovodrun_spellings(tmp_path):
+    """horovodrun's single-dash -hostfile and its TRACE / FATAL log levels are accepted."""
+    from elasticrun.driver.cli import parse_settings
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    s = parse_settings(["-np", "2", "-hostfile", str(hostfile), "--log-level", "trace", "python", "x.py"])
+    assert s.hosts == {"localhost": 2} and s.log_level == "DEBUG"
+    s = parse_settings(["-np", "2", "-H", "localhost:2", "--log-level", "FATAL", "python", "x.py"])
+    assert s.log_level == "CRITICAL" and s.worker_log_level == "CRITICAL"

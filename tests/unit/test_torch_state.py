@@ -295,6 +295,22 @@ def test_object_state_attributes() -> None:
     assert calls == [1]
 
 
+def test_reset_hook_runs_before_the_callbacks() -> None:
+    """Horovod's State.reset(): subclasses override it; an attribute named reset does not
+    shadow it."""
+    calls: list[str] = []
+
+    class MyState(TorchState):
+        def reset(self) -> None:
+            calls.append("reset")
+
+    state = MyState(epoch=0)
+    state.register_reset_callbacks([lambda: calls.append("callback")])
+    state.on_reset()
+    assert calls == ["reset", "callback"]
+    TorchState(reset=3).on_reset()  # a plain attribute named "reset"
+
+
 def test_lr_scheduler_handler() -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
