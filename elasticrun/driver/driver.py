@@ -301,7 +301,8 @@ class ElasticDriver:
             self._pending_rdzv[worker_id] = _Pending(identity, msg.sender, body.get("req"))
             error = body.get("error")
             self._execute(self.registry.rendezvous(worker_id, time.monotonic(),
-                                                   error=str(error)[:300] if error else None))
+                                                   error=str(error)[:300] if error else None,
+                                                   restored=body.get("restored") is True))
         else:
             log.warning("ignored a %r message from %s", msg.type, msg.sender)
 
@@ -336,7 +337,8 @@ class ElasticDriver:
                 pending = self._pending_rdzv.pop(act.worker_id, None)
                 if pending is not None:
                     self._reply(pending.identity, pending, "assignment", dict(
-                        act.info.as_dict(), round=act.round, notify_ts=self._last_ts, new_members=act.new_members))
+                        act.info.as_dict(), round=act.round, notify_ts=self._last_ts, new_members=act.new_members,
+                        must_sync=act.must_sync))
                 if act.info.rank == 0:
                     self._store.keep_only(f"round{act.round}/")  # earlier rounds' keys are dead
             elif isinstance(act, reg.Dismiss):

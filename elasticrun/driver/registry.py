@@ -62,6 +62,7 @@ class WorkerRecord:
     exited: bool = False
     why: str = ""  # how it failed, for the job's failure message
     last_seen: float | None = None  # last heartbeat or request; None until the first contact
+    restored: bool = False  # it rolled back to its last commit before asking for this round
 
     @property
     def key(self) -> tuple[str, int]:
@@ -84,7 +85,10 @@ class Assign:
     worker_id: str
     round: int
     info: SlotInfo
-    new_members: bool  # someone in this round was not in the previous one: state must be synced
+    new_members: bool  # someone in this round was not in the previous one
+    # The state must be synced: new members, or the previous round failed or some member
+    # rolled back (then ranks that took a host-update interrupt hold a newer commit).
+    must_sync: bool = True
 
 
 @dataclass(frozen=True)
@@ -179,9 +183,11 @@ class Registry:
             acts.append(Event("host_resized", f"host {h} now has {hosts[h]} slots", {"host": h}))
         return acts + self._decide(now)
 
-    def rendezvous(self, worker_id: str, now: float, error: str | None = None) -> list[Action]:
+    def rendezvous(self, worker_id: str, now: float, error: str | None = None,
+                   restored: bool = False) -> list[Action]:
         """A worker asks for its place in the next round (first time, after an interrupt, or
-        after ``error``: a collective failed on its side)."""
+        after ``error``: a collective failed on its side). ``restored``: it rolled back to its
+        last commit (after any failed collective)."""
         w = self.workers.get(worker_id)
         if w is None:
             return [Dismiss(worker_id, "this process is not part of the job")]
@@ -194,7 +200,7 @@ class Registry:
             # collective timeout): without an abort they would wait out theirs.
             self.aborted = True
             acts.append(AbortRound(self.round, f"{w.label} left round {self.round} after an error: {error}"))
-        w.state, w.last_seen = WorkerState.WAITING, now
+        w.state, w.last_seen, w.restored = WorkerState.WAITING, now, restored
         return acts + self._decide(now)
 
     def heartbeat(self, worker_id: str, now: float) -> None:
@@ -450,6 +456,7 @@ class Registry:
     def _form_round(self, target: list[SlotInfo], by_key: dict) -> list[Action]:
         previous = set(self.members.values())
         new_members = any(by_key[i.key].id not in previous for i in target)
+        must_sync = new_members or self.aborted or any(by_key[i.key].restored for i in target)
         self.round += 1
         if self.round > 0:
             self.reset_count += 1
@@ -462,7 +469,7 @@ class Registry:
             w = by_key[info.key]
             w.state, w.round, w.rank = WorkerState.RUNNING, self.round, info.rank
             self.members[info.key] = w.id
-            acts.append(Assign(w.id, self.round, info, new_members))
+            acts.append(Assign(w.id, self.round, info, new_members, must_sync))
         hosts = sorted({i.host for i in target})
         acts.append(Event("round_formed", f"round {self.round}: {len(target)} worker(s) on {len(hosts)} host(s)",
                           {"size": len(target), "hosts": hosts}))

@@ -44,11 +44,27 @@ class State:
     def commit(self) -> None:
         """Save the state, then check (collectively) whether hosts changed."""
         self.save()
-        self.check_host_updates()
+        self._just_saved = True
+        try:
+            self.check_host_updates()
+        finally:
+            self._just_saved = False
 
     def check_host_updates(self) -> None:
-        """Raise HostsUpdatedInterrupt on every rank at this same call if hosts changed."""
-        runtime.get().check_host_updates()
+        """Raise HostsUpdatedInterrupt on every rank at this same call if hosts changed.
+
+        Called outside ``commit()``, the state is saved (a commit) before the interrupt is
+        raised: every rank is at the same call, so the progress since the last commit can
+        still be merged over the old world. Otherwise the samples a leaving worker trained
+        since the last commit, whose gradients are in everyone's live model, would be
+        forgotten and trained again.
+        """
+        try:
+            runtime.get().check_host_updates()
+        except HostsUpdatedInterrupt:
+            if not getattr(self, "_just_saved", False):
+                self.save()
+            raise
 
     def save(self) -> None:
         raise NotImplementedError
@@ -111,6 +127,7 @@ def run(func: F) -> F:
         skip_sync = False
         resetting = False
         error: str | None = None
+        restored = False
         while True:
             try:
                 if not skip_sync:
@@ -129,17 +146,22 @@ def run(func: F) -> F:
                 state.restore()
                 rt.emit("restore", ms=round((time.monotonic() - started) * 1000, 2))
                 skip_sync = False
+                restored = True
                 # Only this rank knows of its own timeout; a dead peer the driver sees itself.
                 error = str(exc) if isinstance(exc, CollectiveTimeout) else None
             except HostsUpdatedInterrupt as exc:
                 started = time.monotonic()
                 skip_sync = exc.skip_sync
                 error = None
+                restored = False
             resetting = True
-            rt.rendezvous(error=error)
-            # Newcomers must receive the state even when the interrupt said "removals only":
-            # another change may have been folded into the same reset.
-            skip_sync = skip_sync and not rt.new_members
+            rt.rendezvous(error=error, restored=restored)
+            # The driver decides for everyone whether to sync: newcomers must receive the
+            # state even when the interrupt said "removals only" (another change may have
+            # been folded into the same reset), and when the round failed or a rank rolled
+            # back, ranks that took the interrupt hold a newer commit than those that
+            # restored. A rank-local choice could leave some ranks in sync() and others not.
+            skip_sync = skip_sync and not rt.must_sync
             state.on_reset()
 
     return wrapper  # type: ignore[return-value]

@@ -64,6 +64,7 @@ class Runtime:
         self.round = -1
         self.rendezvous_count = 0
         self.new_members = True
+        self.must_sync = True  # the driver's word for this round: sync() even after removals only
         self.pg: dist.ProcessGroup | None = None
         self._store: Any = None
         self._lock = threading.Lock()
@@ -145,12 +146,13 @@ class Runtime:
         """Why the current round was aborted, or None while it is healthy."""
         return self.aborted_reason(self.round)
 
-    def rendezvous(self, error: str | None = None) -> None:
+    def rendezvous(self, error: str | None = None, restored: bool = False) -> None:
         """Get this worker's place in the next round and form that round's process group.
 
         ``error``: why this worker leaves its round (a failed collective). The driver then
         aborts the round for everyone, so peers still blocked in a collective with this
-        worker give up at once instead of at their collective timeout.
+        worker give up at once instead of at their collective timeout. ``restored``: this
+        worker rolled back to its last commit; the driver then makes everyone sync.
         """
         if self.standalone:
             if self.pg is None:
@@ -162,7 +164,7 @@ class Runtime:
             asked = time.monotonic()
             try:
                 msg = self._client.request("rendezvous", {"worker": self.worker_id, "after_round": self.round,
-                                                          "error": error},
+                                                          "error": error, "restored": restored},
                                            timeout=self.rendezvous_timeout, what="this worker's place in the next round")
             except DriverTimeout as exc:
                 raise HorovodInternalError(str(exc)) from None
@@ -177,6 +179,7 @@ class Runtime:
             self.local_rank, self.local_size = int(a["local_rank"]), int(a["local_size"])
             self.cross_rank, self.cross_size = int(a["cross_rank"]), int(a["cross_size"])
             self.new_members = bool(a.get("new_members", True))
+            self.must_sync = bool(a.get("must_sync", True))
             self.rendezvous_count += 1
             self.emit("rendezvous_complete", size=self.size, waited_ms=round((time.monotonic() - asked) * 1000, 2))
             with self._lock:

@@ -60,6 +60,24 @@ def test_exactly_once_with_a_host_added_and_one_removed_mid_epoch(job):
     assert_exactly_once(job.tmp / "samples")
 
 
+def test_exactly_once_with_host_checks_between_commits(job):
+    """Hosts change at a check_host_updates() between commits: the leaving worker's batches
+    since the last commit are in every survivor's live model, so they must count as trained
+    (the interrupt commits them over the old world) and must not be trained again. Commits
+    only at the end of epochs, so every interrupt is at a check between commits."""
+    schedule = ("0:localhost:1,127.0.0.1:1;1005:localhost:1,127.0.0.1:1,127.0.0.2:1;"
+                "2006:localhost:1,127.0.0.2:1")
+    r = job.run(["-np", "2", "--min-np", "1", "--max-np", "3", "--host-discovery-script", str(PROGRESS_DISCOVERY),
+                 "--discovery-interval", "0.1"],
+                sample_cmd(job, "--await-size=1:9:3", "--await-size=2:13:2", "--commit-every", "1000",
+                           "--check-every-step"),
+                HOSTS_SCHEDULE=schedule)
+    assert r.returncode == 0, r.output
+    assert sizes_seen(job.tmp / "samples") == {2, 3}
+    assert r.stderr.count("[elasticrun] round ") == 3, r.stderr
+    assert_exactly_once(job.tmp / "samples")
+
+
 def test_worker_killed_mid_epoch_redoes_only_uncommitted_work(job):
     r = job.run(["-np", "3", "--min-np", "2", "-H", "localhost:1,127.0.0.1:1,127.0.0.2:1"],
                 sample_cmd(job, "--kill=127.0.0.2:0@1:7", "--commit-every", "4"))

@@ -832,6 +832,33 @@ def test_same_members_reform_without_new_members_flag():
     assigns = of(acts, Assign)
     assert ranks(assigns) == {("a", 0): ("w0", 0), ("b", 0): ("w1", 1)}
     assert {a.new_members for a in assigns} == {False}
+    assert {a.must_sync for a in assigns} == {False}  # an interrupt, and nobody rolled back
+
+
+def test_a_rank_that_rolled_back_makes_everyone_sync():
+    """Some ranks took the host-update interrupt (their state is the newest commit), one
+    rolled back after a failed collective: a rank-local choice would leave some of them in
+    sync() and the others in training, pairing unrelated collectives."""
+    job = Job(np=2, min_np=1)
+    job.start({"a": 1, "b": 1})
+    job.discover({"a": 1, "b": 1, "c": 1}, at=1)
+    job.discover({"a": 1, "b": 1}, at=2)
+    acts = job.rdv("w0", at=3) + job.reg.rendezvous("w1", job.now, restored=True)
+    assigns = of(acts, Assign)
+    assert {a.new_members for a in assigns} == {False}
+    assert {a.must_sync for a in assigns} == {True}
+
+
+def test_the_round_after_a_failure_syncs_even_without_newcomers():
+    job = Job(np=2, min_np=1)
+    job.start({"a": 1, "b": 1, "c": 1})
+    acts = job.exit("w2", 137, at=1)
+    assert of(acts, AbortRound)
+    acts = job.rdv_all(["w0", "w1"], at=2)  # neither reports a roll-back (e.g. both were interrupted)
+    assigns = of(acts, Assign)
+    assert ranks(assigns) == {("a", 0): ("w0", 0), ("b", 0): ("w1", 1)}
+    assert {a.new_members for a in assigns} == {False}
+    assert {a.must_sync for a in assigns} == {True}
 
 
 def test_rank0_survives_cooldown_return_of_the_only_member_host():
@@ -1050,6 +1077,7 @@ class RegistryMachine(RuleBasedStateMachine):
         new_ids = {a.worker_id for a in assigns}
         # new_members tells the workers whether state must be synced from rank 0.
         assert {a.new_members for a in assigns} == {bool(new_ids - self.prev_members)}
+        assert len({a.must_sync for a in assigns}) == 1 and (assigns[0].must_sync or not assigns[0].new_members)
         if self.strict and new_ids & self.prev_members:
             assert assigns[0].worker_id in self.prev_members, (
                 f"rank 0 went to {assigns[0].worker_id} ({assigns[0].info.host}) although "

@@ -27,6 +27,7 @@ p.add_argument("--epochs", type=int, default=3)
 p.add_argument("--samples", type=int, default=240)
 p.add_argument("--batch-size", type=int, default=6)
 p.add_argument("--commit-every", type=int, default=4)
+p.add_argument("--check-every-step", action="store_true", help="state.check_host_updates() between commits")
 p.add_argument("--sleep", type=float, default=0.01)
 p.add_argument("--log-dir", required=True)
 p.add_argument("--progress", required=True)
@@ -54,19 +55,33 @@ log_path = os.path.join(args.log_dir, f"samples-{os.getpid()}.jsonl")
 pending: list[str] = []
 
 
+def flush() -> None:
+    if pending:
+        with open(log_path, "a") as f:
+            f.writelines(pending)
+        pending.clear()
+
+
 class LoggedState(hvd.elastic.TorchState):
-    """Writes the buffered sample log when a save completes; drops it on restore."""
+    """Writes the buffered sample log when a save completes or a host-update interrupt keeps
+    the live state; drops it on restore."""
 
     def save(self):
         super().save()
-        if pending:
-            with open(log_path, "a") as f:
-                f.writelines(pending)
-            pending.clear()
+        flush()
 
     def restore(self):
         super().restore()
         pending.clear()
+
+    def check_host_updates(self):
+        try:
+            super().check_host_updates()
+        except hvd.HostsUpdatedInterrupt:
+            # The live model is kept, with the gradients of every batch since the last commit
+            # (by the survivors, even if this worker leaves): those batches are history now.
+            flush()
+            raise
 
 
 def loss_on_all() -> float:
@@ -120,6 +135,8 @@ def train(state):
             time.sleep(args.sleep)
             if state.batch % args.commit_every == 0:
                 state.commit()
+            elif args.check_every_step:
+                state.check_host_updates()
             await_size(state.epoch, state.batch)
         state.epoch += 1
         state.batch = 0
