@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import threading
@@ -18,9 +20,39 @@ class DiscoveryError(RuntimeError):
     """The discovery script failed (non-zero exit, timeout, could not start)."""
 
 
+def discovery_command(spec: str) -> list[str]:
+    """The argv that runs ``--host-discovery-script SPEC``: the path of an executable file, or,
+    as horovodrun allows, a command line for ``/bin/sh`` (``"python discover.py --zone a"``).
+
+    Checked before the job starts, so that a typo is one clear line, not a job that waits for
+    hosts: ValueError names what is wrong (missing, not executable, bad quoting, unknown
+    command).
+    """
+    if os.path.isfile(spec):
+        if not os.access(spec, os.R_OK | os.X_OK):
+            raise ValueError(f"{spec}: not executable (try chmod +x {spec})")
+        return [os.path.abspath(spec)]
+    try:
+        words = shlex.split(spec)
+    except ValueError as exc:
+        raise ValueError(f"{spec!r}: cannot split it into words ({exc})") from None
+    if not words:
+        raise ValueError("empty command")
+    first = words[0]
+    if os.sep in first:
+        if not os.path.isfile(first):
+            raise ValueError(f"{first}: no such file")
+        if not os.access(first, os.X_OK):
+            raise ValueError(f"{first}: not executable (try chmod +x {first})")
+    elif shutil.which(first) is None:
+        raise ValueError(f"{first}: no such file" if len(words) == 1 else f"{first}: command not found")
+    return ["/bin/sh", "-c", spec]
+
+
 @dataclass
 class ScriptDiscovery:
-    """Runs the user's script; its stdout lists ``host[:slots]`` per line.
+    """Runs the user's script (``path``: see :func:`discovery_command`); its stdout lists
+    ``host[:slots]`` per line.
 
     The script runs in its own process group so that a timeout kills it *and* anything it
     started (``kubectl``, ``ssh``...), and a hung script can never hang the driver.
@@ -49,7 +81,11 @@ class ScriptDiscovery:
         if self._closed:
             raise DiscoveryError("discovery is closed: the job is ending")
         try:
-            proc = subprocess.Popen([self.path], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            argv = discovery_command(self.path)
+        except ValueError as exc:
+            raise DiscoveryError(f"cannot run the discovery script: {exc}") from None
+        try:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL, start_new_session=True, text=True)
         except OSError as exc:
             raise DiscoveryError(f"{self.path} could not be started: {exc.strerror}") from None

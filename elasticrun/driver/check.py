@@ -196,7 +196,7 @@ def _fixed_hosts(parser: argparse.ArgumentParser, a: argparse.Namespace) -> dict
 def _discovered(a: argparse.Namespace, say: Callable[[str], None]) -> dict[str, int]:
     from elasticrun.discovery.sources import DiscoveryError, ScriptDiscovery
 
-    script = os.path.abspath(a.host_discovery_script)
+    script = a.host_discovery_script
     try:
         found = ScriptDiscovery(script, a.slots_per_host, a.discovery_timeout).discover()
     except DiscoveryError as exc:
@@ -215,13 +215,17 @@ def _discovered(a: argparse.Namespace, say: Callable[[str], None]) -> dict[str, 
 
 def main(argv: list[str]) -> int:
     from elasticrun.driver import config
+    from elasticrun.discovery.sources import discovery_command
     from elasticrun.driver.cli import build_parser
 
     parser = build_parser()
     a = config.parse_args(parser, argv, probe_parser=build_parser())
     hosts = _fixed_hosts(parser, a)
-    if a.host_discovery_script is not None and not os.path.isfile(a.host_discovery_script):
-        parser.error(f"--host-discovery-script {a.host_discovery_script}: no such file")
+    if a.host_discovery_script is not None:
+        try:
+            discovery_command(a.host_discovery_script)
+        except ValueError as exc:
+            parser.error(f"--host-discovery-script {exc}")
     ok = True
 
     def say(line: str) -> None:

@@ -12,7 +12,7 @@ import sys
 from elasticrun import __version__
 from elasticrun.common.hosts import HostSpecError, parse_hostfile, parse_hosts_arg
 from elasticrun.common.settings import JobSettings
-from elasticrun.discovery.sources import FixedHosts, ScriptDiscovery
+from elasticrun.discovery.sources import FixedHosts, ScriptDiscovery, discovery_command
 from elasticrun.driver import check, config
 
 DESCRIPTION = """\
@@ -103,7 +103,8 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = _Parser,
                         "all discovered slots with a discovery script)")
     hosts = p.add_mutually_exclusive_group(required=host_source_required)
     hosts.add_argument("--host-discovery-script", metavar="PATH",
-                       help="executable printing the usable hosts, one `host[:slots]` per line")
+                       help="executable printing the usable hosts, one `host[:slots]` per line (or, as "
+                            "with horovodrun, a command line run by /bin/sh: \"python discover.py --zone a\")")
     hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="fixed host list, e.g. localhost:2,127.0.0.1:2")
     hosts.add_argument("--hostfile", "-hostfile", metavar="FILE", help="file with one `host[:slots]` or `host slots=N` per line")
     p.add_argument("--slots-per-host", "--slots", dest="slots_per_host", type=_positive_int, default=1,
@@ -259,11 +260,11 @@ def parse_settings(argv: list[str], *, api: bool = False) -> JobSettings:
         parser.error(str(exc))
     script = a.host_discovery_script
     if script is not None:
-        if not os.path.isfile(script):
-            parser.error(f"--host-discovery-script {script}: no such file")
-        if not os.access(script, os.R_OK | os.X_OK):
-            parser.error(f"--host-discovery-script {script}: not executable (try chmod +x {script})")
-        script = os.path.abspath(script)
+        try:
+            argv = discovery_command(script)
+        except ValueError as exc:
+            parser.error(f"--host-discovery-script {exc}")
+        script = argv[0] if len(argv) == 1 else script  # a file: by its absolute path
     if fixed is not None and sum(fixed.values()) < a.np:
         parser.error(f"-np {a.np} needs {a.np} slots but the host list has {sum(fixed.values())}")
     max_np = a.max_np if a.max_np is not None else (a.np if fixed is not None else None)

@@ -8,6 +8,7 @@ count) and, through the ``job`` fixture, that no process of the job is left runn
 from __future__ import annotations
 
 import os
+import sys
 import signal
 import time
 
@@ -177,3 +178,13 @@ def test_start_timeout_when_too_few_hosts(job):
                 job.train_cmd(epochs=1), **discovery(f"0:{TWO.format(s=1)}"))
     assert r.returncode == 1, r.output
     assert "timed out after 1 s (--start-timeout) waiting for 3 slots" in r.stderr, r.stderr
+
+
+def test_discovery_command_line_with_arguments(job, tmp_path):
+    """As with horovodrun, the discovery "script" may be a command line with arguments."""
+    script = tmp_path / "discover.py"
+    script.write_text("import sys\nfor host in sys.argv[1:]:\n    print(host)\n")
+    command = f"{sys.executable} {script} localhost:1 '127.0.0.1:1'"
+    r = job.run(["-np", "2", "--host-discovery-script", command], job.train_cmd(epochs=1))
+    assert r.returncode == 0, r.output
+    assert "round 0: 2 worker(s) on 2 host(s)" in r.stderr, r.stderr

@@ -1,0 +1,56 @@
+"""``--host-discovery-script``: a path, or (as with horovodrun) a command line for /bin/sh."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from elasticrun.discovery.sources import ScriptDiscovery, discovery_command
+
+
+def executable(path: Path, text: str = "#!/bin/sh\necho localhost:2\n") -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def test_an_executable_file_runs_directly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = executable(tmp_path / "discover hosts.sh")  # a space in the path: still a file
+    assert discovery_command(str(script)) == [str(script)]
+    monkeypatch.chdir(tmp_path)
+    assert discovery_command("discover hosts.sh") == [str(script)]  # made absolute
+
+
+def test_a_command_line_runs_through_the_shell(tmp_path: Path) -> None:
+    script = tmp_path / "discover.py"
+    script.write_text("import sys\nprint(*sys.argv[1:], sep='\\n')\n")
+    spec = f"{sys.executable} {script} a:1 'b:2' | sort -r"
+    assert discovery_command(spec) == ["/bin/sh", "-c", spec]
+    found = ScriptDiscovery(spec, 1, 10.0).discover()
+    assert list(found.hosts.items()) == [("b", 2), ("a", 1)]
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("/nonexistent/discover.sh", "/nonexistent/discover.sh: no such file"),
+    ("/nonexistent/discover.sh --zone a", "/nonexistent/discover.sh: no such file"),
+    ("no-such-command-here --zone a", "no-such-command-here: command not found"),
+    ("no-such-command-here", "no-such-command-here: no such file"),
+    ("python3 'unbalanced", "cannot split it into words"),
+    ("   ", "empty command"),
+])
+def test_what_cannot_run_is_named(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        discovery_command(spec)
+
+
+def test_a_file_that_is_not_executable(tmp_path: Path) -> None:
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost\n")
+    os.chmod(script, 0o644)
+    with pytest.raises(ValueError, match=r"not executable \(try chmod \+x"):
+        discovery_command(str(script))
+    with pytest.raises(ValueError, match=r"not executable"):
+        discovery_command(f"{script} --zone a")
