@@ -89,7 +89,6 @@ def run_worker(args) -> None:
                      "copy_ms": statistics.median(copies) * 1e3,
                      "sync_ms": (med["sync"] - med["none"]) * 1e3 / commits,
                      "background_ms": (med["background"] - med["none"]) * 1e3 / commits})
-        del model, opt, states, src, dst
     if hvd.rank() == 0:
         print(json.dumps({"background": rows}), flush=True)
 

@@ -7,7 +7,6 @@ operation while the copy is provably still pending."""
 from __future__ import annotations
 
 import copy
-import os
 import threading
 from typing import Any, Iterator
 
@@ -15,22 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from elasticrun.worker import runtime
 from elasticrun.worker.copier import CopyPlan
 from elasticrun.worker.torch_state import TorchState
+from standalone_torch import forward_backward, make_model, rt, train_step  # noqa: F401 (rt: autouse fixture)
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(autouse=True)
-def rt(monkeypatch: pytest.MonkeyPatch) -> Iterator[runtime.Runtime]:
-    for name in list(os.environ):
-        if name.startswith("ELASTICRUN_"):
-            monkeypatch.delenv(name)
-    runtime.shutdown()
-    r = runtime.init()
-    yield r
-    runtime.shutdown()
 
 
 @pytest.fixture
@@ -48,24 +36,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     opened.set()
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
-
-
-def forward_backward(model: nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
-    ((model(x) - y) ** 2).mean().backward()
-
-
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
-    opt.zero_grad()
-    forward_backward(model, seed)
-    opt.step()
-
-
-def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+def full_snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     return {"model": {k: v.clone() for k, v in model.state_dict().items()},
             "opt": copy.deepcopy(opt.state_dict())}
 
@@ -92,7 +63,7 @@ def test_the_copy_runs_on_another_thread_and_restore_waits_for_it(gate: threadin
     model, opt, state = make_state()  # construction saved synchronously
     train_step(model, opt, 1)
     state.commit()
-    committed = snapshot(model, opt)
+    committed = full_snapshot(model, opt)
     assert state._pending is not None and not state._pending.done()  # held at the gate
     waiting = threading.Event()
     original = TorchState.wait_for_commit
@@ -103,7 +74,7 @@ def test_the_copy_runs_on_another_thread_and_restore_waits_for_it(gate: threadin
     state.restore()
     opener.join(30)
     assert state._pending is None
-    assert_same(snapshot(model, opt), committed)
+    assert_same(full_snapshot(model, opt), committed)
 
 
 def test_optimizer_step_waits_for_the_copy(gate: threading.Event) -> None:
@@ -112,14 +83,14 @@ def test_optimizer_step_waits_for_the_copy(gate: threading.Event) -> None:
     opt.register_step_pre_hook(lambda *_: entered.set())  # runs before the state's own hook
     train_step(model, opt, 1)
     state.commit()
-    committed = snapshot(model, opt)
+    committed = full_snapshot(model, opt)
     opener = threading.Thread(target=lambda: entered.wait(30) and gate.set())
     opener.start()
     train_step(model, opt, 2)  # blocks in the state's hook until the copy is done
     opener.join(30)
     assert state._pending is None or state._pending.done()
     state.restore()
-    assert_same(snapshot(model, opt), committed)
+    assert_same(full_snapshot(model, opt), committed)
 
 
 def test_buffers_and_unguarded_parameters_are_copied_at_once(gate: threading.Event) -> None:
@@ -148,11 +119,11 @@ def test_commits_back_to_back_and_sync_wait(gate: threading.Event) -> None:
     for seed in range(1, 4):
         train_step(model, opt, seed)
         state.commit()
-    committed = snapshot(model, opt)
+    committed = full_snapshot(model, opt)
     state.sync()  # a world of one: waits, then commits the live state
     train_step(model, opt, 9)
     state.restore()
-    assert_same(snapshot(model, opt), committed)
+    assert_same(full_snapshot(model, opt), committed)
 
 
 def test_matches_a_synchronous_commit() -> None:
@@ -164,7 +135,7 @@ def test_matches_a_synchronous_commit() -> None:
             state.commit()
         train_step(model, opt, 7)
         state.restore()
-        states.append(snapshot(model, opt))
+        states.append(full_snapshot(model, opt))
     assert_same(states[0], states[1])
 
 

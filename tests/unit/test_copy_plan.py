@@ -5,29 +5,17 @@ state_dict hooks, replaced or re-pointed optimizer state, new param groups)."""
 from __future__ import annotations
 
 import copy
-import os
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
 from torch import nn
 
-from elasticrun.worker import runtime
 from elasticrun.worker.copier import MEMMOVE_MAX_BYTES, CopyPlan
 from elasticrun.worker.torch_state import TorchState
+from standalone_torch import make_model, rt, snapshot, train_step  # noqa: F401 (rt: autouse fixture)
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(autouse=True)
-def rt(monkeypatch: pytest.MonkeyPatch) -> Iterator[runtime.Runtime]:
-    for name in list(os.environ):
-        if name.startswith("ELASTICRUN_"):
-            monkeypatch.delenv(name)
-    runtime.shutdown()
-    r = runtime.init()
-    yield r
-    runtime.shutdown()
 
 
 # --------------------------------------------------------------------------- CopyPlan
@@ -70,23 +58,6 @@ def test_plan_rejects_mismatched_lists() -> None:
 
 
 # --------------------------------------------------------------------------- model handler
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
-
-
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
-    opt.zero_grad()
-    ((model(x) - y) ** 2).mean().backward()
-    opt.step()
-
-
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
 def assert_committed(state: TorchState, model: nn.Module) -> None:

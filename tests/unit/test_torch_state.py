@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any, Iterator
 
 import pytest
@@ -11,40 +10,12 @@ import torch
 from torch import nn
 
 import elasticrun.torch as hvd
-from elasticrun.worker import runtime, torch_state
+from elasticrun.worker import torch_state
 from elasticrun.worker.sampler import ElasticSampler
 from elasticrun.worker.torch_state import StateHandler, TorchState, register_handler
+from standalone_torch import make_model, rt, snapshot, train_step  # noqa: F401 (rt: autouse fixture)
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(autouse=True)
-def rt(monkeypatch: pytest.MonkeyPatch) -> Iterator[runtime.Runtime]:
-    for name in list(os.environ):
-        if name.startswith("ELASTICRUN_"):
-            monkeypatch.delenv(name)
-    runtime.shutdown()
-    r = runtime.init()
-    assert r.standalone and r.size == 1
-    yield r
-    runtime.shutdown()
-
-
-def make_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
-
-
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
-    opt.zero_grad()
-    ((model(x) - y) ** 2).mean().backward()
-    opt.step()
-
-
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
