@@ -26,9 +26,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from _jobs import json_result
 
 HERE = os.path.abspath(__file__)
 MiB = 1 << 20
@@ -93,15 +94,6 @@ def run_worker(args) -> None:
         print(json.dumps({"background": rows}), flush=True)
 
 
-def launch(cmd: list[str]) -> list[dict]:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    for line in out.stdout.splitlines():
-        text = line.split(">:", 1)[-1]
-        if text.startswith('{"background"'):
-            return json.loads(text)["background"]
-    raise RuntimeError(f"run failed:\n{out.stdout}\n{out.stderr}")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="16,128", help="MiB of model+optimizer state")
@@ -130,7 +122,7 @@ def main() -> None:
     print(f"{'setup':<42} {'state':>7} {'step':>8} {'copy_':>8} {'sync':>8} {'background':>11} "
           f"{'sync/copy_':>11} {'bg/copy_':>9} {'bg/sync':>8}")
     for label, cmd in setups:
-        for r in launch(cmd):
+        for r in json_result(cmd, '{"background"', timeout=1200)["background"]:
             print(f"{label:<42} {r['mb']:>4.0f} MB {r['step_ms']:>8.2f} {r['copy_ms']:>8.2f} {r['sync_ms']:>8.2f} "
                   f"{r['background_ms']:>11.2f} {r['sync_ms'] / r['copy_ms']:>11.2f} "
                   f"{r['background_ms'] / r['copy_ms']:>9.2f} {r['background_ms'] / r['sync_ms']:>8.2f}")

@@ -35,9 +35,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from _jobs import json_result
 
 HERE = os.path.abspath(__file__)
 MiB = 1 << 20
@@ -218,15 +219,6 @@ def run_check(args) -> None:
 # --------------------------------------------------------------------------- driver
 
 
-def launch(cmd: list[str], key: str) -> dict:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    for line in out.stdout.splitlines():
-        text = line.split(">:", 1)[-1]
-        if text.startswith("{") and key in text:
-            return json.loads(text)
-    raise RuntimeError(f"{key} run failed:\n{out.stdout}\n{out.stderr}")
-
-
 def verdict(ok: bool) -> str:
     return "meets" if ok else "MISSES"
 
@@ -263,7 +255,7 @@ def main() -> None:
               "--block", str(args.block), "--commit-mb", f"{args.commit_mb:g}"]
 
     if args.skip != "commit":
-        rows = launch([sys.executable, HERE, "--worker", "commit", *common], '"commit"')["commit"]
+        rows = json_result([sys.executable, HERE, "--worker", "commit", *common], '{"commit"')["commit"]
         print(f"(1) commit of hvd.elastic.TorchState(model=MLP, optimizer=...) against memcpy of the same "
               f"bytes; 1 process, {args.threads} torch thread(s); median ms (min) over {args.repeats} "
               f"interleaved rounds")
@@ -287,7 +279,7 @@ def main() -> None:
     if args.skip != "check":
         cmd = [sys.executable, "-m", "elasticrun", "-np", "2", "-H", "localhost:2", "--log-level", "WARNING",
                sys.executable, HERE, "--worker", "check", *common]
-        res = launch(cmd, '"check"')
+        res = json_result(cmd, '{"check"')
         c = res["check"]
         base = c["gloo_allreduce"]["median_ms"]
         print(f"\n(2) per-call cost with 2 ranks (elasticrun -np 2 -H localhost:2), nothing changing; "

@@ -16,9 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
+
+from _jobs import json_result
 
 HERE = os.path.abspath(__file__)
 
@@ -116,12 +117,7 @@ def launch(mode: str, args) -> float:
     else:
         cmd = [sys.executable, "-m", "elasticrun", "-np", "2", "-H", "localhost:2", "--log-level", "WARNING",
                sys.executable, HERE, "--worker", mode, *common]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    for line in out.stdout.splitlines():
-        text = line.split(">:", 1)[-1]
-        if text.startswith("{"):
-            return json.loads(text)["samples_per_s"]
-    raise RuntimeError(f"{mode} run failed:\n{out.stdout}\n{out.stderr}")
+    return json_result(cmd, "{")["samples_per_s"]
 
 
 def main() -> None:
