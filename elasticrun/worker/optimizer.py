@@ -117,6 +117,7 @@ class _Bucket:
     ready: int = 0  # parameters that saw backward_passes_per_step passes
     launched: bool = False
     handle: Handle | None = None  # None once launched: nothing to wait for (world of one)
+    scale: float = 1.0  # applied while copying the reduced sums back into the gradients
     ctx: Any = None
     buffer: torch.Tensor | None = None  # reused across steps; dropped after an error
 
@@ -309,9 +310,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 b.buffer[b.numel] = 1.0 if pending else 0.0
                 b.buffer[b.numel + 1] = 1.0 if added else 0.0
             tensor, b.ctx = self._dist_compression.compress(b.buffer)
-            b.handle = collectives.allreduce_async_(tensor, name=b.name, op=self._dist_op,
-                                                    prescale_factor=self._dist_prescale,
-                                                    postscale_factor=self._dist_postscale)
+            # Reduce sums and scale while copying back: one pass over the gradients fewer
+            # than scaling the whole buffer and then copying it.
+            size = runtime.get().size
+            b.scale = self._dist_postscale / size if self._dist_op == Average else self._dist_postscale
+            b.handle = collectives.allreduce_async_(tensor, name=b.name, op=Sum,
+                                                    prescale_factor=self._dist_prescale)
 
     def _dist_finish(self, b: _Bucket) -> None:
         with torch.no_grad():
@@ -327,9 +331,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 src = out[off:off + p.numel()].view(p.shape)
                 g = p.grad
                 if g is None or g.is_sparse or g.shape != p.shape:
-                    p.grad = torch.empty_like(p, requires_grad=False).copy_(src)
-                else:
+                    g = p.grad = torch.empty_like(p, requires_grad=False)
+                if b.scale == 1.0:
                     g.copy_(src)
+                else:
+                    torch.mul(src, b.scale, out=g)
 
     # --- horovod API ------------------------------------------------------------------
     def synchronize(self) -> None:
