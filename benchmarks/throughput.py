@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -149,17 +150,22 @@ def main() -> None:
 
     params = (64 * args.hidden + args.hidden) + (args.layers - 1) * (args.hidden ** 2 + args.hidden) + args.hidden * 10 + 10
     print(f"MLP {args.layers}x{args.hidden} ({params * 4 / 1e6:.1f} MB of fp32 gradients), batch {args.batch_size} "
-          f"per rank, 2 ranks, {args.steps} timed steps, median of {args.repeats} runs")
-    results = {}
-    for mode in ("ddp", "hvd", "elastic"):  # interleaving would be fairer; sequential keeps it simple
-        runs = sorted(launch(mode, args) for _ in range(args.repeats))
-        results[mode] = runs[len(runs) // 2]
-    base = results["ddp"]
-    print(f"{'mode':<44} {'samples/s':>10} {'ratio to DDP':>13}")
+          f"per rank, 2 ranks, {args.steps} timed steps, median of {args.repeats} interleaved runs")
+    # Interleaved (a, b, c, a, b, c, ...): this machine's speed drifts by 10 % over minutes,
+    # which sequential blocks would turn into a difference between the modes.
+    modes = ("ddp", "hvd", "elastic")
+    runs: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(args.repeats):
+        for mode in modes:
+            runs[mode].append(launch(mode, args))
+    # Ratios per repeat (each against the DDP run next to it), then their median.
+    ratios = {m: statistics.median(r / d for r, d in zip(runs[m], runs["ddp"])) for m in modes}
+    print(f"{'mode':<52} {'samples/s':>10} {'ratio to DDP':>13}  (per-repeat ratios)")
     labels = {"ddp": "(a) torch DDP, gloo", "hvd": "(b) hvd.DistributedOptimizer",
               "elastic": f"(c) (b) + elastic.run, commit/{args.commit_every}, check every step"}
-    for mode, rate in results.items():
-        print(f"{labels[mode]:<44} {rate:>10.0f} {rate / base:>13.3f}")
+    for mode in modes:
+        each = " ".join(f"{r / d:.3f}" for r, d in zip(runs[mode], runs["ddp"]))
+        print(f"{labels[mode]:<52} {statistics.median(runs[mode]):>10.0f} {ratios[mode]:>13.3f}  ({each})")
 
 
 if __name__ == "__main__":
