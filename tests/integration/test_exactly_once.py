@@ -78,6 +78,23 @@ def test_exactly_once_with_host_checks_between_commits(job):
     assert_exactly_once(job.tmp / "samples")
 
 
+def test_ranks_split_between_interrupt_and_rollback_all_sync(job):
+    """At a host removal, rank 0 rolls back (as if it had seen a round abort first) while its
+    peers take the interrupt, which says "removals only: no sync". The driver hears of the
+    roll-back at the rendezvous and tells everyone to sync; if each rank decided alone, rank 0
+    would sync while the others trained, pairing unrelated collectives."""
+    schedule = "0:localhost:1,127.0.0.1:1,127.0.0.2:1;1006:localhost:1,127.0.0.2:1"
+    r = job.run(["-np", "3", "--min-np", "1", "--host-discovery-script", str(PROGRESS_DISCOVERY),
+                 "--discovery-interval", "0.1", "--collective-timeout", "15"],
+                sample_cmd(job, "--await-size=1:13:2", "--commit-every", "1000", "--check-every-step",
+                           "--restore-at-interrupt", "localhost:0"),
+                HOSTS_SCHEDULE=schedule)
+    assert r.returncode == 0, r.output
+    assert (job.tmp / "samples" / "restored-at-interrupt").exists()
+    assert sizes_seen(job.tmp / "samples") == {2, 3}
+    assert_exactly_once(job.tmp / "samples")
+
+
 def test_worker_killed_mid_epoch_redoes_only_uncommitted_work(job):
     r = job.run(["-np", "3", "--min-np", "2", "-H", "localhost:1,127.0.0.1:1,127.0.0.2:1"],
                 sample_cmd(job, "--kill=127.0.0.2:0@1:7", "--commit-every", "4"))

@@ -28,6 +28,9 @@ p.add_argument("--samples", type=int, default=240)
 p.add_argument("--batch-size", type=int, default=6)
 p.add_argument("--commit-every", type=int, default=4)
 p.add_argument("--check-every-step", action="store_true", help="state.check_host_updates() between commits")
+p.add_argument("--restore-at-interrupt", default=None, metavar="HOST:SLOT",
+               help="that worker turns its first host-update interrupt into a failed collective (once), as "
+                    "if it had seen a round abort first: it rolls back while its peers keep their state")
 p.add_argument("--sleep", type=float, default=0.01)
 p.add_argument("--log-dir", required=True)
 p.add_argument("--progress", required=True)
@@ -81,6 +84,10 @@ class LoggedState(hvd.elastic.TorchState):
             # The live model is kept, with the gradients of every batch since the last commit
             # (by the survivors, even if this worker leaves): those batches are history now.
             flush()
+            marker = os.path.join(args.log_dir, "restored-at-interrupt")
+            if args.restore_at_interrupt == f"{rt.hostname}:{rt.slot}" and not os.path.exists(marker):
+                open(marker, "w").close()
+                raise hvd.HorovodInternalError("simulated: this rank saw the round abort before the agreement")
             raise
 
 
