@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -221,6 +222,8 @@ def run_job(args) -> dict[str, list[float]]:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGTERM)
             driver.wait(timeout=30)
+        if args.keep_events:
+            shutil.copyfile(events, args.keep_events)
     return out
 
 
@@ -243,6 +246,7 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=20, help="kill (and re-add) trials")
     p.add_argument("--graceful", type=int, default=5, help="graceful removal trials")
     p.add_argument("--slots", type=int, default=1, help="workers per host (2 hosts)")
+    p.add_argument("--keep-events", metavar="FILE", help="copy the job's event log there (for elasticrun timeline)")
     p.add_argument("--worker", metavar="STOP_FILE", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
