@@ -337,8 +337,7 @@ class ElasticDriver:
                 pending = self._pending_rdzv.pop(act.worker_id, None)
                 if pending is not None:
                     self._reply(pending.identity, pending, "assignment", dict(
-                        act.info.as_dict(), round=act.round, notify_ts=self._last_ts, new_members=act.new_members,
-                        must_sync=act.must_sync))
+                        act.info.as_dict(), round=act.round, notify_ts=self._last_ts, must_sync=act.must_sync))
                 if act.info.rank == 0:
                     self._store.keep_only(f"round{act.round}/")  # earlier rounds' keys are dead
             elif isinstance(act, reg.Dismiss):

@@ -78,7 +78,6 @@ class Runtime:
         self.rendezvous_timeout = float(os.environ.get(env.RENDEZVOUS_TIMEOUT, "900"))
         self.round = -1
         self.rendezvous_count = 0
-        self.new_members = True
         self.must_sync = True  # the driver's word for this round: sync() even after removals only
         self.pg: dist.ProcessGroup | None = None
         self._store: Any = None
@@ -193,7 +192,6 @@ class Runtime:
             self.round, self.rank, self.size = int(a["round"]), int(a["rank"]), int(a["size"])
             self.local_rank, self.local_size = int(a["local_rank"]), int(a["local_size"])
             self.cross_rank, self.cross_size = int(a["cross_rank"]), int(a["cross_size"])
-            self.new_members = bool(a.get("new_members", True))
             self.must_sync = bool(a.get("must_sync", True))
             self.rendezvous_count += 1
             self.emit("rendezvous_complete", size=self.size, waited_ms=round((time.monotonic() - asked) * 1000, 2))

@@ -280,15 +280,13 @@ class OptimizerStateHandler(StateHandler):
         self._plan = CopyPlan(sources, list(buffers.values()))
         self._plan.run()
         # The fast check walks optimizer.state in its own order; the plan's sources are in
-        # parameter order. Record where each source sits in the flattened values.
+        # parameter order. Record where each source sits in the flattened values (every
+        # source comes from one of those dicts; the identity check backs this up).
         self._plan_params = params
         self._state_keys, self._state_dicts = list(opt.state.keys()), list(opt.state.values())
         self._entry_keys = list(chain.from_iterable(map(dict.keys, self._state_dicts)))
-        flat = [id(v) for v in chain.from_iterable(map(dict.values, self._state_dicts))]
-        where = {v: i for i, v in enumerate(flat)}
-        self._tensor_positions = [where.get(id(t), -1) for t in sources]
-        if -1 in self._tensor_positions:  # cannot happen with a dict-of-dicts state; be safe
-            self._plan_params = []  # never current: every save rebuilds
+        where = {id(v): i for i, v in enumerate(chain.from_iterable(map(dict.values, self._state_dicts)))}
+        self._tensor_positions = [where[id(t)] for t in sources]
 
     def restore(self) -> None:
         opt = self.value
