@@ -40,33 +40,49 @@ def assign(hosts: Sequence[tuple[str, int]], max_np: int | None,
 
     ``previous`` maps the (host, slot) of surviving workers to their last rank. Within a host,
     those slots take the lowest ranks (in their old order), so that a process launched on a
-    freed slot 0 never outranks a survivor on slot 1. Slots themselves never move: a worker's
-    local rank is its slot, which is what picks its GPU.
+    freed slot 0 never outranks a survivor on slot 1. Slots themselves never move: with every
+    slot of a host in use, a worker's local rank is its slot, which is what picks its GPU.
     """
     budget = max_np if max_np is not None else sum(s for _, s in hosts)
-    used: list[tuple[str, int]] = []
-    total = 0
+    previous = previous or {}
+    keys: list[tuple[str, int]] = []
     for host, slots in hosts:
-        take = min(slots, budget - total)
+        take = min(slots, budget - len(keys))
         if take <= 0:
             break
-        used.append((host, take))
-        total += take
-    # cross_rank / cross_size: hosts that have a worker at each local rank, in host order.
+        order = sorted(range(take), key=lambda s: ((host, s) not in previous, previous.get((host, s), 0), s))
+        keys += [(host, s) for s in order]
+    return assign_keys(keys)
+
+
+def assign_keys(keys: Sequence[tuple[str, int]]) -> list[SlotInfo]:
+    """Ranks for exactly these (host, slot) places, in priority order.
+
+    Ranks fill host by host (a host's places are contiguous ranks, as hierarchical collectives
+    expect), hosts in the order of their first place in ``keys``, and within a host in the
+    order given: the caller lists the worker that must be rank 0 (the holder of the newest
+    state) first. A host's local ranks number its places by slot, so they are its slot
+    numbers whenever its slots 0..n-1 are all used, and stay within 0..local_size-1 when only
+    some are (a round formed before every newcomer of a host is ready).
+    """
+    by_host: dict[str, list[int]] = {}
+    for host, slot in keys:
+        by_host.setdefault(host, []).append(slot)
+    local: dict[tuple[str, int], int] = {}
     cross_size: list[int] = []
     cross_rank: dict[tuple[str, int], int] = {}
-    for host, n in used:
-        cross_size.extend([0] * (n - len(cross_size)))
-        for local in range(n):
-            cross_rank[(host, local)] = cross_size[local]
-            cross_size[local] += 1
-    previous = previous or {}
+    for host, slots in by_host.items():
+        for index, slot in enumerate(sorted(slots)):
+            local[(host, slot)] = index
+        cross_size.extend([0] * (len(slots) - len(cross_size)))
+        for index in range(len(slots)):
+            cross_rank[(host, index)] = cross_size[index]
+            cross_size[index] += 1
+    size = len(keys)
     out: list[SlotInfo] = []
-    rank = 0
-    for host, local_size in used:
-        order = sorted(range(local_size), key=lambda s: ((host, s) not in previous, previous.get((host, s), 0), s))
-        for slot in order:
-            out.append(SlotInfo(host=host, slot=slot, rank=rank, size=total, local_rank=slot, local_size=local_size,
-                                cross_rank=cross_rank[(host, slot)], cross_size=cross_size[slot]))
-            rank += 1
+    for host, slots in by_host.items():
+        for slot in slots:
+            lr = local[(host, slot)]
+            out.append(SlotInfo(host=host, slot=slot, rank=len(out), size=size, local_rank=lr,
+                                local_size=len(slots), cross_rank=cross_rank[(host, lr)], cross_size=cross_size[lr]))
     return out

@@ -143,7 +143,8 @@ class ElasticDriver:
         previous = ({s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
                     if threading.current_thread() is threading.main_thread() else {})
         try:
-            self._execute(self.registry.discovered(first.hosts, time.monotonic()))
+            self.registry.discovered(first.hosts, time.monotonic())
+            self._execute(self.registry.decide(time.monotonic()))
             if self.settings.hosts is None:  # a discovery script or callable: poll it
                 threading.Thread(target=self._discovery_loop, name="elasticrun-discovery", daemon=True).start()
             finished = self._loop()
@@ -204,10 +205,8 @@ class ElasticDriver:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        # Events only update the registry; it decides once per drained batch (flush), and
-        # time-driven checks (tick) run only when a deadline is due: with 1024 workers a
-        # round costs O(N), and heartbeats cost O(1) each.
-        self.registry.defer = True
+        # Events only update the registry; it decides once per drained batch, or when one of
+        # its deadlines is due: with 1024 workers a round costs O(N), and heartbeats O(1) each.
         next_tick = time.monotonic()
         while True:
             now = time.monotonic()
@@ -232,9 +231,8 @@ class ElasticDriver:
                         continue
                     self._on_frame(identity, frame)
             now = time.monotonic()
-            decided = now >= next_tick or self.registry.dirty
-            self._execute(self.registry.tick(now) if now >= next_tick else self.registry.flush(now))
-            if decided:
+            if now >= next_tick or self.registry.dirty:
+                self._execute(self.registry.decide(now))
                 deadline = self.registry.next_deadline()
                 next_tick = min(deadline, now + 1.0) if deadline is not None else now + 1.0
             self._send_store_replies(self._store.expire(now))
@@ -253,14 +251,14 @@ class ElasticDriver:
             if payload.hosts != self._last_hosts:
                 self._last_hosts = dict(payload.hosts)
                 self._journal.write("discovery", hosts=payload.hosts)
-            self._execute(self.registry.discovered(payload.hosts, now))
+            self.registry.discovered(payload.hosts, now)
         elif kind == "discovery_failed":
             self._warn_once(f"discovery failed, keeping the last known hosts: {payload}")
         elif kind == "exit":
             worker_id, code = payload
             self._journal.write("worker_exited", worker=worker_id, code=code, **self._where(worker_id))
             self._pending_rdzv.pop(worker_id, None)
-            self._execute(self.registry.exited(worker_id, code, now))
+            self.registry.exited(worker_id, code, now)
 
     # --- requests from workers -------------------------------------------------------------
     def _on_frame(self, identity: bytes, frame: bytes) -> None:
@@ -289,8 +287,7 @@ class ElasticDriver:
             self._on_worker_events(str(msg.sender), body.get("events") or [])
         elif msg.type == "failing":
             self._reply(identity, msg, "ack", {})
-            self._execute(self.registry.failing(str(body.get("worker")), str(body.get("error", ""))[:500],
-                                                time.monotonic()))
+            self.registry.failing(str(body.get("worker")), str(body.get("error", ""))[:500], time.monotonic())
         elif msg.type == "function":  # elasticrun.run(): a worker fetches the function, part by part
             self._reply(identity, msg, "function", self._function_part(int(body.get("part", 0))))
         elif msg.type == "result":  # elasticrun.run(): a worker's return value or exception, part by part
@@ -300,9 +297,8 @@ class ElasticDriver:
             worker_id = str(body.get("worker"))
             self._pending_rdzv[worker_id] = _Pending(identity, msg.sender, body.get("req"))
             error = body.get("error")
-            self._execute(self.registry.rendezvous(worker_id, time.monotonic(),
-                                                   error=str(error)[:300] if error else None,
-                                                   restored=body.get("restored") is True))
+            self.registry.rendezvous(worker_id, time.monotonic(), error=str(error)[:300] if error else None,
+                                     restored=body.get("restored") is True, has_state=body.get("has_state") is True)
         else:
             log.warning("ignored a %r message from %s", msg.type, msg.sender)
 
@@ -325,7 +321,7 @@ class ElasticDriver:
     def _execute(self, actions: list[reg.Action]) -> None:
         for act in actions:
             if isinstance(act, reg.Event):
-                log.info("%s", act.message)
+                log.log(logging.WARNING if act.level == "warning" else logging.INFO, "%s", act.message)
                 self._journal.write(act.kind, round=self.registry.round, message=act.message, **act.fields)
                 if act.kind == "round_formed":
                     self._resets.round_formed(self.registry.round, int(act.fields.get("size", 0)))
@@ -468,7 +464,9 @@ class ElasticDriver:
             except queue.Empty:
                 continue
             if kind == "exit":
+                # After the end, decisions are only replies and log lines: still carry them out.
                 self.registry.exited(payload[0], payload[1], time.monotonic())
+                self._execute(self.registry.decide(time.monotonic()))
 
     def _shutdown(self) -> None:
         self._stop_discovery.set()

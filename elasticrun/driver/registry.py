@@ -1,9 +1,13 @@
 """The worker registry and round decisions: a pure state machine (no threads, sockets or clocks).
 
-Every input is an event with the current time (``now``, monotonic seconds); every output is a
-list of actions for the driver shell to carry out (launch, reply with an assignment, dismiss,
-kill, notify, abort a round, finish). This keeps all decisions in one place that tests can
-drive exhaustively, in the style of torch.distributed.elastic's dynamic rendezvous.
+Events (``discovered``, ``rendezvous``, ``heartbeat``, ``exited``, ``failing``) only *record*
+what happened, with the current time (``now``, monotonic seconds). One method, :meth:`decide`,
+looks at everything recorded and returns the actions for the driver shell to carry out
+(launch, reply with an assignment, dismiss, kill, notify, abort a round, finish). The driver
+calls it once per batch of events and whenever :meth:`next_deadline` passes; the unit tests
+call it the same way, so they run the path production runs. This keeps all decisions in one
+place that tests can drive exhaustively, in the style of torch.distributed.elastic's dynamic
+rendezvous.
 
 Lifecycle of a worker process::
 
@@ -12,19 +16,39 @@ Lifecycle of a worker process::
          exit / start timeout       exit               exit 0 -> SUCCEEDED, else FAILED
     (dismissed or killed on purpose -> LEFT; its exit is then ignored)
 
+Holders of the state
+--------------------
+A worker *holds* the job's newest committed state once it has synced in a round that held
+it (it reports ``has_state`` at its next rendezvous), and every member of a round that no
+holder joined (round 0, or after every holder was lost) holds what that round started from.
+Live workers are in every round since they joined, and every round ends with its members at
+the same commit, so all live holders hold the same, newest state. The rule that keeps it:
+**while a holder is alive, no round forms without one.** When every holder is leaving (its
+host removed from discovery, or blacklisted after a peer's failure), the next round is a
+*hand-over*: the lowest-ranked holder joins the ready newcomers as rank 0, they sync from it,
+and only the round after that lets it go. Until newcomers are ready, holders keep training.
+
+Decisions
+---------
 A round ends when no worker is RUNNING in it: every member has reported (asked for the next
-round after an interrupt or error, succeeded, or failed). Then the registry decides:
+round after an interrupt or error, succeeded, or failed). Then:
 
 * any worker succeeded       -> the job finishes when the others have finished;
 * no live worker is left     -> the job fails ("all workers failed");
 * every host is blacklisted  -> the job fails (unless blacklisting has a cooldown);
 * ``reset_limit`` reached    -> the job fails naming the limit;
-* otherwise wait up to ``elastic_timeout`` for ``min_np`` slots, launch processes for new
-  slots only, and start the next round when every slot of it has a waiting worker.
+* fewer than ``min_np`` slots can ever be had (a fixed host list, permanent blacklisting)
+                             -> the job fails at once, naming what is left;
+* otherwise wait up to ``elastic_timeout`` for ``min_np`` ready workers (saying what it waits
+  for every 30 s) and form the next round of the workers that are ready; workers still
+  starting join later, by a host-update notification.
 
-Graceful changes (hosts added or removed by discovery) do not stop a round: new workers are
-launched first, and only when all of them have checked in is ``Notify`` emitted, so the
-survivors keep training while the newcomers import torch.
+During a round, host changes do not stop it until they can take effect:
+
+* a removal is notified at once, whatever else is pending: the next round is formed of the
+  ready workers (a newcomer still starting joins later);
+* an addition is notified only when every newcomer has checked in, so the survivors keep
+  training while the newcomers import torch, and all of them join in one reset.
 """
 
 from __future__ import annotations
@@ -34,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Union
 
 from elasticrun.discovery.host_manager import HostManager
-from elasticrun.driver.assignment import SlotInfo, assign
+from elasticrun.driver.assignment import SlotInfo, assign, assign_keys
 
 
 class WorkerState(enum.Enum):
@@ -47,6 +71,10 @@ class WorkerState(enum.Enum):
 
 
 _GONE = (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.LEFT)
+_LIVE = (WorkerState.WAITING, WorkerState.RUNNING)
+
+#: How often a wait for slots is reported on the console.
+WAIT_REMINDER = 30.0
 
 
 @dataclass
@@ -63,6 +91,7 @@ class WorkerRecord:
     why: str = ""  # how it failed, for the job's failure message
     last_seen: float | None = None  # last heartbeat or request; None until the first contact
     restored: bool = False  # it rolled back to its last commit before asking for this round
+    holds: bool = False  # it holds the job's newest committed state (see the module docstring)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -85,7 +114,6 @@ class Assign:
     worker_id: str
     round: int
     info: SlotInfo
-    new_members: bool  # someone in this round was not in the previous one
     # The state must be synced: new members, or the previous round failed or some member
     # rolled back (then ranks that took a host-update interrupt hold a newer commit).
     must_sync: bool = True
@@ -123,11 +151,12 @@ class AbortRound:
 
 @dataclass(frozen=True)
 class Event:
-    """Something worth telling the user or the event log."""
+    """Something worth telling the user or the event log (``level``: how loudly)."""
 
     kind: str
     message: str
     fields: Mapping[str, object] = field(default_factory=dict)
+    level: str = "info"  # "info" | "warning"
 
 
 @dataclass(frozen=True)
@@ -148,10 +177,11 @@ class RegistryConfig:
     elastic_timeout: float
     start_timeout: float
     heartbeat_timeout: float | None = None  # None: never declare a silent worker hung
+    fixed_hosts: bool = False  # -H / --hostfile: no host ever appears that is not listed now
 
 
 class Registry:
-    """Workers, rounds and the decisions between them. Call an event method, run the actions."""
+    """Workers, rounds and the decisions between them: record events, then :meth:`decide`."""
 
     def __init__(self, config: RegistryConfig, hosts: HostManager, new_id: Callable[[], str]):
         self.config = config
@@ -163,45 +193,46 @@ class Registry:
         self.aborted = False
         self.reset_count = 0
         self.finished: Finish | None = None
+        self._outbox: list[Action] = []  # what events produced, returned by the next decide()
+        self._dirty = True
         self._notified_target: frozenset[tuple[str, int]] | None = None
         self._wait_started: float | None = None
-        # Batching (the driver's choice): events only update state and mark it dirty, and
-        # flush() decides once per batch of messages. A round of N workers then costs O(N)
-        # decisions instead of O(N) per arrival. Off by default: one decision per event.
-        self.defer = False
-        self._dirty = False
+        self._wait_reminder: float | None = None  # when the next "still waiting" line is due
+        self._said: set[str] = set()  # one-time messages of the current round
 
-    # --- events --------------------------------------------------------------------------
-    def discovered(self, hosts: Mapping[str, int], now: float) -> list[Action]:
+    # --- events: they only record ----------------------------------------------------------
+    def discovered(self, hosts: Mapping[str, int], now: float) -> None:
         change = self.hosts.update(hosts, now)
-        acts: list[Action] = []
         for h in change.added:
-            acts.append(Event("host_added", f"host {h} added ({hosts[h]} slots)", {"host": h}))
+            self._outbox.append(Event("host_added", f"host {h} added ({hosts[h]} slots)", {"host": h}))
         for h in change.removed:
-            acts.append(Event("host_removed", f"host {h} removed", {"host": h}))
+            self._outbox.append(Event("host_removed", f"host {h} removed", {"host": h}))
         for h in change.resized:
-            acts.append(Event("host_resized", f"host {h} now has {hosts[h]} slots", {"host": h}))
-        return acts + self._decide(now)
+            self._outbox.append(Event("host_resized", f"host {h} now has {hosts[h]} slots", {"host": h}))
+        self._dirty = True
 
-    def rendezvous(self, worker_id: str, now: float, error: str | None = None,
-                   restored: bool = False) -> list[Action]:
+    def rendezvous(self, worker_id: str, now: float, error: str | None = None, restored: bool = False,
+                   has_state: bool = False) -> None:
         """A worker asks for its place in the next round (first time, after an interrupt, or
         after ``error``: a collective failed on its side). ``restored``: it rolled back to its
-        last commit (after any failed collective)."""
+        last commit (after any failed collective). ``has_state``: it has synced in a round
+        since it joined, so it holds the state that round held."""
+        self._dirty = True
         w = self.workers.get(worker_id)
         if w is None:
-            return [Dismiss(worker_id, "this process is not part of the job")]
+            self._outbox.append(Dismiss(worker_id, "this process is not part of the job"))
+            return
         if w.state in _GONE:
-            return [Dismiss(worker_id, "the job has finished" if self.finished or self._succeeded()
-                            else "this process has no place in the job any more")]
-        acts: list[Action] = []
+            self._outbox.append(Dismiss(worker_id, "the job has finished" if self.finished or self._succeeded()
+                                        else "this process has no place in the job any more"))
+            return
         if error and w.state is WorkerState.RUNNING and w.round == self.round and not self.aborted:
             # Its peers may be blocked in a collective with it (e.g. it gave up on its own
             # collective timeout): without an abort they would wait out theirs.
             self.aborted = True
-            acts.append(AbortRound(self.round, f"{w.label} left round {self.round} after an error: {error}"))
+            self._outbox.append(AbortRound(self.round, f"{w.label} left round {self.round} after an error: {error}"))
         w.state, w.last_seen, w.restored = WorkerState.WAITING, now, restored
-        return acts + self._decide(now)
+        w.holds = w.holds or has_state
 
     def heartbeat(self, worker_id: str, now: float) -> None:
         """A sign of life from a worker (no decision depends on it until it stops)."""
@@ -209,96 +240,124 @@ class Registry:
         if w is not None:
             w.last_seen = now
 
-    def exited(self, worker_id: str, code: int, now: float, detail: str = "") -> list[Action]:
+    def exited(self, worker_id: str, code: int, now: float, detail: str = "") -> None:
         w = self.workers.get(worker_id)
         if w is None or w.exited:
-            return []
+            return
+        self._dirty = True
         w.exited, w.exit_code = True, code
         if w.state in (WorkerState.LEFT, WorkerState.FAILED):  # already accounted for
-            return self._decide(now)
+            return
         if code == 0:
             w.state = WorkerState.SUCCEEDED
-            return [Event("worker_succeeded", f"{w.label} (rank {w.rank}) finished", {"host": w.host})] \
-                + self._decide(now)
-        return self._fail(w, f"exited with code {code}" + (f": {detail}" if detail else ""), now) \
-            + self._decide(now)
+            self._outbox.append(Event("worker_succeeded", f"{w.label} (rank {w.rank}) finished", {"host": w.host}))
+            return
+        self._fail(w, f"exited with code {code}" + (f": {detail}" if detail else ""), now)
 
-    def failing(self, worker_id: str, error: str, now: float) -> list[Action]:
+    def failing(self, worker_id: str, error: str, now: float) -> None:
         """A worker reports it is failing (before its exit, which is then only recorded)."""
         w = self.workers.get(worker_id)
         if w is None or w.state in _GONE:
-            return []
-        return self._fail(w, f"failed: {error}", now) + self._decide(now)
-
-    def tick(self, now: float) -> list[Action]:
-        """Time passed: cooldowns, start timeouts and waits may have expired."""
-        change = self.hosts.refresh(now)
-        acts: list[Action] = [Event("host_whitelisted", f"host {h} is back after its blacklist cooldown",
-                                    {"host": h}) for h in change.added]
-        self._dirty = False
-        return acts + self._reconcile(now)
+            return
+        self._dirty = True
+        self._fail(w, f"failed: {error}", now)
 
     @property
     def dirty(self) -> bool:
-        """Events arrived (with ``defer``) that no decision has looked at yet."""
+        """Events arrived that no decision has looked at yet."""
         return self._dirty
 
-    def flush(self, now: float) -> list[Action]:
-        """With ``defer``: decide once for every event since the last flush."""
-        if not self._dirty:
-            return []
+    # --- the decision ------------------------------------------------------------------------
+    def decide(self, now: float) -> list[Action]:
+        """Everything the recorded events and the passing of time call for, as actions."""
+        acts, self._outbox = self._outbox, []
         self._dirty = False
-        return self._reconcile(now)
-
-    def _decide(self, now: float) -> list[Action]:
-        if self.defer:
-            self._dirty = True
-            return []
-        return self._reconcile(now)
+        if self.finished is not None:
+            return acts
+        for h in self.hosts.refresh(now).added:
+            acts.append(Event("host_whitelisted", f"host {h} is back after its blacklist cooldown", {"host": h}))
+        self._timeouts(now)
+        acts += self._outbox
+        self._outbox = []
+        if self._succeeded():
+            return acts + self._finishing()
+        target = self._target()
+        if any(w.state is WorkerState.RUNNING for w in self.workers.values()):
+            return acts + self._during_round(target, now)
+        return acts + self._between_rounds(target, now)
 
     # --- queries -------------------------------------------------------------------------
     def live(self) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if not w.exited]
 
+    def holders(self) -> list[WorkerRecord]:
+        """Live workers known to hold the newest committed state."""
+        return [w for w in self.workers.values() if w.holds and w.state in _LIVE]
+
     def next_deadline(self) -> float | None:
-        """When ``tick`` should next be called at the latest (None: only on events)."""
+        """When ``decide`` should next be called at the latest (None: only on events)."""
         times = [w.started_at + self.config.start_timeout for w in self.workers.values()
                  if w.state is WorkerState.LAUNCHING]
         if self.config.heartbeat_timeout is not None:
             times += [w.last_seen + self.config.heartbeat_timeout for w in self.workers.values()
-                      if w.last_seen is not None and w.state in (WorkerState.WAITING, WorkerState.RUNNING)]
+                      if w.last_seen is not None and w.state in _LIVE]
         if self._wait_started is not None:
             times.append(self._wait_started + self._wait_limit())
+        if self._wait_reminder is not None:
+            times.append(self._wait_reminder)
         expiry = self.hosts.next_expiry()
         if expiry is not None:
             times.append(expiry)
         return min(times) if times else None
 
-    # --- decisions -----------------------------------------------------------------------
+    # --- bookkeeping ---------------------------------------------------------------------
     def _succeeded(self) -> bool:
         return any(w.state is WorkerState.SUCCEEDED for w in self.workers.values())
 
     def _wait_limit(self) -> float:
         return self.config.start_timeout if self.round < 0 else self.config.elastic_timeout
 
-    def _fail(self, w: WorkerRecord, why: str, now: float) -> list[Action]:
+    def _fail(self, w: WorkerRecord, why: str, now: float) -> None:
         was_member = w.state is WorkerState.RUNNING and w.round == self.round
         w.state, w.why = WorkerState.FAILED, why
         until = self.hosts.blacklist(w.host, now)
         when = "permanently" if until is None else f"for {until - now:.1f} s"
-        acts: list[Action] = [
+        self._outbox += [
             Event("worker_failed", f"{w.label} (rank {w.rank}) {why}", {"host": w.host, "rank": w.rank}),
             Event("host_blacklisted", f"host {w.host} blacklisted {when}", {"host": w.host}),
         ]
         if was_member and not self.aborted:
             self.aborted = True
-            acts.append(AbortRound(self.round, f"{w.label} {why}"))
-        return acts
+            self._outbox.append(AbortRound(self.round, f"{w.label} {why}"))
+
+    def _timeouts(self, now: float) -> None:
+        for w in list(self.workers.values()):
+            # A process that never reached the driver within start_timeout is a failed launch.
+            if w.state is WorkerState.LAUNCHING and now - w.started_at >= self.config.start_timeout:
+                self._outbox.append(Kill(w.id, "start timeout"))
+                self._fail(w, f"did not contact the driver within --start-timeout "
+                              f"{self.config.start_timeout:g} s", now)
+            # A worker that went silent (SIGSTOP, deadlock, host off the network) is killed so
+            # that its peers' collectives fail fast instead of waiting for their timeout.
+            limit = self.config.heartbeat_timeout
+            if (limit is not None and w.last_seen is not None and now - w.last_seen >= limit
+                    and w.state in _LIVE):
+                self._outbox.append(Kill(w.id, "heartbeat timeout"))
+                self._fail(w, f"sent no heartbeat for {now - w.last_seen:.1f} s "
+                              f"(--heartbeat-timeout {limit:g} s); it is hung or unreachable", now)
 
     def _finish(self, ok: bool, reason: str) -> list[Action]:
         self.finished = Finish(ok, reason)
         return [self.finished]
 
+    def _say_once(self, key: str, event: Event) -> list[Action]:
+        """An event said once per round (decisions run often; the console hears it once)."""
+        if key in self._said:
+            return []
+        self._said.add(key)
+        return [event]
+
+    # --- planning ------------------------------------------------------------------------
     def _assignment_order(self) -> list[tuple[str, int]]:
         """Usable hosts, those with surviving members of the current round first (by rank).
 
@@ -310,27 +369,49 @@ class Registry:
         lowest: dict[str, int] = {}
         for wid in self.members.values():
             w = self.workers[wid]
-            if w.state in (WorkerState.RUNNING, WorkerState.WAITING):
+            if w.state in _LIVE:
                 lowest[w.host] = min(w.rank, lowest.get(w.host, w.rank))
         available = self.hosts.available()
         survivors = sorted((hs for hs in available if hs[0] in lowest), key=lambda hs: lowest[hs[0]])
         return survivors + [hs for hs in available if hs[0] not in lowest]
 
+    def _target(self) -> list[SlotInfo]:
+        """Every usable slot up to max_np: where workers should run."""
+        survivors = {w.key: w.rank for w in (self.workers[wid] for wid in self.members.values())
+                     if w.state in _LIVE}
+        return assign(self._assignment_order(), self.config.max_np, survivors)
+
     def _by_key(self) -> dict[tuple[str, int], WorkerRecord]:
         return {w.key: w for w in self.workers.values() if w.state not in _GONE}
 
-    def _launch_missing(self, target: list[SlotInfo], now: float) -> list[Action]:
-        # A slot is busy until its last process has exited, even a failed or dismissed one:
-        # two processes on one slot would share its GPU.
-        busy = {w.key for w in self.workers.values() if not w.exited}
-        acts: list[Action] = []
-        for info in target:
-            if info.key not in busy:
-                wid = self._new_id()
-                self.workers[wid] = WorkerRecord(wid, info.host, info.slot, WorkerState.LAUNCHING, now,
-                                                 rank=info.rank)
-                acts.append(Launch(wid, info))
-        return acts
+    def _plan(self, target: list[SlotInfo], ready: tuple[WorkerState, ...],
+              holders: list[WorkerRecord]) -> list[tuple[tuple[str, int], WorkerRecord]]:
+        """The round that could form now: the target's ready workers, in rank order.
+
+        When holders are alive and none of them is among those, the lowest-ranked holder leads
+        a hand-over round as rank 0 (within max_np). With holders alive and nobody ready to
+        hand over to, no round can form: [] (the holders keep training, or wait).
+        """
+        by_key = self._by_key()
+        chosen = [(i.key, by_key[i.key]) for i in target if i.key in by_key and by_key[i.key].state in ready]
+        if not holders:
+            return chosen
+        holder_ids = {w.id for w in holders}
+        among = [w for _, w in chosen if w.id in holder_ids]
+        if among:
+            # Rank 0 is the sync source of every ObjectState: it must be a holder even when a
+            # newcomer that never synced comes first in host order (a round that failed in its sync).
+            lead = min(among, key=self._seniority)
+            return [(lead.key, lead)] + [(k, w) for k, w in chosen if w is not lead]
+        if not chosen:
+            return []
+        lead = min(holders, key=self._seniority)
+        cap = self.config.max_np if self.config.max_np is not None else len(chosen) + 1
+        return [(lead.key, lead)] + chosen[:max(0, cap - 1)]
+
+    def _seniority(self, w: WorkerRecord) -> tuple[bool, int, str]:
+        """Members of the current round first, by rank: the usual rank 0 leads."""
+        return (self.members.get(w.key) != w.id, w.rank, w.id)
 
     def _release_unneeded(self, keep: set[tuple[str, int]]) -> list[Action]:
         """Dismiss waiting and kill launching workers whose slot is not in ``keep``."""
@@ -346,37 +427,20 @@ class Registry:
                 acts.append(Kill(w.id, f"{w.label} is no longer needed"))
         return acts
 
-    def _reconcile(self, now: float) -> list[Action]:
-        if self.finished is not None:
-            return []
+    def _launch_missing(self, target: list[SlotInfo], now: float) -> list[Action]:
+        # A slot is busy until its last process has exited, even a failed or dismissed one:
+        # two processes on one slot would share its GPU.
+        busy = {w.key for w in self.workers.values() if not w.exited}
         acts: list[Action] = []
-        # A process that never reached the driver within start_timeout is a failed launch.
-        for w in list(self.workers.values()):
-            if w.state is WorkerState.LAUNCHING and now - w.started_at >= self.config.start_timeout:
-                acts.append(Kill(w.id, "start timeout"))
-                acts += self._fail(w, f"did not contact the driver within --start-timeout "
-                                      f"{self.config.start_timeout:g} s", now)
-            # A worker that went silent (SIGSTOP, deadlock, host off the network) is killed so
-            # that its peers' collectives fail fast instead of waiting for their timeout.
-            limit = self.config.heartbeat_timeout
-            if (limit is not None and w.last_seen is not None and now - w.last_seen >= limit
-                    and w.state in (WorkerState.WAITING, WorkerState.RUNNING)):
-                acts.append(Kill(w.id, "heartbeat timeout"))
-                acts += self._fail(w, f"sent no heartbeat for {now - w.last_seen:.1f} s "
-                                      f"(--heartbeat-timeout {limit:g} s); it is hung or unreachable", now)
+        for info in target:
+            if info.key not in busy:
+                wid = self._new_id()
+                self.workers[wid] = WorkerRecord(wid, info.host, info.slot, WorkerState.LAUNCHING, now,
+                                                 rank=info.rank)
+                acts.append(Launch(wid, info))
+        return acts
 
-        if self._succeeded():
-            return acts + self._finishing()
-
-        running = [w for w in self.workers.values() if w.state is WorkerState.RUNNING]
-        survivors = {w.key: w.rank for w in (self.workers[wid] for wid in self.members.values())
-                     if w.state in (WorkerState.RUNNING, WorkerState.WAITING)}
-        target = assign(self._assignment_order(), self.config.max_np, survivors)
-        target_keys = {s.key for s in target}
-        if running:
-            return acts + self._during_round(target, target_keys, now)
-        return acts + self._between_rounds(target, target_keys, now)
-
+    # --- decisions -----------------------------------------------------------------------
     def _finishing(self) -> list[Action]:
         acts: list[Action] = []
         for w in self.workers.values():
@@ -393,42 +457,65 @@ class Registry:
                                        f"{self.reset_count} reset(s){note}")
         return acts
 
-    def _during_round(self, target: list[SlotInfo], target_keys: set, now: float) -> list[Action]:
+    def _during_round(self, target: list[SlotInfo], now: float) -> list[Action]:
         if self.aborted:
             return []  # wait for every member to report; the next round is decided then
         current = set(self.members)
+        target_keys = {i.key for i in target}
         acts = self._release_unneeded(target_keys | current)
         if target_keys == current:
             return acts
-        self._wait_started = None  # enough slots now: a later shortage starts a fresh wait
+        self._wait_started = self._wait_reminder = None
         acts += self._launch_missing(target, now)
+        # Members are in a round that held the state, so each holds it once synced; and a
+        # notification takes effect only after the sync (at a check in the training loop).
+        holders = [w for w in self.workers.values() if w.state in _LIVE and (w.holds or self.members.get(w.key) == w.id)]
+        plan = self._plan(target, _LIVE, holders)
+        keys = frozenset(k for k, _ in plan)
+        gone = sorted({h for h, _ in current - target_keys})
+        if not plan:  # every holder is leaving and no newcomer is ready to take the state over
+            if gone:
+                acts += self._say_once("handover", Event(
+                    "handover_pending", f"the workers holding the job's state are on host(s) {', '.join(gone)}, "
+                    f"which left discovery or were blacklisted: they keep training until new workers are ready "
+                    f"to take the state over", {"hosts": gone}))
+            return acts
+        if keys == current:
+            return acts
+        if len(plan) < self.config.min_np:
+            if gone:
+                acts += self._say_once("below_min_np", Event(
+                    "removal_held", f"host(s) {', '.join(gone)} left discovery or were blacklisted, but without "
+                    f"them fewer than --min-np "
+                    f"{self.config.min_np} workers are ready: they keep training until enough are",
+                    {"hosts": gone}, level="warning"))
+            return acts
         by_key = self._by_key()
-        ready = all(k in by_key and by_key[k].state in (WorkerState.WAITING, WorkerState.RUNNING)
-                    for k in target_keys)
-        frozen = frozenset(target_keys)
-        if ready and self._notified_target != frozen:
-            self._notified_target = frozen
-            added, removed = bool(target_keys - current), bool(current - target_keys)
+        starting = any(i.key not in by_key or by_key[i.key].state is WorkerState.LAUNCHING for i in target)
+        handover = not any(w.id in {h.id for h in holders} for k, w in plan if k in target_keys)
+        removal = bool(current - keys)
+        if starting and (handover or not removal):
+            return acts  # newcomers first: one reset for all of them (the survivors train meanwhile)
+        if self._notified_target != keys:
+            self._notified_target = keys
+            added, removed = bool(keys - current), removal
             acts.append(Notify(added=added, removed=removed))
-            acts.append(Event("hosts_updated",
-                              f"membership changing from {len(current)} to {len(target_keys)} worker(s)",
-                              {"added": added, "removed": removed}))
+            what = "handing the state over" if handover else "membership changing"
+            acts.append(Event("hosts_updated", f"{what} from {len(current)} to {len(keys)} worker(s)",
+                              {"added": added, "removed": removed, "handover": handover}))
         return acts
 
-    def _between_rounds(self, target: list[SlotInfo], target_keys: set, now: float) -> list[Action]:
-        acts = self._release_unneeded(target_keys)  # first: who is left decides what comes next
+    def _between_rounds(self, target: list[SlotInfo], now: float) -> list[Action]:
+        holders = self.holders()
+        target_keys = {i.key for i in target}
+        handing_over = bool(holders) and not any(w.key in target_keys for w in holders)
+        keep = target_keys | ({w.key for w in holders} if handing_over else set())
+        acts = self._release_unneeded(keep)  # first: who is left decides what comes next
         live = [w for w in self.workers.values() if w.state not in _GONE]
         failed = [w for w in self.workers.values() if w.state is WorkerState.FAILED]
         if not live and failed:
             detail = "; ".join(f"{w.label} {w.why}" for w in failed[-8:])
-            members = [self.workers[wid] for wid in self.members.values()]
-            dismissed = [w for w in members if w.state is WorkerState.LEFT]
-            if not dismissed:
-                return acts + self._finish(False, f"all workers failed ({detail})")
-            # Survivors on a blacklisted host leave with it, and with them the job's state.
-            return acts + self._finish(False, "no worker is left to continue from: " + detail + "; "
-                                + ", ".join(w.label for w in dismissed) + " left with blacklisted host(s) "
-                                + ", ".join(sorted({w.host for w in dismissed})))
+            return acts + self._finish(False, f"all workers failed ({detail})")
         if self.hosts.all_blacklisted() and self.hosts.is_permanent():
             return acts + self._finish(False, "every host is blacklisted after failures: "
                                        + ", ".join(self.hosts.blacklisted()))
@@ -437,40 +524,90 @@ class Registry:
             return acts + self._finish(False, f"reset limit {limit} exceeded: the job needed another reset "
                                        f"after {self.reset_count} (raise --reset-limit to allow more)")
         need = self.config.np if self.round < 0 else self.config.min_np
-        if len(target) < need:
-            if self._wait_started is None:
-                self._wait_started = now
-            if now - self._wait_started >= self._wait_limit():
-                flag = "--start-timeout" if self.round < 0 else "--elastic-timeout"
-                hosts = ", ".join(f"{h}:{s}" for h, s in self.hosts.available()) or "none"
-                return acts + self._finish(False, f"timed out after {self._wait_limit():g} s ({flag}) waiting for "
-                                           f"{need} slots; usable hosts: {hosts}")
-            return acts
-        self._wait_started = None  # enough slots now: a later shortage starts a fresh wait
+        reachable = len(target) + (1 if handing_over and target else 0)
+        if reachable < need:
+            if self.config.fixed_hosts and self.hosts.is_permanent():
+                return acts + self._finish(False, self._never_enough(need, holders))
+            return acts + self._wait(need, now)
+        # Enough slots. Workers still starting are bounded by --start-timeout on their own.
+        self._wait_started = self._wait_reminder = None
         acts += self._launch_missing(target, now)
-        by_key = self._by_key()
-        if all(k in by_key and by_key[k].state is WorkerState.WAITING for k in target_keys):
-            acts += self._form_round(target, by_key)
-        return acts
+        if self.round < 0:  # the first round: everyone planned, so that no reset follows at once
+            by_key = self._by_key()
+            if all(k in by_key and by_key[k].state is WorkerState.WAITING for k in target_keys):
+                return acts + self._form_round([(i.key, by_key[i.key]) for i in target])
+            return acts
+        plan = self._plan(target, (WorkerState.WAITING,), holders)
+        if len(plan) < need:
+            return acts  # the rest are starting
+        return acts + self._form_round(plan)
 
-    def _form_round(self, target: list[SlotInfo], by_key: dict) -> list[Action]:
+    def _wait(self, need: int, now: float) -> list[Action]:
+        """Not enough slots: wait up to the limit, saying what for (then every 30 s)."""
+        flag = "--start-timeout" if self.round < 0 else "--elastic-timeout"
+        hosts = ", ".join(f"{h}:{s}" for h, s in self.hosts.available()) or "none"
+        if self._wait_started is None:
+            self._wait_started = now
+        waited = now - self._wait_started
+        if waited >= self._wait_limit():
+            self._wait_reminder = None
+            return self._finish(False, f"timed out after {self._wait_limit():g} s ({flag}) waiting for "
+                                       f"{need} slots; usable hosts: {hosts}")
+        if self._wait_reminder is not None and now < self._wait_reminder:
+            return []
+        self._wait_reminder = now + WAIT_REMINDER
+        left = self._wait_limit() - waited
+        ready = sum(1 for w in self.workers.values() if w.state is WorkerState.WAITING)
+        return [Event("waiting_for_slots", f"waiting for {need} ready worker(s) (have {ready}; usable hosts: "
+                      f"{hosts}); giving up in {left:.0f} s ({flag})", {"need": need, "ready": ready},
+                      level="warning" if self.round >= 0 or waited > 0 else "info")]
+
+    def _never_enough(self, need: int, holders: list[WorkerRecord]) -> str:
+        """Why a fixed host list can never give ``need`` slots again."""
+        hosts = ", ".join(f"{h}:{s}" for h, s in self.hosts.available()) or "none"
+        black = ", ".join(self.hosts.blacklisted()) or "none"
+        flag = "-np" if self.round < 0 else "--min-np"
+        return (f"{flag} {need} can never be met again: usable hosts {hosts} (blacklisted: {black}); with a "
+                f"fixed host list and permanent blacklisting no host can come back (--blacklist-cooldown-range "
+                f"lets failed hosts return, a lower {flag} lets the job go on with fewer)")
+
+    def _form_round(self, plan: list[tuple[tuple[str, int], WorkerRecord]]) -> list[Action]:
+        infos = assign_keys([k for k, _ in plan])  # grouped by host: not the order of ``plan``
+        by_key = dict(plan)
+        workers = [by_key[i.key] for i in infos]
         previous = set(self.members.values())
-        new_members = any(by_key[i.key].id not in previous for i in target)
-        must_sync = new_members or self.aborted or any(by_key[i.key].restored for i in target)
+        new_members = any(w.id not in previous for w in workers)
+        must_sync = new_members or self.aborted or any(w.restored for w in workers)
+        acts: list[Action] = []
+        if not any(w.holds for w in workers):
+            lost = self.round >= 0
+            for w in workers:
+                w.holds = True  # they all start from the same state: the script's own
+            if lost:
+                acts.append(Event("state_lost", f"round {self.round + 1} starts without any worker that held the "
+                                  f"job's state: every holder is gone. The new workers start from what the script "
+                                  f"loads (its initial state or its own checkpoint); training since then is redone",
+                                  {}, level="warning"))
         self.round += 1
         if self.round > 0:
             self.reset_count += 1
         self.members = {}
         self.aborted = False
         self._notified_target = None
-        self._wait_started = None
-        acts: list[Action] = []
-        for info in target:
-            w = by_key[info.key]
+        self._wait_started = self._wait_reminder = None
+        self._said.clear()
+        for info, w in zip(infos, workers):
             w.state, w.round, w.rank = WorkerState.RUNNING, self.round, info.rank
             self.members[info.key] = w.id
-            acts.append(Assign(w.id, self.round, info, new_members, must_sync))
-        hosts = sorted({i.host for i in target})
-        acts.append(Event("round_formed", f"round {self.round}: {len(target)} worker(s) on {len(hosts)} host(s)",
-                          {"size": len(target), "hosts": hosts}))
+            acts.append(Assign(w.id, self.round, info, must_sync))
+        # Holders kept for a hand-over that are not in it, and anyone else waiting outside the
+        # target, have no place now.
+        keep = {i.key for i in self._target()} | set(self.members)
+        for w in self.workers.values():
+            if w.state is WorkerState.WAITING and w.key not in keep:
+                w.state = WorkerState.LEFT
+                acts.append(Dismiss(w.id, f"no place for {w.label} in the next round"))
+        hosts = sorted({i.host for i in infos})
+        acts.append(Event("round_formed", f"round {self.round}: {len(infos)} worker(s) on {len(hosts)} host(s)",
+                          {"size": len(infos), "hosts": hosts}))
         return acts

@@ -134,6 +134,7 @@ def run(func: F) -> F:
                     synced = time.monotonic()
                     state.sync()
                     rt.emit("sync_done", ms=round((time.monotonic() - synced) * 1000, 2))
+                rt.has_state = True
                 if resetting:
                     rt.awaiting_first_step = True
                     log.info("rank %d/%d: reset to round %d took %.1f ms", rt.rank, rt.size, rt.round,

@@ -79,6 +79,9 @@ class Runtime:
         self.round = -1
         self.rendezvous_count = 0
         self.must_sync = True  # the driver's word for this round: sync() even after removals only
+        # This process has synced in some round (elastic.run entered the training function), so
+        # it holds the job's state; the driver keeps such workers until the state is handed over.
+        self.has_state = False
         self.pg: dist.ProcessGroup | None = None
         self._store: Any = None
         self._lock = threading.Lock()
@@ -178,7 +181,8 @@ class Runtime:
             asked = time.monotonic()
             try:
                 msg = self._client.request("rendezvous", {"worker": self.worker_id, "after_round": self.round,
-                                                          "error": error, "restored": restored},
+                                                          "error": error, "restored": restored,
+                                                          "has_state": self.has_state},
                                            timeout=self.rendezvous_timeout, what="this worker's place in the next round")
             except DriverTimeout as exc:
                 raise HorovodInternalError(str(exc)) from None

@@ -105,3 +105,41 @@ def test_worker_killed_mid_epoch_redoes_only_uncommitted_work(job):
     result = json.loads((job.tmp / "samples" / "result.json").read_text())
     assert result["final_loss"] < result["initial_loss"] * 0.7, result
     assert result["accuracy"] > 0.9, result
+
+
+def test_rolling_replacement_hands_the_state_over(job):
+    """Issue 11: new capacity arrives and the old leaves before the newcomers have started
+    (a rolling spot replacement). Training must go on from the old workers' state: they
+    hand it over (a round with the lowest-ranked old worker as rank 0 and the newcomers, who
+    sync from it), and only then leave. Before the fix, round 1 was the newcomers alone and
+    trained every epoch again from a fresh model."""
+    schedule = "0:localhost:2;1004:localhost:2,127.0.0.1:2;1005:127.0.0.1:2"
+    r = job.run(["-np", "2", "--min-np", "2", "--host-discovery-script", str(PROGRESS_DISCOVERY),
+                 "--discovery-interval", "0.1"],
+                sample_cmd(job, "--await-size=1:8:3", "--commit-every", "1"),
+                HOSTS_SCHEDULE=schedule)
+    assert r.returncode == 0, r.output
+    assert "handing the state over from 2 to 3 worker(s)" in r.stderr, r.stderr
+    assert "state_lost" not in r.stderr and "without any worker that held" not in r.stderr
+    assert r.stderr.count("[elasticrun] round ") == 3, r.stderr  # 2 old; 1 old + 2 new; 2 new
+    assert "round 2: 2 worker(s) on 1 host(s)" in r.stderr, r.stderr
+    assert sizes_seen(job.tmp / "samples") == {2, 3}
+    assert_exactly_once(job.tmp / "samples")
+
+
+def test_removal_is_not_held_back_by_a_host_still_starting(job):
+    """Issue 11.2: a host leaves while an added host's worker is still starting. The removal
+    takes effect at once (the round shrinks to 1), the newcomer joins when it is ready (the
+    round grows to 2); before the fix the removal waited for the newcomer."""
+    schedule = ("0:localhost:1,127.0.0.1:1;1003:localhost:1,127.0.0.1:1,127.0.0.2:1;"
+                "1004:localhost:1,127.0.0.2:1")
+    r = job.run(["-np", "2", "--min-np", "1", "--host-discovery-script", str(PROGRESS_DISCOVERY),
+                 "--discovery-interval", "0.1"],
+                sample_cmd(job, "--await-size=1:6:1", "--await-size=2:3:2", "--commit-every", "1",
+                           "--slow-start", "127.0.0.2:4"),
+                HOSTS_SCHEDULE=schedule)
+    assert r.returncode == 0, r.output
+    assert "round 1: 1 worker(s) on 1 host(s)" in r.stderr, r.stderr
+    assert "round 2: 2 worker(s) on 2 host(s)" in r.stderr, r.stderr
+    assert sizes_seen(job.tmp / "samples") == {1, 2}
+    assert_exactly_once(job.tmp / "samples")

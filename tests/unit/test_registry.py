@@ -73,23 +73,27 @@ class Job:
 
     def discover(self, hosts, at=None):
         self._at(at)
-        return self.reg.discovered(dict(hosts), self.now)
+        self.reg.discovered(dict(hosts), self.now)
+        return self.reg.decide(self.now)
 
-    def rdv(self, wid, at=None):
+    def rdv(self, wid, at=None, has_state=False, error=None, restored=False):
         self._at(at)
-        return self.reg.rendezvous(wid, self.now)
+        self.reg.rendezvous(wid, self.now, error=error, restored=restored, has_state=has_state)
+        return self.reg.decide(self.now)
 
     def exit(self, wid, code=1, at=None, detail=""):
         self._at(at)
-        return self.reg.exited(wid, code, self.now, detail)
+        self.reg.exited(wid, code, self.now, detail)
+        return self.reg.decide(self.now)
 
     def failing(self, wid, error="RuntimeError", at=None):
         self._at(at)
-        return self.reg.failing(wid, error, self.now)
+        self.reg.failing(wid, error, self.now)
+        return self.reg.decide(self.now)
 
     def tick(self, at):
         self._at(at)
-        return self.reg.tick(self.now)
+        return self.reg.decide(self.now)
 
     # queries
     def state(self, wid):
@@ -366,17 +370,35 @@ class TestHostRemoved:
         assert job.reg.round == 1 and not job.reg.aborted
 
     def test_removal_and_addition_together(self):
+        """The removal is not held back by the newcomer still starting (issue 11.2): it is
+        notified at once, the next round forms without the newcomer, which joins later."""
         job = Job(np=2, min_np=1)
         job.start({"a": 1, "b": 1})
         acts = job.discover({"a": 1, "c": 1}, at=1)
         assert [l.info.key for l in of(acts, Launch)] == [("c", 0)]
-        assert not of(acts, Notify)  # newcomer first
-        acts = job.rdv("w2", at=2)
-        assert of(acts, Notify) == [Notify(added=True, removed=True)]
-        job.rdv("w1", at=3)
-        acts = job.rdv("w0", at=4)
+        assert of(acts, Notify) == [Notify(added=False, removed=True)]
+        job.rdv("w1", at=2, has_state=True)
+        acts = job.rdv("w0", at=3, has_state=True)
         assert [d.worker_id for d in of(acts, Dismiss)] == ["w1"]
+        assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0)}
+        acts = job.rdv("w2", at=4)  # the newcomer is ready: an addition, the usual way
+        assert of(acts, Notify) == [Notify(added=True, removed=False)]
+        acts = job.rdv("w0", at=5, has_state=True)
         assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0), ("c", 0): ("w2", 1)}
+
+    def test_removal_is_not_held_back_by_a_newcomer_that_never_starts(self):
+        """Issue 11.2: the removed host's worker must not train on until the job ends."""
+        job = Job(np=2, min_np=1, start_timeout=30.0)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.discover({"a": 1, "b": 1, "c": 1}, at=1)  # c starts (and never checks in)
+        acts = job.discover({"a": 1, "c": 1}, at=2)
+        assert of(acts, Notify) == [Notify(added=False, removed=True)]
+        job.rdv_all(["w1", "w0"], at=3)
+        assert job.state("w1") is WorkerState.LEFT and job.reg.round == 1
+        acts = job.tick(31)  # c gives up at --start-timeout, as a failed host
+        assert of(acts, Kill) == [Kill("w2", "start timeout")]
+        assert job.hosts.is_blacklisted("c") and not of(acts, AbortRound)
+        assert job.state("w0") is WorkerState.RUNNING
 
     def test_resize_down(self):
         job = Job(np=3, min_np=1)
@@ -537,19 +559,30 @@ class TestCooldown:
         assert job.reg.next_deadline() == pytest.approx(100 + second)
 
 
-def test_survivors_leave_with_their_blacklisted_host_and_the_failure_says_so():
-    """Horovod semantics: a blacklisted host's workers leave. When that takes the last
-    survivor, no state is left to continue from, and the reason must not claim that the
-    healthy worker failed."""
-    job = Job(np=2, min_np=1, cooldown=(10.0, 10.0), elastic_timeout=600.0)
+def test_survivor_on_a_blacklisted_host_hands_the_state_over_before_it_leaves():
+    """A blacklisted host's healthy worker holds the job's state: it is kept (not dismissed,
+    which used to fail the job "no worker is left to continue from") until a newcomer has
+    synced from it as rank 0; only the round after that lets it go."""
+    job = Job(np=2, min_np=1, cooldown=(100.0, 100.0), elastic_timeout=600.0)
     job.start({"a": 2}, at=0)
-    job.exit("w0", 1, at=1)   # a blacklisted until t=11; w1 on a[1] is healthy
-    acts = job.rdv("w1", at=2)
+    job.exit("w0", 1, at=1)   # a blacklisted until t=101; w1 on a[1] is healthy
+    acts = job.rdv("w1", at=2, has_state=True)
+    assert not of(acts, Dismiss) and not of(acts, Finish)
+    assert events(acts, "waiting_for_slots")
+    assert job.state("w1") is WorkerState.WAITING
+    acts = job.discover({"a": 2, "b": 1}, at=3)
+    assert [l.info.key for l in of(acts, Launch)] == [("b", 0)]
+    acts = job.rdv("w2", at=4)
+    assert ranks(of(acts, Assign)) == {("a", 1): ("w1", 0), ("b", 0): ("w2", 1)}  # the hand-over round
+    assert all(a.must_sync for a in of(acts, Assign))
+    assert of(acts, Notify) == []
+    acts = job.tick(4.5)  # the holder leaves once the newcomer has synced: notified at once
+    assert of(acts, Notify) == [Notify(added=False, removed=True)]
+    job.rdv("w2", at=5, has_state=True)
+    acts = job.rdv("w1", at=6, has_state=True)
     assert [d.worker_id for d in of(acts, Dismiss)] == ["w1"]
-    finish = of(acts, Finish)
-    assert len(finish) == 1 and not finish[0].ok
-    assert finish[0].reason.startswith("no worker is left to continue from")
-    assert "a[1] left with blacklisted host(s) a" in finish[0].reason
+    assert ranks(of(acts, Assign)) == {("b", 0): ("w2", 0)}
+    assert not events(acts, "state_lost")
 
 
 def test_no_relaunch_on_a_slot_whose_failed_process_is_alive():
@@ -695,6 +728,13 @@ class TestElasticTimeout:
         job.exit("w1", 1, at=10)
         acts = job.rdv("w0", at=11)
         assert control(acts) == []
+        said = events(acts, "waiting_for_slots")  # what it waits for, and until when
+        assert said and "waiting for 2 ready worker(s) (have 1" in said[0].message
+        assert "giving up in 60 s (--elastic-timeout)" in said[0].message and said[0].level == "warning"
+        assert job.reg.next_deadline() == 41.0  # said again every 30 s
+        assert not events(job.tick(40.9), "waiting_for_slots")
+        acts = job.tick(41)
+        assert control(acts) == [] and "giving up in 30 s" in events(acts, "waiting_for_slots")[0].message
         assert job.reg.next_deadline() == 71.0
         assert control(job.tick(70.9)) == []
         acts = job.tick(71.0)
@@ -804,7 +844,7 @@ def test_rank0_survives_a_discovery_flap_of_the_only_member_host():
     # a is behind c in the host manager's join order, but its worker survived: it keeps rank 0.
     assert [h for h, _ in job.hosts.available()] == ["c", "a"]
     assert assigned == {("a", 0): ("w0", 0), ("c", 0): ("w1", 1)}
-    assert {a.new_members for a in of(acts, Assign)} == {True}
+    assert {a.must_sync for a in of(acts, Assign)} == {True}  # w1 is new
 
 
 def test_rank0_stays_with_the_lowest_ranked_survivor_host():
@@ -823,7 +863,7 @@ def test_rank0_stays_with_the_lowest_ranked_survivor_host():
         ("a", 0): 0, ("b", 0): 1, ("c", 0): 2}
 
 
-def test_same_members_reform_without_new_members_flag():
+def test_same_members_reform_without_a_sync():
     job = Job(np=2, min_np=1)
     job.start({"a": 1, "b": 1})
     job.discover({"a": 1, "b": 1, "c": 1}, at=1)
@@ -831,8 +871,7 @@ def test_same_members_reform_without_new_members_flag():
     acts = job.rdv_all(["w0", "w1"], at=3)    # e.g. both hit an error and re-rendezvous
     assigns = of(acts, Assign)
     assert ranks(assigns) == {("a", 0): ("w0", 0), ("b", 0): ("w1", 1)}
-    assert {a.new_members for a in assigns} == {False}
-    assert {a.must_sync for a in assigns} == {False}  # an interrupt, and nobody rolled back
+    assert {a.must_sync for a in assigns} == {False}  # no newcomer, an interrupt, and nobody rolled back
 
 
 def test_a_rank_that_rolled_back_makes_everyone_sync():
@@ -843,9 +882,9 @@ def test_a_rank_that_rolled_back_makes_everyone_sync():
     job.start({"a": 1, "b": 1})
     job.discover({"a": 1, "b": 1, "c": 1}, at=1)
     job.discover({"a": 1, "b": 1}, at=2)
-    acts = job.rdv("w0", at=3) + job.reg.rendezvous("w1", job.now, restored=True)
+    acts = job.rdv("w0", at=3) + job.rdv("w1", restored=True)
     assigns = of(acts, Assign)
-    assert {a.new_members for a in assigns} == {False}
+    assert len(assigns) == 2
     assert {a.must_sync for a in assigns} == {True}
 
 
@@ -857,7 +896,6 @@ def test_the_round_after_a_failure_syncs_even_without_newcomers():
     acts = job.rdv_all(["w0", "w1"], at=2)  # neither reports a roll-back (e.g. both were interrupted)
     assigns = of(acts, Assign)
     assert ranks(assigns) == {("a", 0): ("w0", 0), ("b", 0): ("w1", 1)}
-    assert {a.new_members for a in assigns} == {False}
     assert {a.must_sync for a in assigns} == {True}
 
 
@@ -868,13 +906,16 @@ def test_rank0_survives_cooldown_return_of_the_only_member_host():
     job.exit("w0", 1, at=2)                   # a blacklisted until 7; round 0 aborted
     job.rdv("w2", at=3)
     job.tick(7)                               # a is back (after c in join order)
-    launches = of(job.rdv("w1", at=8), Launch)  # the survivor reports; a[0] is relaunched
-    assert [(l.worker_id, l.info.key) for l in launches] == [("w3", ("a", 0))]
-    acts = job.rdv("w3", at=9)
-    assigned = ranks(of(acts, Assign))
-    assert assigned[("a", 1)][0] == "w1"
-    rank0 = next(wid for wid, rank in assigned.values() if rank == 0)
-    assert rank0 == "w1"  # actual: w3, the process just launched on a[0]
+    acts = job.rdv("w1", at=8)                # the survivor reports; a[0] is relaunched
+    assert [(l.worker_id, l.info.key) for l in of(acts, Launch)] == [("w3", ("a", 0))]
+    # The round forms of the ready workers at once (w3 joins later, by an addition): the
+    # survivor keeps rank 0.
+    assert ranks(of(acts, Assign)) == {("a", 1): ("w1", 0), ("c", 0): ("w2", 1)}
+    assert of(job.rdv("w3", at=9), Notify) == [Notify(added=True, removed=False)]
+    assert len(of(job.rdv_all(["w2", "w1"], at=10), Assign)) == 3
+    members = {k: (w, job.reg.workers[w].rank) for k, w in job.reg.members.items()}
+    assert members[("a", 1)] == ("w1", 0)  # once: w3, the process just launched on a[0]
+    assert members[("a", 0)][0] == "w3" and job.reg.round == 2
 
 
 # --- randomized state machine ----------------------------------------------------------------
@@ -916,6 +957,15 @@ class RegistryMachine(RuleBasedStateMachine):
         self.launched: set[str] = set()
         self.fresh = itertools.count()
         self.current_hosts: dict[str, int] = {}
+        # The test's own model of who holds the job's newest state: every member of a round
+        # that no holder joined, and every member that synced in a round (reported has_state).
+        self.holders: set[str] = set()
+        self.before: set[str] = set()  # holders alive before the event under test
+        for name in ("discover", "rdv", "exit", "failing", "tick"):
+            def snapshot(*args, _call=getattr(self.job, name), **kwargs):
+                self.before = {wid for wid in self.holders if self.reg.workers[wid].state in LIVE_STATES}
+                return _call(*args, **kwargs)
+            setattr(self.job, name, snapshot)
         # Usually start with enough slots for np (a job whose hosts never come is tested above).
         if data.draw(st.booleans(), label="initial discovery"):
             names = [f"n{next(self.fresh)}" for _ in range(np_)] if self.FRESH_HOSTS_ONLY \
@@ -961,11 +1011,21 @@ class RegistryMachine(RuleBasedStateMachine):
     def _alive(self):
         return sorted(w.id for w in self.reg.workers.values() if not w.exited)
 
+    def _rdv(self, data, wid, dt):
+        """A worker asks for its next round. A member of the current round has synced (so
+        holds the state) if that round ended gracefully; after a failure, maybe not."""
+        w = self.reg.workers.get(wid)
+        member = w is not None and w.state is WorkerState.RUNNING and self.reg.members.get(w.key) == wid
+        has_state = member and data.draw(st.booleans(), label=f"{wid} synced")
+        if has_state:
+            self.holders.add(wid)
+        self.step(self.job.rdv(wid, at=self.job.now + dt, has_state=has_state))
+
     @precondition(lambda self: any(not w.exited for w in self.reg.workers.values()))
     @rule(data=st.data(), dt=st.integers(0, 5))
     def rendezvous(self, data, dt):
         wid = data.draw(st.sampled_from(self._alive()), label="rendezvous")
-        self.step(self.job.rdv(wid, at=self.job.now + dt))
+        self._rdv(data, wid, dt)
 
     @precondition(lambda self: any(not w.exited and w.state is not WorkerState.LEFT
                                    for w in self.reg.workers.values()))
@@ -978,7 +1038,7 @@ class RegistryMachine(RuleBasedStateMachine):
                                     st.lists(st.sampled_from(candidates), unique=True, min_size=1)),
                           label="group")
         for wid in group:
-            self.step(self.job.rdv(wid, at=self.job.now + dt))
+            self._rdv(data, wid, dt)
 
     @precondition(lambda self: any(not w.exited for w in self.reg.workers.values()))
     @rule(data=st.data(), dt=st.integers(0, 5))
@@ -1015,7 +1075,9 @@ class RegistryMachine(RuleBasedStateMachine):
     @rule(dt=st.integers(0, 5))
     def stranger(self, dt):
         acts = self.job.rdv("stranger", at=self.job.now + dt)
-        assert acts == [Dismiss("stranger", "this process is not part of the job")]
+        assert Dismiss("stranger", "this process is not part of the job") in acts
+        assert "stranger" not in self.reg.workers
+        self.step([a for a in acts if a != Dismiss("stranger", "this process is not part of the job")])
 
     # -- checks on every action list ------------------------------------------------------
     def step(self, acts):
@@ -1066,19 +1128,37 @@ class RegistryMachine(RuleBasedStateMachine):
         assert size >= (self.cfg.np if first else self.cfg.min_np)
         if self.cfg.max_np is not None:
             assert size <= self.cfg.max_np
-        # Host by host, slot by slot, over every usable host (up to max_np); the host order is the
-        # registry's choice (survivors first), so take it from the assignment itself.
+        # Ranks are host by host, local ranks 0..local_size-1 on each host.
+        hosts = [a.info.host for a in assigns]
+        assert hosts == sorted(hosts, key=hosts.index), "a host's ranks are not contiguous"
+        for h in set(hosts):
+            mine = [a.info for a in assigns if a.info.host == h]
+            assert sorted(i.local_rank for i in mine) == list(range(len(mine)))
+            assert all(i.local_size == len(mine) for i in mine)
         available = dict(self.job.hosts.available())
-        order = list(dict.fromkeys(a.info.host for a in assigns))
-        assert set(order) <= set(available)
-        assert [a.info for a in assigns] == assign([(h, available[h]) for h in order], self.cfg.max_np)
-        total = sum(available.values())
-        assert size == (total if self.cfg.max_np is None else min(total, self.cfg.max_np))
         new_ids = {a.worker_id for a in assigns}
-        # new_members tells the workers whether state must be synced from rank 0.
-        assert {a.new_members for a in assigns} == {bool(new_ids - self.prev_members)}
-        assert len({a.must_sync for a in assigns}) == 1 and (assigns[0].must_sync or not assigns[0].new_members)
-        if self.strict and new_ids & self.prev_members:
+        # Holders alive when the event came (a holder dismissed by this very decision counts).
+        alive_holders = {wid for wid in self.before
+                         if self.reg.workers[wid].state is not WorkerState.FAILED and not self.reg.workers[wid].exited}
+        outside = [a for a in assigns if a.info.host not in available or a.info.slot >= available[a.info.host]]
+        if alive_holders:
+            # The rule: while a holder is alive, no round forms without one; rank 0 is one.
+            assert assigns[0].worker_id in alive_holders, (
+                f"round {assigns[0].round} formed with rank 0 on {assigns[0].worker_id}, not on a holder "
+                f"of the state ({sorted(alive_holders)})")
+            # Only a holder handing the state over may be on a host that is not usable now.
+            assert all(a.worker_id in alive_holders for a in outside) and len(outside) <= 1
+        else:
+            assert not outside
+            self.holders |= new_ids  # a round without holders: they all start from the script's state
+        if first:  # the first round is the whole target
+            total = sum(available.values())
+            assert size == (total if self.cfg.max_np is None else min(total, self.cfg.max_np))
+        # New members must sync.
+        assert len({a.must_sync for a in assigns}) == 1
+        if new_ids - self.prev_members:
+            assert assigns[0].must_sync
+        if self.strict and new_ids & self.prev_members and not outside:
             assert assigns[0].worker_id in self.prev_members, (
                 f"rank 0 went to {assigns[0].worker_id} ({assigns[0].info.host}) although "
                 f"{sorted(new_ids & self.prev_members)} survived from round {self.last_round}")
@@ -1124,6 +1204,20 @@ class FreshHostsMachine(RegistryMachine):
     FRESH_HOSTS_ONLY = True
 
 
+class RollingReplacementMachine(FreshHostsMachine):
+    """Spot capacity rolling over: every host is replaced by new ones, often before the
+    newcomers have checked in (issue 11: training must never restart from scratch)."""
+
+    @rule(data=st.data(), dt=st.integers(0, 3))
+    def replace_all(self, data, dt):
+        hosts = {f"n{next(self.fresh)}": data.draw(st.integers(1, 2), label="slots")
+                 for _ in range(data.draw(st.integers(1, 2), label="new hosts"))}
+        if data.draw(st.booleans(), label="overlap first"):  # new capacity arrives, then the old leaves
+            self.step(self.job.discover(dict(self.current_hosts, **hosts), at=self.job.now + dt))
+        self.current_hosts = hosts
+        self.step(self.job.discover(hosts, at=self.job.now + dt))
+
+
 class CooldownMachine(RegistryMachine):
     """Always a blacklist cooldown, with every invariant checked."""
 
@@ -1139,6 +1233,9 @@ TestRegistryMachine.settings = _machine_settings
 
 TestFreshHostsMachine = FreshHostsMachine.TestCase
 TestFreshHostsMachine.settings = _machine_settings
+
+TestRollingReplacementMachine = RollingReplacementMachine.TestCase
+TestRollingReplacementMachine.settings = _machine_settings
 
 TestCooldownMachine = CooldownMachine.TestCase
 TestCooldownMachine.settings = settings(

@@ -36,7 +36,14 @@ p.add_argument("--log-dir", required=True)
 p.add_argument("--progress", required=True)
 p.add_argument("--await-size", action="append", default=[], help="EPOCH:BATCH:SIZE")
 p.add_argument("--kill", default=None, help="HOST:SLOT@EPOCH:BATCH: SIGKILL that worker there (once)")
+p.add_argument("--slow-start", default=None, metavar="HOST:SECONDS",
+               help="workers on HOST take that much longer to start (before hvd.init())")
 args = p.parse_args()
+
+if args.slow_start:
+    host, seconds = args.slow_start.rsplit(":", 1)
+    if os.environ.get("ELASTICRUN_HOSTNAME") == host:
+        time.sleep(float(seconds))
 
 torch.manual_seed(0)
 torch.set_num_threads(1)
