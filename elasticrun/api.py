@@ -64,7 +64,8 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
         **options: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on every worker of an elastic job; return the final round's values.
 
-    Give exactly one host source: ``hosts`` ("h1:2,h2:2", ``{"h1": 2}`` or ``["h1:2"]``),
+    Give at most one host source (none: ``localhost:np``, as ``horovod.run``):
+    ``hosts`` ("h1:2,h2:2", ``{"h1": 2}`` or ``["h1:2"]``),
     ``hostfile``, ``discovery_script`` (a path) or ``discovery`` (a callable returning
     ``{host: slots}``, called in this process every ``discovery_interval`` seconds on a
     separate thread; raising, returning something else or not returning within
@@ -83,8 +84,6 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
         raise TypeError(f"discovery must be a callable returning {{host: slots}}, got {type(discovery).__name__}")
     given = [name for name, v in (("hosts", hosts), ("hostfile", hostfile), ("discovery_script", discovery_script),
                                   ("discovery", discovery)) if v is not None]
-    if not given:
-        raise ValueError("one of hosts=, hostfile=, discovery_script= or discovery= is required")
     if discovery is not None and len(given) > 1:
         raise ValueError(f"discovery= cannot be combined with {given[0]}=: give one host source")
 
@@ -92,7 +91,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
 
     argv = _argv(dict(options, np=np, min_np=min_np, max_np=max_np, hosts=hosts, hostfile=hostfile,
                       discovery_script=discovery_script))
-    settings = parse_settings(argv + ["--", *WORKER_COMMAND], api=True)
+    settings = parse_settings(argv + ["--", *WORKER_COMMAND], api=True, callable_discovery=discovery is not None)
     try:
         payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
     except Exception as exc:

@@ -44,12 +44,15 @@ def wants_check(argv: list[str]) -> bool:
         return False
     from elasticrun.driver.cli import build_parser
 
+    from elasticrun.driver.config import split_command
+
     probe = build_parser()
     for action in probe._actions:
         action.required = False
     for group in probe._mutually_exclusive_groups:
         group.required = False
-    return bool(probe.parse_args(argv).check)
+    options, _ = split_command(probe, argv)
+    return bool(probe.parse_args(options).check)
 
 
 # --- this installation -----------------------------------------------------------------------

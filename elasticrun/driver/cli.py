@@ -229,12 +229,15 @@ def _remote_settings(parser: argparse.ArgumentParser, a: argparse.Namespace) -> 
         driver_address=address, network_interface=a.network_interface)
 
 
-def parse_settings(argv: list[str], *, api: bool = False) -> JobSettings:
-    """Validate ``argv`` into JobSettings; errors exit 2 (``api=True``: raise ValueError, and
-    allow no host source, for ``elasticrun.run(discovery=callable)``)."""
-    kind, required = (_RaisingParser, False) if api else (_Parser, True)
-    parser = build_parser(kind, required)
-    a = config.parse_args(parser, argv, probe_parser=build_parser(kind, required))
+def parse_settings(argv: list[str], *, api: bool = False, callable_discovery: bool = False) -> JobSettings:
+    """Validate ``argv`` into JobSettings; errors exit 2 (``api=True``: raise ValueError).
+
+    With no host source, the job runs on ``localhost:NP`` as horovodrun's does.
+    ``callable_discovery``: hosts come from ``elasticrun.run(discovery=callable)`` instead.
+    """
+    kind = _RaisingParser if api else _Parser
+    parser = build_parser(kind, False)
+    a = config.parse_args(parser, argv, probe_parser=build_parser(kind, False))
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
         parser.error("missing the training command, e.g. `elasticrun -np 2 -H localhost:2 python train.py`")
@@ -265,9 +268,15 @@ def parse_settings(argv: list[str], *, api: bool = False) -> JobSettings:
         except ValueError as exc:
             parser.error(f"--host-discovery-script {exc}")
         script = argv[0] if len(argv) == 1 else script  # a file: by its absolute path
+    if fixed is None and script is None and not callable_discovery:
+        fixed = {"localhost": a.np}  # horovodrun -np N python train.py: N processes here
     if fixed is not None and sum(fixed.values()) < a.np:
         parser.error(f"-np {a.np} needs {a.np} slots but the host list has {sum(fixed.values())}")
-    max_np = a.max_np if a.max_np is not None else (a.np if fixed is not None else None)
+    # As with horovodrun: an elastic job (--min-np, --max-np or a discovery script) uses every
+    # usable slot up to --max-np (unbounded by default), and -np is what it starts with and
+    # waits for; otherwise the job is -np processes, fault tolerant but never larger.
+    elastic = a.min_np is not None or a.max_np is not None or script is not None or callable_discovery
+    max_np = a.max_np if elastic else a.np
     level = "DEBUG" if a.verbose else (a.log_level or "INFO")
     # Workers stay quiet (WARNING) unless the user asked for a level: their lines interleave
     # with the training output on the console.

@@ -180,6 +180,40 @@ def _exclusive_groups(parser: argparse.ArgumentParser) -> list[argparse._Mutuall
     return list(parser._mutually_exclusive_groups)
 
 
+def split_command(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` as (our options, the training command).
+
+    The command starts at the first word that is neither one of our options nor an option's
+    value (or after ``--``). Everything from there on is the command's: argparse alone would
+    also match the script's own flags against ours (``python train.py --n 3`` gives
+    "ambiguous option: --n could match --num-proc, ..."), as abbreviations.
+    """
+    options: dict[str, argparse.Action] = {o: a for a in parser._actions for o in a.option_strings}
+    longs = [o for o in options if o.startswith("--")]
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return argv[:i], argv[i + 1:]
+        if not word.startswith("-") or word == "-":
+            return argv[:i], argv[i:]
+        name, eq, _ = word.partition("=")
+        action = options.get(name)
+        if action is None and name.startswith("--"):
+            matches = [o for o in longs if o.startswith(name)]  # an abbreviation of ours
+            action = options[matches[0]] if len(matches) == 1 else None
+        if action is None and not name.startswith("--") and name[:2] in options and len(name) > 2:
+            i += 1  # -p2222: a short option with its value attached
+            continue
+        if action is None:
+            i += 1  # not ours: argparse reports it
+            continue
+        nargs = action.nargs
+        takes = 1 if nargs is None else nargs if isinstance(nargs, int) else 0
+        i += 1 + (0 if eq else takes)
+    return argv, []
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: list[str],
                environ: Mapping[str, str] | None = None,
                probe_parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
@@ -190,6 +224,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str],
     are not required.
     """
     environ = os.environ if environ is None else environ
+    argv, command = split_command(parser, argv)
     probe = probe_parser
     for action in probe._actions:
         if action.dest != "help":
@@ -226,4 +261,6 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str],
             action.required = False
         for group in _exclusive_groups(parser):
             group.required = False
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.command = command
+    return args

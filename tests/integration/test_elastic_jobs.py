@@ -84,11 +84,11 @@ def test_fixed_single_host_recovers_from_failure(job):
     """-H with one host and --min-np: fault tolerance without scaling, on a single host."""
     r = job.run(["-np", "2", "--min-np", "1", "-H", "localhost:2"],
                 job.train_cmd("--fail=localhost:1@1:exception", epochs=3))
-    # localhost[1] failing blacklists localhost, the only host, and its healthy worker leaves
-    # with it: no state is left, so the job must fail, saying exactly that.
+    # localhost[1] failing blacklists localhost, the only host, for good (as horovodrun does):
+    # its healthy worker has nobody to hand the state to, so the job fails, saying why.
     assert r.returncode == 1, r.output
-    assert "no worker is left to continue from: localhost[1] failed" in r.stderr, r.stderr
-    assert "localhost[0] left with blacklisted host(s) localhost" in r.stderr
+    assert "localhost[1] (rank 1) failed: RuntimeError: injected failure" in r.stderr, r.stderr
+    assert "every host is blacklisted after failures: localhost" in r.stderr, r.stderr
 
 
 def test_all_ranks_fail(job):
@@ -188,3 +188,38 @@ def test_discovery_command_line_with_arguments(job, tmp_path):
     r = job.run(["-np", "2", "--host-discovery-script", command], job.train_cmd(epochs=1))
     assert r.returncode == 0, r.output
     assert "round 0: 2 worker(s) on 2 host(s)" in r.stderr, r.stderr
+
+
+def test_fixed_hosts_use_every_slot_and_survive_losing_one_host(job):
+    """Issue 11.3, as Horovod: with --min-np the job is elastic and uses every slot of -H
+    (--max-np unbounded); -np is what it waits for. Losing a host leaves 2 free slots."""
+    r = job.run(["-np", "2", "--min-np", "2", "-H", "localhost:2,127.0.0.1:2"],
+                job.train_cmd("--fail=localhost:0@2:exception", epochs=4))
+    assert r.returncode == 0, r.output
+    assert "round 0: 4 worker(s) on 2 host(s)" in r.stderr, r.stderr
+    assert sizes(r.log)[:2] == [4, 4] and sizes(r.log)[-1] == 2, r.log
+    assert "host localhost blacklisted" in r.stderr
+
+
+def test_without_min_np_the_job_is_np_processes(job):
+    r = job.run(["-np", "2", "-H", "localhost:2,127.0.0.1:2"], job.train_cmd(epochs=1))
+    assert r.returncode == 0, r.output
+    assert "round 0: 2 worker(s) on 1 host(s)" in r.stderr, r.stderr
+
+
+def test_no_host_option_runs_np_workers_here(job):
+    """horovodrun -np 2 python train.py runs on localhost:2; so does elasticrun."""
+    r = job.run(["-np", "2"], job.train_cmd(epochs=1))
+    assert r.returncode == 0, r.output
+    assert "round 0: 2 worker(s) on 1 host(s)" in r.stderr, r.stderr
+    assert sizes(r.log) == [2]
+
+
+def test_script_arguments_that_look_like_ours_belong_to_the_script(job, tmp_path):
+    """--n would be an ambiguous abbreviation of our --num-proc/...; after the command it is
+    the script's."""
+    script = tmp_path / "args.py"
+    script.write_text("import sys\nprint('argv=' + ' '.join(sys.argv[1:]), flush=True)\n")
+    r = job.run(["-np", "1", "-H", "localhost:1"], [sys.executable, str(script), "--n", "3", "--verbose", "-np", "7"])
+    assert r.returncode == 0, r.output
+    assert "[0]<stdout>:argv=--n 3 --verbose -np 7" in r.stdout, r.output
