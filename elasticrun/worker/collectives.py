@@ -8,6 +8,7 @@ passes. Either way the caller gets :class:`HorovodInternalError`, never a hang o
 
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -204,6 +205,13 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     return torch.cat([p[:n] for p, n in zip(parts, counts)])
 
 
+def _bytes(t: torch.Tensor) -> bytes:
+    """The bytes of a uint8 tensor, without numpy (not a dependency: ``tensor.numpy()``
+    fails with "Numpy is not available" where it is not installed)."""
+    t = t.contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel()) if t.numel() else b""
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
     """Send a picklable object from ``root_rank`` to every rank (cloudpickle)."""
     rt = runtime.get()
@@ -213,7 +221,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
     data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if rt.rank == root_rank
             else torch.empty(int(length.item()), dtype=torch.uint8))
     broadcast_(data, root_rank, name or "object")
-    return obj if rt.rank == root_rank else cloudpickle.loads(data.numpy().tobytes())
+    return obj if rt.rank == root_rank else cloudpickle.loads(_bytes(data))
 
 
 def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
@@ -223,7 +231,7 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
                                                    f"{name or 'allgather_object'}.size")]
     padded = torch.cat([data, data.new_zeros(max(counts) - data.numel())])
     parts = _allgather_same(padded, name or "allgather_object")
-    return [cloudpickle.loads(p[:n].numpy().tobytes()) for p, n in zip(parts, counts)]
+    return [cloudpickle.loads(_bytes(p[:n])) for p, n in zip(parts, counts)]
 
 
 def barrier() -> None:
