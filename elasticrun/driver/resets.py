@@ -28,6 +28,7 @@ class ResetTracker:
     rounds: int = 0
     by_kind: Counter = field(default_factory=Counter)
     recovering: float = 0.0  # seconds from triggers to training again, summed
+    timed: int = 0  # resets whose first step was reported (the others' rounds never trained)
     # Resets not closed yet, oldest first. More than one when a trigger ends a round whose
     # first step has not been reported yet (workers ship their events a little late): a host
     # update during a reset is a reset of its own, not folded into the previous one.
@@ -40,10 +41,15 @@ class ResetTracker:
             self._open.append(_Open(cause, kind, t, self.size))
 
     def round_formed(self, round_: int, size: int) -> None:
+        """Every round after the first is a reset (as the registry counts them): counted here,
+        by the cause that ended the round before; timed when its first step is reported."""
         self.rounds += 1
         self.size = size
         if self._open and self._open[-1].round is None:
             self._open[-1].round, self._open[-1].to_size = round_, size
+            self.by_kind[self._open[-1].kind] += 1
+        elif self.rounds > 1:
+            self.by_kind["other"] += 1
 
     def first_step(self, round_: int, t: float) -> dict | None:
         """Training resumed in ``round_``: close the open reset and describe it (or None).
@@ -57,18 +63,20 @@ class ResetTracker:
         self._open = [o for o in self._open if all(o is not m for m in mine)]
         o = _Open(mine[0].cause, mine[0].kind, mine[0].start, mine[0].from_size, round_, mine[-1].to_size)
         seconds = max(0.0, t - o.start)
-        self.by_kind[o.kind] += 1
         self.recovering += seconds
-        n = sum(self.by_kind.values())
-        line = (f"reset {n} ({o.cause}): {o.from_size} -> {o.to_size} worker(s), "
+        self.timed += 1
+        folded = f", through {round_ - mine[0].round + 1} rounds" if mine[0].round != round_ else ""
+        line = (f"reset {round_} ({o.cause}): {o.from_size} -> {o.to_size} worker(s){folded}, "
                 f"training again {seconds * 1000:.0f} ms after it")
         return {"line": line, "cause": o.cause, "trigger": o.kind, "round": round_, "from_size": o.from_size,
                 "to_size": o.to_size, "seconds": seconds}
 
     def summary(self, blacklisted: list[str]) -> str:
         resets = sum(self.by_kind.values())
-        kinds = ", ".join(f"{n} after {'failures' if k == 'failure' else 'host changes'}"
-                          for k, n in sorted(self.by_kind.items())) or "none"
+        names = {"failure": "after failures", "hosts": "after host changes", "other": "other"}
+        kinds = ", ".join(f"{n} {names.get(k, k)}" for k, n in sorted(self.by_kind.items())) or "none"
         black = ", ".join(blacklisted) or "none"
+        untimed = resets - self.timed
+        note = f" ({untimed} ended before training resumed)" if untimed > 0 else ""
         return (f"{self.rounds} round(s), {resets} reset(s) ({kinds}), {self.recovering:.2f} s spent "
-                f"recovering; blacklisted hosts: {black}")
+                f"recovering{note}; blacklisted hosts: {black}")

@@ -70,4 +70,19 @@ def test_a_round_that_never_trained_is_folded_into_the_next_reset():
     done = r.first_step(2, t=1.3)
     assert done is not None and done["cause"] == "a died" and done["from_size"] == 4 and done["to_size"] == 2
     assert done["seconds"] == pytest.approx(0.3)
-    assert r.summary([]).startswith("3 round(s), 1 reset(s)")
+    assert "reset 2 (a died): 4 -> 2 worker(s), through 2 rounds" in done["line"]
+    # Counted as the registry counts them (its finish line says "3 round(s), 2 reset(s)").
+    assert r.summary([]).startswith("3 round(s), 2 reset(s) (2 after failures), 0.30 s spent recovering "
+                                    "(1 ended before training resumed)")
+
+
+def test_summary_agrees_with_the_registry_when_the_job_ends_right_after_a_reset():
+    """Issue 11: "summary: 2 round(s), 0 reset(s)" was followed by "training finished after 2
+    round(s), 1 reset(s)": a reset counts when its round forms, not when its first step is
+    reported (the job may end before that report arrives)."""
+    r = ResetTracker()
+    r.round_formed(0, 2)
+    r.trigger("hosts", "hosts added", t=1.0)
+    r.round_formed(1, 3)
+    assert r.summary([]).startswith("2 round(s), 1 reset(s) (1 after host changes), 0.00 s spent recovering "
+                                    "(1 ended before training resumed)")
