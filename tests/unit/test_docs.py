@@ -4,7 +4,7 @@ Marking: a fenced block whose info string is ``bash test`` or ``python test`` is
 any other block (``bash``, ``python``, ``toml``, no tag) is an illustration that needs a
 cluster, a network or an install, and is not. The runnable blocks of one document run in order, each in
 its own process, in one fresh temporary directory (so a block may use a file an earlier one
-wrote), with ``$REPO`` set to the repository root and no ``ELASTICRUN_*``
+wrote) that holds a copy of ``examples/``, as the repository root would, with ``$REPO`` set to the repository root and no ``ELASTICRUN_*``
 variables inherited. Bash blocks run with ``set -euo pipefail``; Python blocks run in a
 subprocess of this interpreter. Both are bounded by a timeout.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,7 +62,9 @@ def _docs_with_blocks() -> list[str]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("doc", _docs_with_blocks())
 def test_blocks_run(doc, tmp_path):
-    """A doc's blocks run in order in one directory, as a reader following along would."""
+    """A doc's blocks run in order in one directory, as a reader following along would: from
+    the repository root, so ``examples/`` is there (a copy: blocks may write files)."""
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
     for name, line, lang, code in blocks():
         if name != doc:
             continue
