@@ -10,7 +10,7 @@ import socket
 import sys
 
 from elasticrun import __version__
-from elasticrun.common.hosts import HostSpecError, parse_hostfile, parse_hosts_arg
+from elasticrun.common.hosts import MAX_SLOTS_PER_HOST, HostSpecError, parse_hostfile, parse_hosts_arg
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.sources import FixedHosts, ScriptDiscovery, discovery_command
 from elasticrun.driver import check, config
@@ -39,13 +39,21 @@ def _log_level(value: str) -> str:
     return {"TRACE": "DEBUG", "FATAL": "CRITICAL"}.get(value, value)
 
 
+#: Counts above this (-np 99999999999999999999) are typos, refused rather than waited for.
+MAX_COUNT = 1_000_000
+#: A hostfile is a list of hosts: more than this is not one (--hostfile /dev/zero).
+MAX_HOSTFILE_BYTES = 1 << 20
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} must be at most {MAX_COUNT:,}")
     return value
 
 
@@ -246,16 +254,21 @@ def parse_settings(argv: list[str], *, api: bool = False) -> JobSettings:
     if a.blacklist_cooldown_range and a.blacklist_cooldown_range[0] > a.blacklist_cooldown_range[1]:
         low, high = a.blacklist_cooldown_range
         parser.error(f"--blacklist-cooldown-range {low:g} {high:g}: LOW is more than HIGH")
+    if a.slots_per_host > MAX_SLOTS_PER_HOST:
+        parser.error(f"--slots-per-host {a.slots_per_host}: a host has at most {MAX_SLOTS_PER_HOST} slots")
     fixed = None
     try:
         if a.hosts is not None:
             fixed = parse_hosts_arg(a.hosts, a.slots_per_host)
         elif a.hostfile is not None:
             try:
-                with open(a.hostfile, encoding="utf-8") as f:
-                    fixed = parse_hostfile(f.read(), a.slots_per_host, a.hostfile)
+                with open(a.hostfile, encoding="utf-8", errors="replace") as f:
+                    text = f.read(MAX_HOSTFILE_BYTES + 1)
             except OSError as exc:
                 parser.error(f"--hostfile {a.hostfile}: {exc.strerror}")
+            if len(text) > MAX_HOSTFILE_BYTES:
+                parser.error(f"--hostfile {a.hostfile}: more than 1 MiB, not a list of hosts")
+            fixed = parse_hostfile(text, a.slots_per_host, a.hostfile)
     except HostSpecError as exc:
         parser.error(str(exc))
     script = a.host_discovery_script

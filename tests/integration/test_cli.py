@@ -26,6 +26,17 @@ def elasticrun(*args: str) -> subprocess.CompletedProcess:
     (["python", "x.py"], "required"),
     (["-np", "2", "-H", "localhost:2", "--blacklist-cooldown-range", "5", "1", "python", "x.py"],
      "LOW is more than HIGH"),
+    # A host twice, absurd counts: refused, not silently merged or waited for.
+    (["-np", "2", "-H", "localhost:1,localhost:2", "python", "x.py"], "host 'localhost' is listed twice"),
+    (["-np", "1", "-H", "localhost:99999999999999999999", "python", "x.py"], "a host has at most 1024 slots"),
+    (["-np", "1", "-H", "localhost", "--slots-per-host", "1025", "python", "x.py"],
+     "--slots-per-host 1025: a host has at most 1024 slots"),
+    (["-np", "1", "-H", "localhost", "--slots-per-host", "99999999999999999999", "python", "x.py"],
+     "must be at most 1,000,000"),
+    (["-np", "99999999999999999999", "-H", "localhost", "python", "x.py"], "must be at most 1,000,000"),
+    (["-np", "1", "--min-np", "1000001", "-H", "localhost", "python", "x.py"], "must be at most 1,000,000"),
+    (["-np", "1", "--max-np", "2000000", "-H", "localhost", "python", "x.py"], "must be at most 1,000,000"),
+    (["-np", "1", "--hostfile", "/dev/zero", "python", "x.py"], "--hostfile /dev/zero: more than 1 MiB"),
 ])
 def test_bad_arguments(args, expected):
     r = elasticrun(*args)
@@ -57,3 +68,20 @@ def test_horovodrun_spellings(tmp_path):
     assert s.hosts == {"localhost": 2} and s.log_level == "DEBUG"
     s = parse_settings(["-np", "2", "-H", "localhost:2", "--log-level", "FATAL", "python", "x.py"])
     assert s.log_level == "CRITICAL" and s.worker_log_level == "CRITICAL"
+
+
+def test_a_host_twice_in_a_hostfile(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=1\n127.0.0.1\nlocalhost:2\n")
+    r = elasticrun("-np", "1", "--hostfile", str(hostfile), "python", "x.py")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"elasticrun: error: {hostfile} line 3: host 'localhost' is listed twice (first on line 1) "
+        f"(see elasticrun --help)"]
+
+
+def test_run_raises_the_same_message():
+    import elasticrun
+
+    with pytest.raises(ValueError, match=r"host 'localhost' is listed twice"):
+        elasticrun.run(print, np=1, hosts=["localhost:1", "localhost:1"])
