@@ -11,6 +11,7 @@ import sys
 
 from elasticrun import __version__
 from elasticrun.common.hosts import MAX_SLOTS_PER_HOST, HostSpecError, parse_hostfile, parse_hosts_arg
+from elasticrun.common.paths import check_writable_dir, check_writable_file
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.sources import FixedHosts, ScriptDiscovery, discovery_command
 from elasticrun.driver import check, config
@@ -285,6 +286,7 @@ def parse_settings(argv: list[str], *, api: bool = False) -> JobSettings:
     # Workers stay quiet (WARNING) unless the user asked for a level: their lines interleave
     # with the training output on the console.
     worker_level = "DEBUG" if a.verbose else (a.log_level or "WARNING")
+    _check_output_paths(parser, a)
     return JobSettings(
         command=command, np=a.np, min_np=min_np, max_np=max_np, hosts=fixed, discovery_script=script,
         slots_per_host=a.slots_per_host, discovery_interval=a.discovery_interval,
@@ -295,6 +297,20 @@ def parse_settings(argv: list[str], *, api: bool = False) -> JobSettings:
         output_filename=a.output_filename, events_file=a.events_file, log_level=level,
         worker_log_level=worker_level,
         **_remote_settings(parser, a))
+
+
+def _check_output_paths(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Every path the job will write, checked before anything starts (creating missing
+    directories as the job would): one line naming the flag, not a traceback mid-job."""
+    try:
+        if a.output_filename is not None:
+            check_writable_dir(a.output_filename, "--output-filename")
+            if a.events_file is None:  # the job's event log goes there too
+                check_writable_file(os.path.join(a.output_filename, "events.jsonl"), "--output-filename")
+        if a.events_file is not None:
+            check_writable_file(a.events_file, "--events")
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def main(argv: list[str] | None = None) -> int:

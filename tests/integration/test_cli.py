@@ -37,6 +37,12 @@ def elasticrun(*args: str) -> subprocess.CompletedProcess:
     (["-np", "1", "--min-np", "1000001", "-H", "localhost", "python", "x.py"], "must be at most 1,000,000"),
     (["-np", "1", "--max-np", "2000000", "-H", "localhost", "python", "x.py"], "must be at most 1,000,000"),
     (["-np", "1", "--hostfile", "/dev/zero", "python", "x.py"], "--hostfile /dev/zero: more than 1 MiB"),
+    # Paths the job would write, checked before anything starts.
+    (["-np", "1", "-H", "localhost", "--events", "/proc/x/y", "python", "x.py"],
+     "--events /proc/x/y: cannot create directory /proc/x: no such file or directory"),
+    (["-np", "1", "-H", "localhost", "--output-filename", "/dev/null/out", "python", "x.py"],
+     "--output-filename /dev/null/out: /dev/null is not a directory"),
+    (["-np", "1", "-H", "localhost", "--events", "/", "python", "x.py"], "--events /: is a directory"),
 ])
 def test_bad_arguments(args, expected):
     r = elasticrun(*args)
@@ -80,8 +86,32 @@ def test_a_host_twice_in_a_hostfile(tmp_path):
         f"(see elasticrun --help)"]
 
 
+def test_unwritable_paths_are_refused_before_anything_starts(job, tmp_path):
+    """Nothing runs (the command would leave a marker) and nothing is written."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    marker = tmp_path / "ran"
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    for flags, line in [
+        (["--events", str(blocker / "events.jsonl")], f"--events {blocker}/events.jsonl: {blocker} is not a directory"),
+        (["--output-filename", str(blocker / "logs")], f"--output-filename {blocker}/logs: {blocker} is not a directory"),
+        (["--events", "/proc/x/y"], "--events /proc/x/y: cannot create directory /proc/x: no such file or directory"),
+    ]:
+        r = elasticrun("-np", "1", "-H", "localhost", *flags, *command)
+        assert r.returncode == 2, r
+        assert r.stderr == f"elasticrun: error: {line} (see elasticrun --help)\n"
+    assert not marker.exists()
+    # A missing directory is created, as the job would create it.
+    out = tmp_path / "new" / "logs"
+    r = job.run(["-np", "1", "-H", "localhost", "--output-filename", str(out)], command)
+    assert r.returncode == 0, r.stderr
+    assert marker.exists() and (out / "events.jsonl").exists()
+
+
 def test_run_raises_the_same_message():
     import elasticrun
 
+    with pytest.raises(ValueError, match=r"^--events /proc/x/y: cannot create directory /proc/x"):
+        elasticrun.run(print, np=1, hosts="localhost:1", events="/proc/x/y")
     with pytest.raises(ValueError, match=r"host 'localhost' is listed twice"):
         elasticrun.run(print, np=1, hosts=["localhost:1", "localhost:1"])
