@@ -113,6 +113,7 @@ class ElasticDriver:
         # Problems that input can repeat without end (garbage frames, discovery output): a few
         # lines and counts (elasticrun/common/ratelimit.py), flushed every loop and at the end.
         self._limited = LimitedLog(log)
+        self._summarized = False
         events_path = settings.events_file or (
             os.path.join(settings.output_filename, "events.jsonl") if settings.output_filename else None)
         if events_path and os.path.dirname(events_path):
@@ -168,13 +169,15 @@ class ElasticDriver:
             finished = self._loop()
             return self._conclude(finished)
         except _Interrupted as exc:
+            self._stopping = True  # a second Ctrl-C must not interrupt the stop itself
             log.warning("received %s: stopping %d worker(s)", exc, len(self.registry.live()))
             self._shutdown()
-            self._limited.flush(force=True)
+            self._summarize()
             return 128 + exc.signum
         except BaseException:
+            self._stopping = True
             self._shutdown()
-            self._limited.flush(force=True)
+            self._summarize()
             raise
         finally:
             for s, handler in previous.items():
@@ -187,8 +190,11 @@ class ElasticDriver:
             os.close(self._wake_w)
             self._sink.close()
 
+    _stopping = False
+
     def _on_signal(self, signum: int, frame: Any) -> None:
-        raise _Interrupted(signum)
+        if not self._stopping:  # while stopping, the (bounded) stop goes on
+            raise _Interrupted(signum)
 
     def _first_discovery(self) -> HostList:
         try:
@@ -496,13 +502,20 @@ class ElasticDriver:
             self._wait_for_exits(self.settings.stop_grace)
         self._shutdown()
         elapsed = time.monotonic() - self._started
-        self._limited.flush(force=True)  # the counts of suppressed lines, before the summary
-        log.info("summary: %s", self._resets.summary(self.registry.hosts.blacklisted()))
+        self._summarize()
         self._journal.close()
         if finished.ok:
             log.info("job succeeded in %.1f s: %s", elapsed, finished.reason)
             return 0
         raise JobFailed(f"The job failed after {elapsed:.1f} s: {finished.reason}.")
+
+    def _summarize(self) -> None:
+        """The exit summary, once, however the job ends (success, failure or signal); counts
+        of suppressed log lines come first, so none is lost."""
+        if not self._summarized:
+            self._summarized = True
+            self._limited.flush(force=True)
+            log.info("summary: %s", self._resets.summary(self.registry.hosts.blacklisted()))
 
     def _wait_for_exits(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
