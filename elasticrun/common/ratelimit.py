@@ -127,9 +127,9 @@ class LogLimiter:
     def _summary(name: str, c: _Category, now: float) -> str:
         total = sum(c.pending.values())
         seconds = max(0.0, now - c.since)
-        span = f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+        span = "" if seconds < 1 else f" in the last {seconds:.0f} s" if seconds >= 10 else f" in the last {seconds:.1f} s"
         reasons = ", ".join(f"{n:,} {r}" for r, n in sorted(c.pending.items(), key=lambda kv: -kv[1]))
-        return f"{total:,} more {name} in the last {span}: {reasons}"
+        return f"{total:,} more {name}{span}: {reasons}"
 
 
 class LimitedLog:
