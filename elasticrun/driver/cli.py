@@ -262,14 +262,7 @@ def parse_settings(argv: list[str], *, api: bool = False) -> JobSettings:
         if a.hosts is not None:
             fixed = parse_hosts_arg(a.hosts, a.slots_per_host)
         elif a.hostfile is not None:
-            try:
-                with open(a.hostfile, encoding="utf-8", errors="replace") as f:
-                    text = f.read(MAX_HOSTFILE_BYTES + 1)
-            except OSError as exc:
-                parser.error(f"--hostfile {a.hostfile}: {exc.strerror}")
-            if len(text) > MAX_HOSTFILE_BYTES:
-                parser.error(f"--hostfile {a.hostfile}: more than 1 MiB, not a list of hosts")
-            fixed = parse_hostfile(text, a.slots_per_host, a.hostfile)
+            fixed = parse_hostfile(read_hostfile(parser, a.hostfile), a.slots_per_host, a.hostfile)
     except HostSpecError as exc:
         parser.error(str(exc))
     script = a.host_discovery_script
@@ -297,6 +290,18 @@ def parse_settings(argv: list[str], *, api: bool = False) -> JobSettings:
         output_filename=a.output_filename, events_file=a.events_file, log_level=level,
         worker_log_level=worker_level,
         **_remote_settings(parser, a))
+
+
+def read_hostfile(parser: argparse.ArgumentParser, path: str) -> str:
+    """The text of a hostfile, read with a limit (``--hostfile /dev/zero`` is one line, not a hang)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read(MAX_HOSTFILE_BYTES + 1)
+    except OSError as exc:
+        parser.error(f"--hostfile {path}: {exc.strerror}")
+    if len(text) > MAX_HOSTFILE_BYTES:
+        parser.error(f"--hostfile {path}: more than 1 MiB, not a list of hosts")
+    return text
 
 
 def _check_output_paths(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:

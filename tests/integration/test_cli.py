@@ -115,3 +115,13 @@ def test_run_raises_the_same_message():
         elasticrun.run(print, np=1, hosts="localhost:1", events="/proc/x/y")
     with pytest.raises(ValueError, match=r"host 'localhost' is listed twice"):
         elasticrun.run(print, np=1, hosts=["localhost:1", "localhost:1"])
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_a_binary_hostfile_is_one_line(tmp_path, check):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_bytes(b"\x7fELF\xff\xfe\x00garbage\n")
+    r = elasticrun(*(["--check"] if check else ["-np", "1"]), "--hostfile", str(hostfile), "python", "x.py")
+    assert r.returncode == 2, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "line 1:" in lines[0] and "is not a valid host name" in lines[0], r.stderr
