@@ -12,7 +12,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NoReturn
 
 from elasticrun.common.hosts import MAX_HOSTS, HostList, HostSpecError, parse_discovery_output, parse_host_entry
 
@@ -155,7 +155,7 @@ class ScriptDiscovery:
             self._timed_out(proc)
         return bytes(out), bytes(err)
 
-    def _timed_out(self, proc: subprocess.Popen) -> None:
+    def _timed_out(self, proc: subprocess.Popen) -> NoReturn:
         _kill_group(proc)
         raise DiscoveryError(f"{self.path} did not finish within {self.timeout:g} s "
                              f"(--discovery-timeout); it was killed")
