@@ -35,7 +35,20 @@ MAX_FRAME_BYTES = 1 << 20
 
 
 class ProtocolError(Exception):
-    """A frame was refused: bad MAC, malformed, wrong job, replayed or too large."""
+    """A frame was refused: bad MAC, malformed, wrong job, replayed or too large.
+
+    ``reason`` is a short fixed text ("bad MAC", "too large"...) for counting refused frames
+    without logging each one (``elasticrun.common.ratelimit``)."""
+
+    def __init__(self, message: str, reason: str = "malformed"):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _short(value: Any) -> str:
+    """repr() of a peer-supplied value, cut short: an error message must stay one short line."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def new_secret() -> bytes:
@@ -81,36 +94,42 @@ class Codec:
             separators=(",", ":"),
         ).encode()
         if len(payload) + MAC_BYTES > MAX_FRAME_BYTES:
-            raise ProtocolError(f"message {type_!r} is {len(payload)} bytes, over the {MAX_FRAME_BYTES} limit")
+            raise ProtocolError(f"message {_short(type_)} is {len(payload)} bytes, over the {MAX_FRAME_BYTES} limit",
+                                "too large")
         return hmac.new(self.secret, payload, hashlib.sha256).digest() + payload
 
     def decode(self, frame: bytes) -> Message:
-        """Verify and parse one frame; raise ProtocolError (without parsing) if it is not genuine."""
+        """Verify and parse one frame; raise ProtocolError (without parsing) if it is not genuine.
+
+        Nothing else is raised, whatever the frame holds: the size is checked before the MAC
+        is computed, the MAC before the JSON is parsed, and every header field's type after."""
         if len(frame) > MAX_FRAME_BYTES:
-            raise ProtocolError(f"frame of {len(frame)} bytes is over the {MAX_FRAME_BYTES} limit")
+            raise ProtocolError(f"frame of {len(frame)} bytes is over the {MAX_FRAME_BYTES} limit", "too large")
         if len(frame) <= MAC_BYTES:
-            raise ProtocolError("frame too short to carry a MAC")
+            raise ProtocolError("frame too short to carry a MAC", "too short")
         mac, payload = frame[:MAC_BYTES], frame[MAC_BYTES:]
         expected = hmac.new(self.secret, payload, hashlib.sha256).digest()
         if not hmac.compare_digest(mac, expected):
-            raise ProtocolError("bad MAC (wrong secret or tampered frame)")
+            raise ProtocolError("bad MAC (wrong secret or tampered frame)", "bad MAC")
         try:
             obj = json.loads(payload)
             version, type_, job, sender, seq, to, body = (
                 obj["v"], obj["t"], obj["job"], obj["from"], obj["seq"], obj.get("to"), obj["body"])
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise ProtocolError(f"malformed payload: {type(exc).__name__}") from None
-        if version != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+        # type() is not isinstance(): JSON true is not protocol version 1 nor sequence number 1.
+        if type(version) is not int or version != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {_short(version)}, expected {PROTOCOL_VERSION}", "wrong version")
         if job != self.job_id:
-            raise ProtocolError(f"message for job {job!r}, this is job {self.job_id!r}")
-        if not isinstance(seq, int) or not isinstance(sender, str) or not isinstance(body, dict):
+            raise ProtocolError(f"message for job {_short(job)}, this is job {self.job_id!r}", "wrong job")
+        if (type(seq) is not int or seq >= 1 << 63 or not isinstance(sender, str) or not isinstance(type_, str)
+                or not isinstance(body, dict) or not (to is None or isinstance(to, str))):
             raise ProtocolError("malformed header fields")
         if to is not None and to != self.sender:
-            raise ProtocolError(f"message addressed to {to!r}, not to {self.sender!r}")
+            raise ProtocolError(f"message addressed to {_short(to)}, not to {self.sender!r}", "wrong recipient")
         with self._lock:
             if seq <= self._last_seen.get(sender, 0):
-                raise ProtocolError(f"replayed or reordered frame from {sender!r} (seq {seq})")
+                raise ProtocolError(f"replayed or reordered frame from {_short(sender)} (seq {_short(seq)})", "replayed")
             self._last_seen[sender] = seq
         return Message(type=type_, sender=sender, seq=seq, body=body, to=to)
 

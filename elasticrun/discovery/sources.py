@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import selectors
 import shlex
 import shutil
 import signal
@@ -11,13 +12,27 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NoReturn
 
-from elasticrun.common.hosts import HostList, HostSpecError, parse_discovery_output, parse_host_entry
+from elasticrun.common.hosts import MAX_HOSTS, HostList, HostSpecError, parse_discovery_output, parse_host_entry
+
+#: A discovery script's stdout is read up to this many bytes and lines; past either, the
+#: script is killed and the run fails. A host per line needs far less (10,000 hosts are
+#: ~300 KB), and the driver's memory must not follow a script that prints without end.
+MAX_OUTPUT_BYTES = 1 << 20
+MAX_OUTPUT_LINES = 100_000
+#: Of its stderr only the last bytes are kept (shown when the script fails).
+STDERR_TAIL_BYTES = 64 << 10
 
 
 class DiscoveryError(RuntimeError):
-    """The discovery script failed (non-zero exit, timeout, could not start)."""
+    """The discovery script failed (non-zero exit, timeout, could not start, too much output)."""
+
+
+def _check_host_count(found: HostList, what: str) -> HostList:
+    if len(found.hosts) > MAX_HOSTS:
+        raise DiscoveryError(f"{what} listed {len(found.hosts):,} hosts, more than the {MAX_HOSTS:,} allowed")
+    return found
 
 
 def discovery_command(spec: str) -> list[str]:
@@ -86,34 +101,76 @@ class ScriptDiscovery:
             raise DiscoveryError(f"cannot run the discovery script: {exc}") from None
         try:
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    stdin=subprocess.DEVNULL, start_new_session=True, text=True)
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
             raise DiscoveryError(f"{self.path} could not be started: {exc.strerror}") from None
         self._running = proc
         if self._closed:  # close() ran between the check and the start
             self.close()
         try:
-            out, err = proc.communicate(timeout=self.timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            raise DiscoveryError(f"{self.path} did not finish within {self.timeout:g} s "
-                                 f"(--discovery-timeout); it was killed") from None
+            out, err = self._read(proc, time.monotonic() + self.timeout)
         finally:
             if proc.poll() is None:
                 _kill_group(proc)
             self._running = None
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
         if proc.returncode != 0:
-            tail = err.strip()[-2000:] or "(no stderr)"
+            tail = err.decode("utf-8", errors="replace").strip()[-2000:] or "(no stderr)"
             raise DiscoveryError(f"{self.path} exited with code {proc.returncode}; its stderr:\n{tail}")
-        return parse_discovery_output(out, self.default_slots)
+        found = parse_discovery_output(out.decode("utf-8", errors="replace"), self.default_slots)
+        return _check_host_count(found, self.path)
+
+    def _read(self, proc: subprocess.Popen, deadline: float) -> tuple[bytes, bytes]:
+        """stdout (at most MAX_OUTPUT_BYTES and MAX_OUTPUT_LINES) and the tail of stderr, read
+        as they come, until the script exits; kill it past a limit or the deadline."""
+        out, err, lines = bytearray(), bytearray(), 0
+        with selectors.DefaultSelector() as sel:
+            assert proc.stdout is not None and proc.stderr is not None
+            sel.register(proc.stdout, selectors.EVENT_READ, "out")
+            sel.register(proc.stderr, selectors.EVENT_READ, "err")
+            while sel.get_map():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._timed_out(proc)
+                for key, _ in sel.select(remaining):
+                    chunk = os.read(key.fd, 1 << 16)
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                    elif key.data == "err":
+                        err += chunk
+                        del err[:-STDERR_TAIL_BYTES]
+                    else:
+                        out += chunk
+                        lines += chunk.count(b"\n")
+                        if len(out) > MAX_OUTPUT_BYTES or lines > MAX_OUTPUT_LINES:
+                            _kill_group(proc)
+                            limit = "1 MiB" if len(out) > MAX_OUTPUT_BYTES else f"{MAX_OUTPUT_LINES:,} lines"
+                            raise DiscoveryError(f"{self.path} printed more than {limit}; it was killed "
+                                                 f"(a discovery script prints one host per line)")
+        try:  # both pipes are closed: the script is exiting (or closed them and goes on)
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self._timed_out(proc)
+        return bytes(out), bytes(err)
+
+    def _timed_out(self, proc: subprocess.Popen) -> NoReturn:
+        _kill_group(proc)
+        raise DiscoveryError(f"{self.path} did not finish within {self.timeout:g} s "
+                             f"(--discovery-timeout); it was killed")
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the script and everything it started; reap it (SIGKILL: at once)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    proc.communicate()
+    try:
+        proc.wait(5.0)
+    except subprocess.TimeoutExpired:  # unkillable (stuck in the kernel): not worth hanging the driver for
+        pass
 
 
 @dataclass
@@ -187,18 +244,34 @@ class CallableDiscovery:
 
 
 def hosts_from_mapping(value: object, name: str) -> HostList:
-    """Check a callable's ``{host: slots}``; a bad entry is reported and skipped, like a bad line."""
+    """Check a callable's ``{host: slots}``; a bad entry is reported and skipped, like a bad line.
+
+    More than MAX_HOSTS entries is a failed run, refused before looking at any of them."""
     if not isinstance(value, Mapping):
         raise DiscoveryError(f"{name}() returned {type(value).__name__}, expected a dict {{host: slots}}")
-    result = HostList()
-    for host, slots in value.items():
-        if not isinstance(host, str) or isinstance(slots, bool) or not isinstance(slots, int):
-            result.errors.append(f"entry {host!r}: {slots!r}: expected a host name and a whole number of slots")
-            continue
-        try:
-            host, slots = parse_host_entry(f"{host}:{slots}", 1)
-        except HostSpecError as exc:
-            result.errors.append(f"entry {host!r}: {exc}")
-            continue
-        result.add(host, slots, f"entry {host!r}")
-    return result
+    try:
+        size = len(value)
+        if size > MAX_HOSTS:
+            raise DiscoveryError(f"{name}() returned {size:,} hosts, more than the {MAX_HOSTS:,} allowed")
+        result = HostList()
+        for host, slots in value.items():
+            if not isinstance(host, str) or isinstance(slots, bool) or not isinstance(slots, int):
+                result.error(f"entry {_cut(host)}: {_cut(slots)}: expected a host name and a whole number of slots")
+                continue
+            try:
+                host, slots = parse_host_entry(f"{host}:{slots}", 1)
+            except (HostSpecError, ValueError) as exc:  # ValueError: an int too long to print
+                result.error(f"entry {_cut(host)}: {exc}")
+                continue
+            result.add(host, slots, f"entry {host!r}")
+    except DiscoveryError:
+        raise
+    except Exception as exc:  # a Mapping of the caller's own making may raise anything
+        raise DiscoveryError(f"{name}() returned a {type(value).__name__} that could not be read: "
+                             f"{type(exc).__name__}: {str(exc)[:200]}") from None
+    return _check_host_count(result, f"{name}()")
+
+
+def _cut(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -181,16 +181,13 @@ def _check_host(host: str, a: argparse.Namespace, timeout: float) -> tuple[bool,
 def _fixed_hosts(parser: argparse.ArgumentParser, a: argparse.Namespace) -> dict[str, int] | None:
     """-H / --hostfile, parsed strictly like a job's (bad ones exit 2 before any check runs)."""
     from elasticrun.common.hosts import HostSpecError, parse_hostfile, parse_hosts_arg
+    from elasticrun.driver.cli import read_hostfile
 
     try:
         if a.hosts is not None:
             return parse_hosts_arg(a.hosts, a.slots_per_host)
         if a.hostfile is not None:
-            try:
-                with open(a.hostfile, encoding="utf-8") as f:
-                    return parse_hostfile(f.read(), a.slots_per_host, a.hostfile)
-            except OSError as exc:
-                parser.error(f"--hostfile {a.hostfile}: {exc.strerror}")
+            return parse_hostfile(read_hostfile(parser, a.hostfile), a.slots_per_host, a.hostfile)
     except HostSpecError as exc:
         parser.error(str(exc))
     return None
@@ -207,8 +204,12 @@ def _discovered(a: argparse.Namespace, say: Callable[[str], None]) -> dict[str, 
         return {}
     for problem in found.errors:
         say(f"FAIL  discovery: {script} {problem} (skipped)")
+    if found.more_errors:
+        say(f"FAIL  discovery: {script} printed {found.more_errors:,} more invalid lines (skipped)")
     for warning in found.warnings:
         say(f"WARN  discovery: {script} {warning}")
+    if found.more_warnings:
+        say(f"WARN  discovery: {script} and {found.more_warnings:,} more warnings")
     if not found.hosts:
         say(f"FAIL  discovery: {script} printed no valid hosts")
     else:

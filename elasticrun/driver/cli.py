@@ -10,7 +10,8 @@ import socket
 import sys
 
 from elasticrun import __version__
-from elasticrun.common.hosts import HostSpecError, parse_hostfile, parse_hosts_arg
+from elasticrun.common.hosts import MAX_SLOTS_PER_HOST, HostSpecError, parse_hostfile, parse_hosts_arg
+from elasticrun.common.paths import check_writable_dir, check_writable_file
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.sources import FixedHosts, ScriptDiscovery, discovery_command
 from elasticrun.driver import check, config
@@ -39,13 +40,21 @@ def _log_level(value: str) -> str:
     return {"TRACE": "DEBUG", "FATAL": "CRITICAL"}.get(value, value)
 
 
+#: Counts above this (-np 99999999999999999999) are typos, refused rather than waited for.
+MAX_COUNT = 1_000_000
+#: A hostfile is a list of hosts: more than this is not one (--hostfile /dev/zero).
+MAX_HOSTFILE_BYTES = 1 << 20
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} must be at most {MAX_COUNT:,}")
     return value
 
 
@@ -249,16 +258,14 @@ def parse_settings(argv: list[str], *, api: bool = False, callable_discovery: bo
     if a.blacklist_cooldown_range and a.blacklist_cooldown_range[0] > a.blacklist_cooldown_range[1]:
         low, high = a.blacklist_cooldown_range
         parser.error(f"--blacklist-cooldown-range {low:g} {high:g}: LOW is more than HIGH")
+    if a.slots_per_host > MAX_SLOTS_PER_HOST:
+        parser.error(f"--slots-per-host {a.slots_per_host}: a host has at most {MAX_SLOTS_PER_HOST} slots")
     fixed = None
     try:
         if a.hosts is not None:
             fixed = parse_hosts_arg(a.hosts, a.slots_per_host)
         elif a.hostfile is not None:
-            try:
-                with open(a.hostfile, encoding="utf-8") as f:
-                    fixed = parse_hostfile(f.read(), a.slots_per_host, a.hostfile)
-            except OSError as exc:
-                parser.error(f"--hostfile {a.hostfile}: {exc.strerror}")
+            fixed = parse_hostfile(read_hostfile(parser, a.hostfile), a.slots_per_host, a.hostfile)
     except HostSpecError as exc:
         parser.error(str(exc))
     script = a.host_discovery_script
@@ -281,6 +288,7 @@ def parse_settings(argv: list[str], *, api: bool = False, callable_discovery: bo
     # Workers stay quiet (WARNING) unless the user asked for a level: their lines interleave
     # with the training output on the console.
     worker_level = "DEBUG" if a.verbose else (a.log_level or "WARNING")
+    _check_output_paths(parser, a)
     return JobSettings(
         command=command, np=a.np, min_np=min_np, max_np=max_np, hosts=fixed, discovery_script=script,
         slots_per_host=a.slots_per_host, discovery_interval=a.discovery_interval,
@@ -291,6 +299,32 @@ def parse_settings(argv: list[str], *, api: bool = False, callable_discovery: bo
         output_filename=a.output_filename, events_file=a.events_file, log_level=level,
         worker_log_level=worker_level,
         **_remote_settings(parser, a))
+
+
+def read_hostfile(parser: argparse.ArgumentParser, path: str) -> str:
+    """The text of a hostfile, read with a limit (``--hostfile /dev/zero`` is one line, not a hang)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read(MAX_HOSTFILE_BYTES + 1)
+    except OSError as exc:
+        parser.error(f"--hostfile {path}: {exc.strerror}")
+    if len(text) > MAX_HOSTFILE_BYTES:
+        parser.error(f"--hostfile {path}: more than 1 MiB, not a list of hosts")
+    return text
+
+
+def _check_output_paths(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Every path the job will write, checked before anything starts (creating missing
+    directories as the job would): one line naming the flag, not a traceback mid-job."""
+    try:
+        if a.output_filename is not None:
+            check_writable_dir(a.output_filename, "--output-filename")
+            if a.events_file is None:  # the job's event log goes there too
+                check_writable_file(os.path.join(a.output_filename, "events.jsonl"), "--output-filename")
+        if a.events_file is not None:
+            check_writable_file(a.events_file, "--events")
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from elasticrun.common import env
 from elasticrun.common.events import EventLog
 from elasticrun.common.hosts import HostList
 from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, Message, ProtocolError, new_secret, new_sender_id
+from elasticrun.common.ratelimit import LimitedLog
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.host_manager import HostManager
 from elasticrun.discovery.sources import DiscoveryError
@@ -67,6 +68,20 @@ class _Pending:
     req: Any
 
 
+def _receive(sock: zmq.Socket, keep: int = 2) -> tuple[list[bytes], int]:
+    """One whole message from ``sock`` (zmq.Again when there is none): its first ``keep``
+    frames and how many it had. The peer chooses the number of frames: the extra ones are
+    read and dropped, never kept, and a wrong count is the caller's to report, not a crash."""
+    parts = [sock.recv(zmq.NOBLOCK)]
+    n = 1
+    while sock.getsockopt(zmq.RCVMORE):
+        part = sock.recv(zmq.NOBLOCK, copy=False)  # a message's frames arrive together
+        n += 1
+        if len(parts) < keep:
+            parts.append(part.bytes)
+    return parts, n
+
+
 class ElasticDriver:
     """Runs one elastic job to completion. ``run()`` returns the exit code."""
 
@@ -93,7 +108,12 @@ class ElasticDriver:
         self._updates: deque[tuple[float, bool, bool]] = deque(maxlen=16)
         self._last_ts = 0.0
         self._abort_reason = ""
-        self._reported_problems: set[str] = set()
+        self._reported_problems: set[int] = set()  # hashes of discovery problems already said
+        self._last_problems: int | None = None  # the previous discovery run's problems, hashed
+        # Problems that input can repeat without end (garbage frames, discovery output): a few
+        # lines and counts (elasticrun/common/ratelimit.py), flushed every loop and at the end.
+        self._limited = LimitedLog(log)
+        self._summarized = False
         events_path = settings.events_file or (
             os.path.join(settings.output_filename, "events.jsonl") if settings.output_filename else None)
         if events_path and os.path.dirname(events_path):
@@ -150,11 +170,15 @@ class ElasticDriver:
             finished = self._loop()
             return self._conclude(finished)
         except _Interrupted as exc:
+            self._stopping = True  # a second Ctrl-C must not interrupt the stop itself
             log.warning("received %s: stopping %d worker(s)", exc, len(self.registry.live()))
             self._shutdown()
+            self._summarize()
             return 128 + exc.signum
         except BaseException:
+            self._stopping = True
             self._shutdown()
+            self._summarize()
             raise
         finally:
             for s, handler in previous.items():
@@ -167,8 +191,11 @@ class ElasticDriver:
             os.close(self._wake_w)
             self._sink.close()
 
+    _stopping = False
+
     def _on_signal(self, signum: int, frame: Any) -> None:
-        raise _Interrupted(signum)
+        if not self._stopping:  # while stopping, the (bounded) stop goes on
+            raise _Interrupted(signum)
 
     def _first_discovery(self) -> HostList:
         try:
@@ -188,18 +215,31 @@ class ElasticDriver:
                 self._post("discovered", self.source.discover())
             except DiscoveryError as exc:
                 self._post("discovery_failed", str(exc))
+            except Exception as exc:  # a bug here must not end discovery without a word
+                self._post("discovery_failed", f"{type(exc).__name__}: {exc}")
 
-    def _warn_once(self, message: str) -> None:
-        """Discovery runs every second: say each distinct problem once, not every interval."""
-        if message not in self._reported_problems and len(self._reported_problems) < 10_000:
-            self._reported_problems.add(message)
-            log.warning("%s", message)
+    def _warn_once(self, message: str, category: str, reason: str = "") -> None:
+        """Discovery runs every second: say each distinct problem once, not every interval,
+        and many of them as a few lines and a count (``self._limited``)."""
+        key = hash(message)
+        if key not in self._reported_problems:
+            if len(self._reported_problems) < 10_000:
+                self._reported_problems.add(key)
+            self._limited.warn(category, message, reason or category)
 
     def _report_discovery_problems(self, found: HostList) -> None:
+        problems = hash((tuple(found.errors), found.more_errors, tuple(found.warnings), found.more_warnings))
+        if problems == self._last_problems:
+            return  # the same output as last time: nothing new to say
+        self._last_problems = problems
+        where = self.source.describe()
         for p in found.errors:
-            self._warn_once(f"{self.source.describe()}: skipped invalid line, {p}")
+            self._warn_once(f"{where}: skipped invalid line, {p}", "invalid discovery lines", f"skipped by {where}")
+        self._limited.count("invalid discovery lines", found.more_errors, f"skipped by {where}")
         for p in found.warnings:
-            self._warn_once(f"{self.source.describe()}: {p}")
+            self._warn_once(f"{where}: {p}", "discovery warnings", f"from {where}")
+        self._limited.count("discovery warnings", found.more_warnings, f"from {where}")
+        self._limited.flush()
 
     def _loop(self) -> reg.Finish:
         poller = zmq.Poller()
@@ -224,12 +264,15 @@ class ElasticDriver:
             if self._router in events:
                 for _ in range(1000):  # drain what is there, then look at the other sources again
                     try:
-                        identity, frame = self._router.recv_multipart(zmq.NOBLOCK)
+                        parts, n = _receive(self._router)
                     except zmq.Again:
                         break
-                    except ValueError:
-                        continue
-                    self._on_frame(identity, frame)
+                    if n == 2:
+                        self._on_frame(*parts)
+                    else:  # a DEALER sends one frame, which the ROUTER receives after the peer's identity
+                        self._limited.warn("dropped control frames", f"dropped a message of {n} frames "
+                                           f"(a request is 1 frame)", f"messages of {n} frames")
+                self._limited.flush()
             now = time.monotonic()
             if now >= next_tick or self.registry.dirty:
                 self._execute(self.registry.decide(now))
@@ -253,7 +296,7 @@ class ElasticDriver:
                 self._journal.write("discovery", hosts=payload.hosts)
             self.registry.discovered(payload.hosts, now)
         elif kind == "discovery_failed":
-            self._warn_once(f"discovery failed, keeping the last known hosts: {payload}")
+            self._warn_once(f"discovery failed, keeping the last known hosts: {payload}", "failed discovery runs")
         elif kind == "exit":
             worker_id, code = payload
             self._journal.write("worker_exited", worker=worker_id, code=code, **self._where(worker_id))
@@ -262,16 +305,21 @@ class ElasticDriver:
 
     # --- requests from workers -------------------------------------------------------------
     def _on_frame(self, identity: bytes, frame: bytes) -> None:
+        # Anyone who reaches the port can send frames: refusals are counted, not each logged.
         try:
             msg = self._rx.decode(frame)
         except ProtocolError as exc:
-            log.warning("dropped a control frame: %s", exc)
+            self._limited.warn("dropped control frames", f"dropped a control frame: {exc}", exc.reason)
+            return
+        except Exception as exc:  # decode() raises nothing else; if it ever does, the job goes on
+            self._limited.warn("dropped control frames", f"dropped a control frame: {type(exc).__name__}: "
+                               f"{str(exc)[:200]}", type(exc).__name__)
             return
         try:
             self._dispatch(identity, msg)
         except Exception as exc:  # one bad request must never take the job down
-            log.warning("ignored a %r request from %s that could not be handled: %s: %s",
-                        msg.type, msg.sender, type(exc).__name__, exc)
+            self._limited.warn("ignored requests", f"ignored a {msg.type!r:.40} request from {msg.sender:.40} that "
+                               f"could not be handled: {type(exc).__name__}: {str(exc)[:200]}", type(exc).__name__)
 
     def _dispatch(self, identity: bytes, msg: Message) -> None:
         body = msg.body
@@ -300,7 +348,8 @@ class ElasticDriver:
             self.registry.rendezvous(worker_id, time.monotonic(), error=str(error)[:300] if error else None,
                                      restored=body.get("restored") is True, has_state=body.get("has_state") is True)
         else:
-            log.warning("ignored a %r message from %s", msg.type, msg.sender)
+            self._limited.warn("ignored requests", f"ignored a {msg.type!r:.40} message from {msg.sender:.40}",
+                               "unknown type")
 
     def _reply(self, identity: bytes, msg: Message | _Pending, type_: str, body: dict[str, Any]) -> None:
         req = msg.body.get("req") if isinstance(msg, Message) else msg.req
@@ -449,12 +498,20 @@ class ElasticDriver:
             self._wait_for_exits(self.settings.stop_grace)
         self._shutdown()
         elapsed = time.monotonic() - self._started
-        log.info("summary: %s", self._resets.summary(self.registry.hosts.blacklisted()))
+        self._summarize()
         self._journal.close()
         if finished.ok:
             log.info("job succeeded in %.1f s: %s", elapsed, finished.reason)
             return 0
         raise JobFailed(f"The job failed after {elapsed:.1f} s: {finished.reason}.")
+
+    def _summarize(self) -> None:
+        """The exit summary, once, however the job ends (success, failure or signal); counts
+        of suppressed log lines come first, so none is lost."""
+        if not self._summarized:
+            self._summarized = True
+            self._limited.flush(force=True)
+            log.info("summary: %s", self._resets.summary(self.registry.hosts.blacklisted()))
 
     def _wait_for_exits(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

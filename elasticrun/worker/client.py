@@ -20,6 +20,7 @@ from typing import Any, Callable
 import zmq
 
 from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, Message, ProtocolError, new_sender_id
+from elasticrun.common.ratelimit import LimitedLog
 
 log = logging.getLogger("elasticrun.worker")
 
@@ -48,6 +49,7 @@ class DriverClient:
         self._sock = _socket(ctx, zmq.DEALER, addr)
         self._lock = threading.Lock()
         self._req = itertools.count(1)
+        self._dropped = LimitedLog(log)  # refused frames: a few lines and counts, not one line each
 
     def request(self, type_: str, body: dict[str, Any], timeout: float, what: str,
                 abort: Callable[[], str | None] | None = None) -> Message:
@@ -71,8 +73,10 @@ class DriverClient:
                     try:
                         msg = self._codec.decode(self._sock.recv())
                     except ProtocolError as exc:
-                        log.warning("dropped a control frame: %s", exc)
+                        self._dropped.warn("dropped control frames", f"dropped a control frame: {exc}", exc.reason)
                         continue
+                    finally:
+                        self._dropped.flush()
                     if msg.body.get("re") == req:
                         return msg
                     continue  # a late reply to an earlier, abandoned request
@@ -84,6 +88,7 @@ class DriverClient:
     def close(self) -> None:
         with self._lock:
             self._sock.close(0)
+        self._dropped.flush(force=True)
 
 
 class ControlChannel(threading.Thread):
@@ -110,6 +115,7 @@ class ControlChannel(threading.Thread):
         self._interval = interval
         self._driver_timeout = driver_timeout
         self._stopping = threading.Event()
+        self._dropped = LimitedLog(log)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -139,12 +145,15 @@ class ControlChannel(threading.Thread):
                         try:
                             msg = codec.decode(sock.recv())
                         except ProtocolError as exc:
-                            log.warning("dropped a control frame: %s", exc)
+                            self._dropped.warn("dropped control frames", f"dropped a control frame: {exc}",
+                                               exc.reason)
                             continue
                         if sock is self._hb:
                             last_answer = time.monotonic()
                         self._on_message(msg)
+                self._dropped.flush()
         finally:
+            self._dropped.flush(force=True)
             self._ship_events()  # what the worker recorded last (e.g. at a clean exit)
             self._sub.close(0)
             self._hb.close(0)

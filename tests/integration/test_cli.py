@@ -26,6 +26,23 @@ def elasticrun(*args: str) -> subprocess.CompletedProcess:
     (["python", "x.py"], "required"),
     (["-np", "2", "-H", "localhost:2", "--blacklist-cooldown-range", "5", "1", "python", "x.py"],
      "LOW is more than HIGH"),
+    # A host twice, absurd counts: refused, not silently merged or waited for.
+    (["-np", "2", "-H", "localhost:1,localhost:2", "python", "x.py"], "host 'localhost' is listed twice"),
+    (["-np", "1", "-H", "localhost:99999999999999999999", "python", "x.py"], "a host has at most 1024 slots"),
+    (["-np", "1", "-H", "localhost", "--slots-per-host", "1025", "python", "x.py"],
+     "--slots-per-host 1025: a host has at most 1024 slots"),
+    (["-np", "1", "-H", "localhost", "--slots-per-host", "99999999999999999999", "python", "x.py"],
+     "must be at most 1,000,000"),
+    (["-np", "99999999999999999999", "-H", "localhost", "python", "x.py"], "must be at most 1,000,000"),
+    (["-np", "1", "--min-np", "1000001", "-H", "localhost", "python", "x.py"], "must be at most 1,000,000"),
+    (["-np", "1", "--max-np", "2000000", "-H", "localhost", "python", "x.py"], "must be at most 1,000,000"),
+    (["-np", "1", "--hostfile", "/dev/zero", "python", "x.py"], "--hostfile /dev/zero: more than 1 MiB"),
+    # Paths the job would write, checked before anything starts.
+    (["-np", "1", "-H", "localhost", "--events", "/proc/x/y", "python", "x.py"],
+     "--events /proc/x/y: cannot create directory /proc/x: no such file or directory"),
+    (["-np", "1", "-H", "localhost", "--output-filename", "/dev/null/out", "python", "x.py"],
+     "--output-filename /dev/null/out: /dev/null is not a directory"),
+    (["-np", "1", "-H", "localhost", "--events", "/", "python", "x.py"], "--events /: is a directory"),
 ])
 def test_bad_arguments(args, expected):
     r = elasticrun(*args)
@@ -57,3 +74,54 @@ def test_horovodrun_spellings(tmp_path):
     assert s.hosts == {"localhost": 2} and s.log_level == "DEBUG"
     s = parse_settings(["-np", "2", "-H", "localhost:2", "--log-level", "FATAL", "python", "x.py"])
     assert s.log_level == "CRITICAL" and s.worker_log_level == "CRITICAL"
+
+
+def test_a_host_twice_in_a_hostfile(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=1\n127.0.0.1\nlocalhost:2\n")
+    r = elasticrun("-np", "1", "--hostfile", str(hostfile), "python", "x.py")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"elasticrun: error: {hostfile} line 3: host 'localhost' is listed twice (first on line 1) "
+        f"(see elasticrun --help)"]
+
+
+def test_unwritable_paths_are_refused_before_anything_starts(job, tmp_path):
+    """Nothing runs (the command would leave a marker) and nothing is written."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    marker = tmp_path / "ran"
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    for flags, line in [
+        (["--events", str(blocker / "events.jsonl")], f"--events {blocker}/events.jsonl: {blocker} is not a directory"),
+        (["--output-filename", str(blocker / "logs")], f"--output-filename {blocker}/logs: {blocker} is not a directory"),
+        (["--events", "/proc/x/y"], "--events /proc/x/y: cannot create directory /proc/x: no such file or directory"),
+    ]:
+        r = elasticrun("-np", "1", "-H", "localhost", *flags, *command)
+        assert r.returncode == 2, r
+        assert r.stderr == f"elasticrun: error: {line} (see elasticrun --help)\n"
+    assert not marker.exists()
+    # A missing directory is created, as the job would create it.
+    out = tmp_path / "new" / "logs"
+    r = job.run(["-np", "1", "-H", "localhost", "--output-filename", str(out)], command)
+    assert r.returncode == 0, r.stderr
+    assert marker.exists() and (out / "events.jsonl").exists()
+
+
+def test_run_raises_the_same_message():
+    import elasticrun
+
+    with pytest.raises(ValueError, match=r"^--events /proc/x/y: cannot create directory /proc/x"):
+        elasticrun.run(print, np=1, hosts="localhost:1", events="/proc/x/y")
+    with pytest.raises(ValueError, match=r"host 'localhost' is listed twice"):
+        elasticrun.run(print, np=1, hosts=["localhost:1", "localhost:1"])
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_a_binary_hostfile_is_one_line(tmp_path, check):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_bytes(b"\x7fELF\xff\xfe\x00garbage\n")
+    r = elasticrun(*(["--check"] if check else ["-np", "1"]), "--hostfile", str(hostfile), "python", "x.py")
+    assert r.returncode == 2, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "line 1:" in lines[0] and "is not a valid host name" in lines[0], r.stderr

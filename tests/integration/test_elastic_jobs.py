@@ -8,6 +8,7 @@ count) and, through the ``job`` fixture, that no process of the job is left runn
 from __future__ import annotations
 
 import os
+import re
 import sys
 import signal
 import time
@@ -96,6 +97,7 @@ def test_all_ranks_fail(job):
     assert r.returncode == 1, r.output
     assert "all workers failed" in r.stderr, r.stderr
     assert "exited with code 3" in r.stderr
+    assert "[elasticrun] summary: 1 round(s)" in r.stderr  # failures end with the summary too
 
 
 def test_failure_on_every_host(job):
@@ -159,8 +161,21 @@ def test_signal_stops_every_worker(job, sig):
         assert time.monotonic() < deadline, "the job never started training"
         time.sleep(0.05)
     os.kill(job.proc.pid, sig)
+    # Read the driver's stderr up to its "received" line (byte by byte: nothing read ahead is
+    # lost to finish()), so that a second signal lands while it stops the workers.
+    seen = b""
+    while f"received {sig.name}: stopping".encode() not in seen:
+        byte = os.read(job.proc.stderr.fileno(), 1)
+        assert byte, seen.decode()
+        seen += byte
+    os.kill(job.proc.pid, sig)  # an impatient second Ctrl-C must not break the stop
     r = job.finish(timeout=30)  # asserts that nothing is left behind
-    assert r.returncode == 128 + sig, r.output
+    stderr = seen.decode() + r.stderr
+    assert r.returncode == 128 + sig, stderr
+    assert "Traceback" not in stderr, stderr
+    # The exit summary, as at a normal end, comes after the workers are stopped.
+    assert re.search(r"^\[elasticrun\] summary: 1 round\(s\), 0 reset\(s\) .*; blacklisted hosts: none$",
+                     stderr, re.M), stderr
 
 
 def test_misconfigured_discovery_script_fails_at_once(job, tmp_path):

@@ -7,6 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elasticrun.common.hosts import (
+    MAX_HOSTS,
+    MAX_KEPT_PROBLEMS,
+    MAX_SLOTS_PER_HOST,
     HostList,
     HostSpecError,
     parse_discovery_output,
@@ -80,6 +83,30 @@ class TestParseHostEntry:
         with pytest.raises(HostSpecError, match="not a valid host name") as err:
             parse_host_entry(text, 1)
         assert repr(text.strip()) in str(err.value)
+
+    @pytest.mark.parametrize("text", ["node:99999999999999999999", f"node:{MAX_SLOTS_PER_HOST + 1}"])
+    def test_absurd_slot_counts_rejected(self, text):
+        with pytest.raises(HostSpecError, match=f"a host has at most {MAX_SLOTS_PER_HOST} slots") as err:
+            parse_host_entry(text, 1)
+        assert repr(text) in str(err.value)
+
+    def test_the_limit_itself_is_accepted(self):
+        assert parse_host_entry(f"node:{MAX_SLOTS_PER_HOST}", 1) == ("node", MAX_SLOTS_PER_HOST)
+        with pytest.raises(HostSpecError, match="at most"):
+            parse_host_entry("node", MAX_SLOTS_PER_HOST + 1)
+
+    def test_a_huge_entry_is_cut_short_in_the_message(self):
+        for text in ("x" * 1_000_000 + "!", "node:" + "9" * 4000, "node:" + "x" * 100_000):
+            with pytest.raises(HostSpecError) as err:
+                parse_host_entry(text, 1)
+            assert len(str(err.value)) < 250, str(err.value)[:300]
+
+    def test_host_names_longer_than_dns_allows_are_rejected(self):
+        assert parse_host_entry("a" * 253, 1) == ("a" * 253, 1)
+        assert parse_host_entry("u" * 64 + "@" + "a" * 253, 1)[0].startswith("u")
+        for text in ("a" * 254, "u" * 65 + "@a"):
+            with pytest.raises(HostSpecError, match="host name too long"):
+                parse_host_entry(text, 1)
 
     def test_error_is_a_value_error(self):
         assert issubclass(HostSpecError, ValueError)
@@ -177,6 +204,19 @@ class TestParseDiscoveryOutput:
         assert result.hosts == {"alice@node1": 2, "bob@node2": 1}
         assert result.errors == []
 
+    def test_absurd_slot_count_is_an_invalid_line(self):
+        result = parse_discovery_output("a:2\nb:99999999999999999999\nc:1\n", 1)
+        assert result.hosts == {"a": 2, "c": 1}
+        assert len(result.errors) == 1 and result.errors[0].startswith("line 2:") and "at most" in result.errors[0]
+
+    def test_many_problems_are_counted_not_kept(self):
+        text = "good:1\n" + "bad host\n" * 100_000 + "".join(f"dup:{i + 1}\n" for i in range(1000))
+        result = parse_discovery_output(text, 1)
+        assert result.hosts == {"good": 1, "dup": 1000}
+        assert len(result.errors) == MAX_KEPT_PROBLEMS and result.more_errors == 100_000 - MAX_KEPT_PROBLEMS
+        assert len(result.warnings) == MAX_KEPT_PROBLEMS and result.more_warnings == 999 - MAX_KEPT_PROBLEMS
+        assert result.errors[0].startswith("line 2:")
+
     def test_error_does_not_hide_later_good_lines(self):
         result = parse_discovery_output("!!!\n" * 5 + "good:3\n", 1)
         assert result.hosts == {"good": 3}
@@ -229,8 +269,28 @@ class TestParseHostsArg:
     def test_user_at_host(self):
         assert parse_hosts_arg("root@a:2,b", 1) == {"root@a": 2, "b": 1}
 
-    def test_duplicates_merged_to_max(self):
-        assert parse_hosts_arg("a:1,a:3,a:2", 1) == {"a": 3}
+    @pytest.mark.parametrize("spec", ["localhost:1,localhost:2", "a:2,b,a:2", "a,a"])
+    def test_a_host_listed_twice_is_refused(self, spec):
+        with pytest.raises(HostSpecError, match=r"^-H .*: host '(localhost|a)' is listed twice$"):
+            parse_hosts_arg(spec, 1)
+
+    @pytest.mark.parametrize("spec", ["localhost:99999999999999999999", f"a:1,b:{MAX_SLOTS_PER_HOST + 1}"])
+    def test_absurd_slot_counts_are_refused(self, spec):
+        with pytest.raises(HostSpecError, match=f"a host has at most {MAX_SLOTS_PER_HOST} slots"):
+            parse_hosts_arg(spec, 1)
+
+    def test_too_many_hosts(self):
+        spec = ",".join(f"h{i}" for i in range(MAX_HOSTS + 1))
+        with pytest.raises(HostSpecError) as err:
+            parse_hosts_arg(spec, 1)
+        assert f"more than the {MAX_HOSTS:,} allowed" in str(err.value) and len(str(err.value)) < 200
+        assert len(parse_hosts_arg(spec.rpartition(",")[0], 1)) == MAX_HOSTS
+
+    def test_a_long_spec_is_cut_short_in_messages(self):
+        spec = ",".join(f"host{i}" for i in range(5000)) + ",host7"
+        with pytest.raises(HostSpecError) as err:
+            parse_hosts_arg(spec, 1)
+        assert "host 'host7' is listed twice" in str(err.value) and len(str(err.value)) < 200
 
     @pytest.mark.parametrize("spec", ["a:2,b:x", "a:0", "a,,b", "a,", "", "bad host:2", "a:2,:3"])
     def test_strict_errors_contain_spec(self, spec):
@@ -244,13 +304,12 @@ class TestParseHostsArg:
             parse_hosts_arg("good:1,worse:zero", 1)
         assert "'worse:zero'" in str(err.value) and "'zero'" in str(err.value)
 
-    @given(entries=st.lists(st.tuples(host_names, st.one_of(st.none(), slot_counts)), min_size=1, max_size=8),
+    @given(entries=st.lists(st.tuples(host_names, st.one_of(st.none(), slot_counts)), min_size=1, max_size=8,
+                            unique_by=lambda e: e[0]),
            default=slot_counts)
     def test_property(self, entries, default):
         spec = ",".join(h if s is None else f"{h}:{s}" for h, s in entries)
-        expected: dict[str, int] = {}
-        for h, s in entries:
-            expected[h] = max(default if s is None else s, expected.get(h, 0))
+        expected = {h: default if s is None else s for h, s in entries}
         assert parse_hosts_arg(spec, default) == expected
 
 
@@ -270,8 +329,14 @@ class TestParseHostfile:
     def test_user_at_host(self):
         assert parse_hostfile("me@a slots=2\n", 1) == {"me@a": 2}
 
-    def test_duplicates_merged(self):
-        assert parse_hostfile("a slots=2\na:6\n", 1) == {"a": 6}
+    def test_a_host_listed_twice_is_refused(self):
+        with pytest.raises(HostSpecError, match=r"^my.hosts line 3: host 'a' is listed twice \(first on line 1\)$"):
+            parse_hostfile("a slots=2\nb\na:6\n", 1, name="my.hosts")
+
+    def test_absurd_slot_counts_are_refused(self):
+        with pytest.raises(HostSpecError, match=f"^hostfile line 2: .* a host has at most {MAX_SLOTS_PER_HOST} slots"):
+            parse_hostfile("a slots=2\nb slots=99999999999999999999\n", 1)
+        assert parse_hostfile(f"a slots={MAX_SLOTS_PER_HOST}\n", 1) == {"a": MAX_SLOTS_PER_HOST}
 
     @pytest.mark.parametrize(
         "text, line, fragment",
@@ -301,7 +366,7 @@ class TestParseHostfile:
 
     @given(
         entries=st.lists(st.tuples(host_names, st.one_of(st.none(), slot_counts), st.booleans()),
-                         min_size=1, max_size=10),
+                         min_size=1, max_size=10, unique_by=lambda e: e[0]),
         default=slot_counts,
     )
     @settings(max_examples=200)
@@ -315,5 +380,5 @@ class TestParseHostfile:
                 lines.append(f"{host} slots={slots}")
             else:
                 lines.append(f"{host}:{slots}")
-            expected[host] = max(default if slots is None else slots, expected.get(host, 0))
+            expected[host] = default if slots is None else slots
         assert parse_hostfile("\n".join(lines), default) == expected

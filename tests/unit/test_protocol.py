@@ -383,3 +383,120 @@ def test_concurrent_encode_gives_unique_sequence_numbers():
     assert seqs == list(range(1, 801))
     ordered = sorted(frames, key=lambda f: json.loads(f[MAC_BYTES:])["seq"])
     assert [rx.decode(f).seq for f in ordered] == seqs
+
+
+# --- fuzzing: whatever arrives, decode() raises ProtocolError or returns a well-typed Message ---
+def _decode_or_protocol_error(rx: Codec, frame: bytes) -> Message | None:
+    """Decode; a refusal must be a ProtocolError with a fixed reason and one short line."""
+    try:
+        msg = rx.decode(frame)
+    except ProtocolError as exc:
+        assert isinstance(exc.reason, str) and exc.reason
+        assert "\n" not in str(exc) and len(str(exc)) < 300, str(exc)
+        return None
+    assert isinstance(msg.type, str) and isinstance(msg.sender, str) and isinstance(msg.body, dict)
+    assert type(msg.seq) is int and msg.seq > 0 and (msg.to is None or isinstance(msg.to, str))
+    return msg
+
+
+# Any JSON value, including the awkward ones: huge and negative numbers, floats, NaN/inf
+# (Python's json reads them), long strings, nested containers.
+awkward_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.integers(min_value=2**63, max_value=10**300)
+    | st.floats() | st.text(max_size=200) | st.just(1) | st.just(JOB) | st.just("driver"),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=30,
+)
+HEADER_FIELDS = ["v", "t", "job", "from", "seq", "to", "body"]
+
+
+@given(garbage=st.binary(max_size=2000))
+@settings(max_examples=300)
+def test_fuzz_arbitrary_bytes(garbage):
+    _, rx = pair()
+    assert _decode_or_protocol_error(rx, garbage) is None
+
+
+@given(payload=st.binary(max_size=2000))
+@settings(max_examples=300)
+def test_fuzz_valid_mac_over_arbitrary_bytes(payload):
+    _, rx = pair()
+    _decode_or_protocol_error(rx, forge(payload))
+
+
+@given(value=awkward_json)
+@settings(max_examples=300)
+def test_fuzz_valid_mac_over_arbitrary_json(value):
+    _, rx = pair()
+    _decode_or_protocol_error(rx, forge(json.dumps(value).encode()))
+
+
+@given(overrides=st.dictionaries(st.sampled_from(HEADER_FIELDS), awkward_json, min_size=1),
+       missing=st.sets(st.sampled_from(HEADER_FIELDS)))
+@settings(max_examples=500)
+def test_fuzz_header_fields_of_every_type(overrides, missing):
+    _, rx = pair()
+    obj = {k: v for k, v in header(**overrides).items() if k not in missing}
+    _decode_or_protocol_error(rx, forge(json.dumps(obj).encode()))
+
+
+@pytest.mark.parametrize("text", [
+    '{"v":1,"t":"x","job":"job-1","from":"p","seq":' + "9" * 4000 + ',"body":{}}',   # huge: not a counter
+    '{"v":1,"t":"x","job":"job-1","from":"p","seq":' + "9" * 5000 + ',"body":{}}',   # over int's digit limit
+    '{"v":1,"t":"x","job":"job-1","from":"p","seq":1e999,"body":{}}',
+    '{"v":1,"t":"x","job":"job-1","from":"p","seq":NaN,"body":{}}',
+    '{"v":1.0,"t":"x","job":"job-1","from":"p","seq":1,"body":{}}',
+    '{"v":true,"t":"x","job":"job-1","from":"p","seq":1,"body":{}}',
+    '{"v":1,"t":"x","job":"job-1","from":"p","seq":true,"body":{}}',
+    '{"v":1,"t":["x"],"job":"job-1","from":"p","seq":1,"body":{}}',
+    '{"v":1,"t":"x","job":"job-1","from":"p","seq":1,"to":["driver"],"body":{}}',
+    '{"v":1,"t":"x","job":' + '"' + "j" * 100_000 + '"' + ',"from":"p","seq":1,"body":{}}',
+    '{"v":1,"t":"x","job":"job-1","from":"p","seq":1,"body":' + "[" * 50_000 + "]" * 50_000 + "}",
+    '{"v":1,"t":"x","job":"job-1","from":"p","seq":1,"body":' + '{"a":' * 500 + "1" + "}" * 500 + "}",
+    '{"v":1,"t":"x","job":"job-1","from":"p","seq":1,"body":{}}' + " " * 10 + "x",
+    "\ufeff{}", '{"v":1,"v":2}', "[" * 200_000,
+])
+def test_awkward_payloads_are_refused_or_well_typed(text):
+    _, rx = pair()
+    msg = _decode_or_protocol_error(rx, forge(text.encode()))
+    if msg is not None:  # only a deep but legal body may pass
+        assert text.startswith('{"v":1,"t":"x"') and '"body":{"a":' in text
+
+
+def test_booleans_are_not_version_or_sequence_numbers():
+    _, rx = pair()
+    with pytest.raises(ProtocolError, match="protocol version True"):
+        rx.decode(forge(header(v=True)))
+    with pytest.raises(ProtocolError, match="malformed header"):
+        rx.decode(forge(header(seq=True)))
+    with pytest.raises(ProtocolError, match="malformed header"):
+        rx.decode(forge(header(t=7)))
+    with pytest.raises(ProtocolError, match="malformed header"):
+        rx.decode(forge(header(seq=1 << 63)))
+    assert rx.decode(forge(header(seq=(1 << 63) - 1))).seq == (1 << 63) - 1
+
+
+@given(extra=st.integers(1, 4096), head=st.binary(max_size=64))
+@settings(max_examples=30)
+def test_fuzz_frames_over_the_limit_are_refused_before_hashing_or_parsing(extra, head):
+    _, rx = pair()
+    frame = head + bytes(MAX_FRAME_BYTES + extra - len(head))
+    with mock.patch.object(protocol.json, "loads", _no_json), \
+            mock.patch.object(protocol.hmac, "new", side_effect=AssertionError("MAC computed")):
+        with pytest.raises(ProtocolError, match="over the") as err:
+            rx.decode(frame)
+    assert err.value.reason == "too large"
+
+
+def test_refusals_name_a_fixed_reason():
+    tx, rx = pair()
+    good = tx.encode("m")
+    cases = [(b"x", "too short"), (bytes(MAX_FRAME_BYTES + 1), "too large"), (b"\0" * 40, "bad MAC"),
+             (forge(b"nope"), "malformed"), (forge(header(v=2)), "wrong version"),
+             (forge(header(job="other")), "wrong job"), (forge(header(to="someone")), "wrong recipient")]
+    rx.decode(good)
+    cases.append((good, "replayed"))
+    for frame, reason in cases:
+        with pytest.raises(ProtocolError) as err:
+            rx.decode(frame)
+        assert err.value.reason == reason, (frame[:40], str(err.value))
