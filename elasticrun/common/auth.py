@@ -26,6 +26,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -184,6 +185,7 @@ class ZapAuthenticator:
         self._ctx = ctx
         self._allowed = tuple(z85.decode(k) for k in allowed_z85)
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()  # stop() wakes the handler at once
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -198,9 +200,17 @@ class ZapAuthenticator:
             self._stop.set()
             raise RuntimeError(f"the ZAP authentication handler did not start within {timeout:g} s")
         if self._error is not None:
+            self._thread.join(timeout)
+            self._close_pipe()
             raise RuntimeError(f"cannot bind the ZAP authentication handler ({ZAP_ENDPOINT}): "
                                f"{self._error}") from self._error
         return self
+
+    def _close_pipe(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
 
     def _run(self) -> None:
         import zmq
@@ -217,9 +227,12 @@ class ZapAuthenticator:
             self._ready.set()
             return
         self._ready.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not sock.poll(100):
+                if sock not in dict(poller.poll(1000)):
                     continue
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -240,10 +253,16 @@ class ZapAuthenticator:
             sock.close(0)
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop the handler (its socket is closed when this returns) before the context ends."""
+        if self._wake_w < 0:
+            return  # stopped already
         self._stop.set()
+        os.write(self._wake_w, b"x")
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.warning("the ZAP authentication handler did not stop within %g s", timeout)
+                return  # its pipe stays open for it
+        self._close_pipe()
         if self.refused > self._log_limit:
             log.warning("refused %d connections to the driver in all", self.refused)
