@@ -234,19 +234,22 @@ class ZapAuthenticator:
             while not self._stop.is_set():
                 if sock not in dict(poller.poll(1000)):
                     continue
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    continue
-                reply, why = zap_reply(frames, self._allowed)
-                sock.send_multipart(reply)
-                if why is None:
-                    self.admitted += 1
-                    continue
-                self.refused += 1
-                if self.refused <= self._log_limit:
-                    log.warning("refused a connection to the driver: %s%s", why,
-                                " (further refusals are only counted)" if self.refused == self._log_limit else "")
+                # Answer everything that is queued before polling again: a thousand workers
+                # connecting at once are three thousand handshakes waiting for this thread.
+                for _ in range(10_000):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    reply, why = zap_reply(frames, self._allowed)
+                    sock.send_multipart(reply)
+                    if why is None:
+                        self.admitted += 1
+                        continue
+                    self.refused += 1
+                    if self.refused <= self._log_limit:
+                        log.warning("refused a connection to the driver: %s%s", why, " (further refusals are "
+                                    "only counted)" if self.refused == self._log_limit else "")
         except zmq.ZMQError as exc:  # the context is going away
             log.debug("ZAP handler stopped: %s", exc)
         finally:
