@@ -7,7 +7,8 @@
 For every size N (hosts h0..h{N/4-1} with 4 slots each) two jobs run one after the other, each
 with its server in a separate process (the other core) and all N simulated workers in this one:
 
-  bare    the floor: a minimal ZeroMQ server with the same sockets, socket options and
+  bare    the floor: a minimal ZeroMQ server with the same sockets, socket options (CURVE
+          servers behind the same ZAP handler, elasticrun.common.auth) and
           authenticated frames (HMAC + JSON, elasticrun.common.protocol) that answers
           heartbeats at once, answers the N rendezvous requests as soon as it holds all N (a
           barrier), and publishes one ``hosts_updated`` frame on its PUB socket;
@@ -15,8 +16,9 @@ with its server in a separate process (the other core) and all N simulated worke
           CLI defaults), whose launcher is replaced by one that asks this process to start
           simulated workers instead of spawning processes (driver.py is not modified).
 
-A simulated worker speaks the real protocol with the job's secret and its worker id, over
-the same three sockets as a real one (``DriverClient``'s DEALER for rendezvous,
+A simulated worker speaks the real protocol with the job's keys (handed over by the launcher,
+as a real worker gets them through its pipe) and its worker id, over the same three CURVE
+client sockets as a real one (``DriverClient``'s DEALER for rendezvous,
 ``ControlChannel``'s DEALER for heartbeats every ELASTICRUN_HEARTBEAT_INTERVAL s and its SUB for
 notifications), one Codec per socket. All 3N sockets are served by one thread through epoll
 on their ZMQ_FDs (zmq_poll over 3072 sockets costs ~8 ms per call here; epoll is O(ready)).
@@ -70,10 +72,11 @@ if ROOT not in sys.path:
 
 import zmq  # noqa: E402
 
+from elasticrun.common import auth  # noqa: E402
 from elasticrun.common import env as E  # noqa: E402
 from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, ProtocolError, new_sender_id  # noqa: E402
 
-ENV_KEYS = (E.WORKER_ID, E.JOB_ID, E.SECRET, E.CONTROL_ADDR, E.NOTIFY_ADDR, E.HEARTBEAT_INTERVAL,
+ENV_KEYS = (E.WORKER_ID, E.JOB_ID, E.CONTROL_ADDR, E.NOTIFY_ADDR, E.HEARTBEAT_INTERVAL,
             E.DRIVER_TIMEOUT, E.HOSTNAME, E.SLOT)
 
 
@@ -165,8 +168,9 @@ class _SimLauncher:
     def is_remote(self, host: str) -> bool:
         return False
 
-    def launch(self, worker_id: str, command: list, env: dict, host: str | None = None) -> None:
-        self._send(("launch", worker_id, {k: env[k] for k in ENV_KEYS if k in env}, time.time()))
+    def launch(self, worker_id: str, command: list, env: dict, host: str | None = None,
+               keys: bytes | None = None) -> None:
+        self._send(("launch", worker_id, {k: env[k] for k in ENV_KEYS if k in env}, time.time(), keys))
 
     def signal(self, worker_id: str, sig: int) -> None:
         self._send(("signal", worker_id, int(sig)))
@@ -220,14 +224,15 @@ def _run_driver(drv, JobSettings, hosts: dict, np_: int, min_np: int, send, in_c
 
 def _run_bare(hosts: dict, send, in_conn) -> int:
     """The floor: the same sockets and frames, no registry, no decisions beyond a barrier."""
-    from elasticrun.common.protocol import new_secret
-
-    secret, job_id = new_secret(), "bare" + os.urandom(4).hex()
+    keys, job_id = auth.JobKeys.generate(), "bare" + os.urandom(4).hex()
+    secret, blob = keys.secret, keys.worker.encode()
     ctx = zmq.Context()
+    zap = auth.ZapAuthenticator(ctx, [keys.worker.client_public]).start()
     router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
     for s in (router, pub):
         s.setsockopt(zmq.LINGER, 0)
-    router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    auth.secure_server(router, keys, MAX_FRAME_BYTES)
+    auth.secure_server(pub, keys, auth.PUB_MAX_FRAME_BYTES)
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
     control_addr = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
     notify_addr = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
@@ -239,10 +244,10 @@ def _run_bare(hosts: dict, send, in_conn) -> int:
         for slot in range(slots):
             wid = f"w{next(n)}"
             place[wid] = (host, slot)
-            send(("launch", wid, {E.WORKER_ID: wid, E.JOB_ID: job_id, E.SECRET: secret.hex(),
+            send(("launch", wid, {E.WORKER_ID: wid, E.JOB_ID: job_id,
                                   E.CONTROL_ADDR: control_addr, E.NOTIFY_ADDR: notify_addr,
                                   E.HEARTBEAT_INTERVAL: "0.5", E.DRIVER_TIMEOUT: "5.0", E.HOSTNAME: host,
-                                  E.SLOT: str(slot)}, time.time()))
+                                  E.SLOT: str(slot)}, time.time(), blob))
     live = set(place)
     current_hosts = dict(hosts)
     pending: dict[str, tuple[bytes, str, object]] = {}
@@ -307,6 +312,7 @@ def _run_bare(hosts: dict, send, in_conn) -> int:
     finally:
         router.close(0)
         pub.close(0)
+        zap.stop()
         ctx.term()
 
 
@@ -453,7 +459,7 @@ class Sim:
                 raise BenchError("the server process died (its pipe closed); see its log below") from None
             kind = msg[0]
             if kind == "launch":
-                self.launch(msg[1], msg[2], msg[3])
+                self.launch(msg[1], msg[2], msg[3], msg[4])
             elif kind == "signal":
                 w = self.workers.get(msg[1])
                 if w is not None and w.alive and msg[2] in (signal.SIGKILL, signal.SIGTERM):
@@ -473,16 +479,17 @@ class Sim:
             elif kind == "error":
                 raise BenchError(f"the server failed: {msg[1]}")
 
-    def launch(self, wid: str, env: dict, launch_wall: float) -> None:
+    def launch(self, wid: str, env: dict, launch_wall: float, blob: bytes) -> None:
         self.launch_walls.append(launch_wall)
         w = SimWorker(wid, env[E.HOSTNAME], int(env[E.SLOT]), time.time(), float(env[E.HEARTBEAT_INTERVAL]))
-        secret, job_id = bytes.fromhex(env[E.SECRET]), env[E.JOB_ID]
+        keys, job_id = auth.WorkerKeys.decode(blob), env[E.JOB_ID]
+        secret = keys.secret
         for kind, (stype, addr, name) in enumerate(((zmq.DEALER, env[E.CONTROL_ADDR], "worker"),
                                                     (zmq.DEALER, env[E.CONTROL_ADDR], "hb"),
                                                     (zmq.SUB, env[E.NOTIFY_ADDR], "sub"))):
             sock = self.ctx.socket(stype)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            auth.secure_client(sock, keys, MAX_FRAME_BYTES)  # as a real worker's: CURVE, frame limit
             if stype == zmq.SUB:
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
             sock.connect(addr)

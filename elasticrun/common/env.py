@@ -1,6 +1,8 @@
 """Names of the environment variables through which the driver configures a worker.
 
-The environment (not the command line) carries the secret, so it never shows in ``ps``.
+None of them is secret: the job's keys travel through an inherited pipe whose descriptor
+number is in ``ELASTICRUN_SECRET_FD`` (see ``elasticrun.common.secretpipe``), so neither ``ps``
+nor ``/proc/PID/environ`` nor a child of the worker ever sees them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ CROSS_SIZE = "ELASTICRUN_CROSS_SIZE"
 
 # How to reach the driver, and who this worker is.
 JOB_ID = "ELASTICRUN_JOB_ID"
-SECRET = "ELASTICRUN_SECRET"  # hex; removed from os.environ by the worker once read
+SECRET_FD = "ELASTICRUN_SECRET_FD"  # read end of the pipe holding the keys; read once, then closed
 CONTROL_ADDR = "ELASTICRUN_CONTROL_ADDR"  # driver ROUTER: rendezvous, store, heartbeats
 NOTIFY_ADDR = "ELASTICRUN_NOTIFY_ADDR"  # driver PUB: host updates, round aborts
 WORKER_ID = "ELASTICRUN_WORKER_ID"

@@ -82,9 +82,11 @@ def _installation() -> list[tuple[bool, str]]:
         import zmq
 
         curve = zmq.has("curve")
-        lines.append((True, f"pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()}, CURVE "
-                            f"{'available' if curve else 'not available'}; control messages are "
-                            f"authenticated with HMAC-SHA256 either way)"))
+        lines.append((curve, f"pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()}, CURVE "
+                             + ("available: the driver admits only the job's CURVE key, and every control "
+                                "message is also authenticated with HMAC-SHA256)" if curve else
+                                "NOT available: the driver cannot keep unauthenticated peers off its sockets "
+                                "and refuses to run; reinstall the pyzmq wheel, which bundles it)")))
     except Exception as exc:  # noqa: BLE001
         lines.append((False, f"pyzmq: cannot import ({type(exc).__name__}: {exc})"))
     for name in ("paramiko", "cloudpickle"):

@@ -23,9 +23,10 @@ from typing import Any, Protocol
 import zmq
 
 from elasticrun.common import env
+from elasticrun.common.auth import PUB_MAX_FRAME_BYTES, CurveUnavailable, JobKeys, ZapAuthenticator, secure_server
 from elasticrun.common.events import EventLog
 from elasticrun.common.hosts import HostList
-from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, Message, ProtocolError, new_secret, new_sender_id
+from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, Message, ProtocolError, new_sender_id
 from elasticrun.common.ratelimit import LimitedLog
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.host_manager import HostManager
@@ -89,7 +90,11 @@ class ElasticDriver:
         self.settings = settings
         self.source = source
         self.job_id = uuid.uuid4().hex[:12]
-        self._secret = new_secret()
+        try:  # per job: the HMAC secret, CURVE server and client key pairs (elasticrun/common/auth.py)
+            self._keys = JobKeys.generate()
+        except CurveUnavailable as exc:
+            raise JobFailed(str(exc), 2) from None
+        self._worker_keys = self._keys.worker.encode()  # what each worker gets, through a pipe
         self._events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -144,6 +149,11 @@ class ElasticDriver:
     def run(self) -> int:
         first = self._first_discovery()
         ctx = zmq.Context()
+        # Only the job's workers get in: both sockets are CURVE servers, and this ZAP handler
+        # (bound before them) admits only the job's client key, so no frame of anyone else ever
+        # reaches them (a PUB socket would store any subscription it is sent). MAXMSGSIZE also
+        # bounds the handshake's frames.
+        self._zap = ZapAuthenticator(ctx, [self._keys.worker.client_public]).start()
         self._router = ctx.socket(zmq.ROUTER)
         self._pub = ctx.socket(zmq.PUB)
         for sock in (self._router, self._pub):
@@ -151,13 +161,14 @@ class ElasticDriver:
             # Hundreds of workers connect at once; the default accept queue (100) drops
             # connections that then retry only after a second.
             sock.setsockopt(zmq.BACKLOG, 4096)
-        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        secure_server(self._router, self._keys, MAX_FRAME_BYTES)
+        secure_server(self._pub, self._keys, PUB_MAX_FRAME_BYTES)  # it receives only subscriptions
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # 127.0.0.1 (or --driver-address) now; for remote hosts, the address they route to, on demand.
         self._endpoints = DriverEndpoints(self._router, self._pub, driver_bind_address(self.settings))
         self._control_addr, self._notify_addr = self._endpoints.local()
-        self._rx = Codec(self._secret, self.job_id, new_sender_id("driver-rx"))
-        self._pub_codec = Codec(self._secret, self.job_id, new_sender_id("driver-pub"))
+        self._rx = Codec(self._keys.secret, self.job_id, new_sender_id("driver-rx"))
+        self._pub_codec = Codec(self._keys.secret, self.job_id, new_sender_id("driver-pub"))
         self._store = KVStore()
         # Signal handlers can only be set in the main thread (elasticrun.run() may be called elsewhere).
         previous = ({s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -186,6 +197,7 @@ class ElasticDriver:
             self._stop_discovery.set()
             self._router.close(0)
             self._pub.close(0)
+            self._zap.stop()
             ctx.term()
             os.close(self._wake_r)
             os.close(self._wake_w)
@@ -480,13 +492,14 @@ class ElasticDriver:
             env.LOCAL_RANK: str(info.local_rank), env.LOCAL_SIZE: str(info.local_size),
             env.CROSS_RANK: str(info.cross_rank), env.CROSS_SIZE: str(info.cross_size),
             env.SLOT: str(info.slot), env.WORKER_ID: act.worker_id, env.JOB_ID: self.job_id,
-            env.SECRET: self._secret.hex(), env.CONTROL_ADDR: control_addr, env.NOTIFY_ADDR: notify_addr,
+            env.CONTROL_ADDR: control_addr, env.NOTIFY_ADDR: notify_addr,
             env.COLLECTIVE_TIMEOUT: str(s.collective_timeout), env.RENDEZVOUS_TIMEOUT: str(s.elastic_wait_limit),
             env.HEARTBEAT_INTERVAL: str(s.heartbeat_interval), env.DRIVER_TIMEOUT: str(s.driver_timeout),
             env.LOG_LEVEL: s.worker_log_level, "PYTHONUNBUFFERED": "1",
         })
         try:
-            self._launcher.launch(act.worker_id, s.command, worker_env, host=info.host)
+            # The keys go through a pipe (locally) or the SSH channel, never the environment.
+            self._launcher.launch(act.worker_id, s.command, worker_env, host=info.host, keys=self._worker_keys)
         except OSError as exc:
             log.error("could not start %r on %s: %s", s.command[0], info.host, exc.strerror or exc)
             self._post("exit", (act.worker_id, 127))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
+from elasticrun.common import secretpipe
 from elasticrun.driver.output import OutputSink, pump
 
 
@@ -54,10 +55,22 @@ class LocalLauncher:
         self._procs: dict[str, _Proc] = {}
         self._lock = threading.Lock()
 
-    def launch(self, worker_id: str, command: list[str], env: dict[str, str]) -> None:
-        """Start ``command``; raise OSError (e.g. command not found) if it cannot start."""
-        popen = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, start_new_session=True)
+    def launch(self, worker_id: str, command: list[str], env: dict[str, str], keys: bytes | None = None) -> None:
+        """Start ``command``; raise OSError (e.g. command not found) if it cannot start.
+
+        ``keys``: the job's key blob, handed over through an inherited pipe (its descriptor
+        number in ``ELASTICRUN_SECRET_FD``), never through the environment.
+        """
+        fd = secretpipe.hand_over(keys) if keys is not None else None
+        try:
+            if fd is not None:
+                env = dict(env, **{secretpipe.FD_VAR: str(fd)})
+            popen = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, start_new_session=True,
+                                     pass_fds=() if fd is None else (fd,))
+        finally:
+            if fd is not None:
+                os.close(fd)  # the worker holds the only reference now
         proc = _Proc(popen)
         assert popen.stdout is not None and popen.stderr is not None
         proc.threads = [pump(popen.stdout, worker_id, "stdout", self._sink),

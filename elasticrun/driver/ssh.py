@@ -25,6 +25,10 @@ Why the environment travels over stdin (and not an SFTP temp file)
 ------------------------------------------------------------------
 * Nothing secret is ever on a command line (``ps`` on either machine shows only the line above)
   and there is no ``argument list too long``, however large the environment.
+* The job's keys travel in the same request but not in the environment: the bootstrap hands
+  them to the worker through a pipe, as the local launcher does (``ELASTICRUN_SECRET_FD``, see
+  ``elasticrun/common/secretpipe.py``), so ``/proc/PID/environ`` of the remote worker and
+  anything it starts never holds them.
 * Nothing is ever written to the remote disk, so there is nothing to clean up when the driver
   dies between "write the file" and "the remote removed it", and no window in which another
   process could read it.
@@ -104,6 +108,8 @@ def _main():
 
     env = dict(os.environ)  # the remote login environment, overlaid with the forwarded one
     env.update(cfg["env"])
+    env.pop("ELASTICRUN_SECRET_FD", None)
+    keys = cfg.pop("keys", None)  # the job's keys: through a pipe, never the environment
     command, cwd, grace = cfg["command"], cfg["cwd"], float(cfg["grace"])
     try:
         os.chdir(cwd)
@@ -137,6 +143,12 @@ def _main():
                     signal.signal(getattr(signal, name), signal.SIG_DFL)
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)  # the worker never reads the driver's pipe
+            if keys is not None:  # tiny: fits the pipe's buffer, so writing never blocks
+                key_r, key_w = os.pipe()
+                os.write(key_w, keys.encode("ascii"))
+                os.close(key_w)
+                os.set_inheritable(key_r, True)
+                env["ELASTICRUN_SECRET_FD"] = str(key_r)
             os.execve(found, command, env)
         except BaseException as exc:
             try:
@@ -147,6 +159,7 @@ def _main():
 
     os.close(gate_r)
     os.close(err_w)
+    keys = cfg = None  # the watchdog keeps no copy
     try:
         os.setpgid(pid, pid)  # also here, so the group exists before anyone signals it
     except OSError:
@@ -250,13 +263,16 @@ def remote_command(python: str, job_id: str, worker_id: str) -> str:
                      shlex.quote(job_id), shlex.quote(worker_id)])
 
 
-def launch_payload(command: list[str], env: Mapping[str, str], cwd: str, grace: float, mark: str) -> bytes:
+def launch_payload(command: list[str], env: Mapping[str, str], cwd: str, grace: float, mark: str,
+                   keys: bytes | None = None) -> bytes:
     """What the driver writes to the channel's stdin: the bootstrap source, then the request.
 
     ASCII-only JSON (``ensure_ascii``), so the remote locale cannot garble it, and values that
     are not valid UTF-8 (lone surrogates from ``os.environ``) come out byte-for-byte the same.
+    ``keys`` (the job's key blob, ASCII) reach the worker through a pipe, not its environment.
     """
-    request = {"mark": mark, "command": list(command), "env": dict(env), "cwd": cwd, "grace": grace}
+    request = {"mark": mark, "command": list(command), "env": dict(env), "cwd": cwd, "grace": grace,
+               "keys": keys.decode("ascii") if keys is not None else None}
     return (json.dumps(_BOOTSTRAP) + "\n" + json.dumps(request) + "\n").encode("ascii")
 
 
@@ -579,21 +595,22 @@ class SSHLauncher:
             return conns
 
     # --- launching ------------------------------------------------------------------------
-    def launch(self, worker_id: str, command: list[str], env: dict[str, str], host: str | None = None) -> None:
+    def launch(self, worker_id: str, command: list[str], env: dict[str, str], host: str | None = None,
+               keys: bytes | None = None) -> None:
         if host is None:
             raise ValueError("SSHLauncher.launch needs the host")
         r = _Remote(worker_id, host, f"@@elasticrun:{secrets.token_hex(8)}@@ ")
         with self._lock:
             self._remotes[worker_id] = r
-        t = threading.Thread(target=self._run, args=(r, command, env), name=f"elasticrun-ssh-{worker_id}",
+        t = threading.Thread(target=self._run, args=(r, command, env, keys), name=f"elasticrun-ssh-{worker_id}",
                              daemon=True)
         r.threads.append(t)
         t.start()
 
-    def _run(self, r: _Remote, command: list[str], env: dict[str, str]) -> None:
+    def _run(self, r: _Remote, command: list[str], env: dict[str, str], keys: bytes | None) -> None:
         code = 255
         try:
-            code = self._start_and_wait(r, command, env)
+            code = self._start_and_wait(r, command, env, keys)
         except LaunchError as exc:
             code = exc.code
             log.error("%s: could not start worker %s over SSH: %s", r.host, r.worker_id, exc)
@@ -607,7 +624,7 @@ class SSHLauncher:
             r.finished.set()
             self._on_exit(r.worker_id, code)
 
-    def _start_and_wait(self, r: _Remote, command: list[str], env: dict[str, str]) -> int:
+    def _start_and_wait(self, r: _Remote, command: list[str], env: dict[str, str], keys: bytes | None) -> int:
         import paramiko
 
         conns = self.connections(r.host)
@@ -622,7 +639,7 @@ class SSHLauncher:
         cwd = self.opts.remote_cwd or os.getcwd()
         try:
             chan.exec_command(remote_command(self.opts.python, job_id, r.worker_id))
-            chan.sendall(launch_payload(command, env, cwd, self.opts.stop_grace, r.mark))
+            chan.sendall(launch_payload(command, env, cwd, self.opts.stop_grace, r.mark, keys))
         except (OSError, EOFError, paramiko.SSHException) as exc:
             raise LaunchError(f"{conns.target} did not run the bootstrap: {exc or type(exc).__name__}") from None
         out = threading.Thread(target=self._pump_stdout, args=(r, chan.makefile("rb")),
@@ -814,15 +831,17 @@ class Launchers:
             return False
         return "@" in host or not is_local_host(host)
 
-    def launch(self, worker_id: str, command: list[str], env: dict[str, str], host: str | None = None) -> None:
+    def launch(self, worker_id: str, command: list[str], env: dict[str, str], host: str | None = None,
+               keys: bytes | None = None) -> None:
+        """``keys``: the job's key blob; the worker gets it through a pipe, never its environment."""
         if host is not None and self.is_remote(host):
             self._where[worker_id] = self.ssh
-            self.ssh.launch(worker_id, command, env, host=host)
+            self.ssh.launch(worker_id, command, env, host=host, keys=keys)
             return
         if host is not None and self.mode == "local" and not is_local_host(host):
             raise OSError(f"host {host} is not this machine, and --launcher local never uses SSH")
         self._where[worker_id] = self.local
-        self.local.launch(worker_id, command, env)
+        self.local.launch(worker_id, command, env, keys=keys)
 
     def signal(self, worker_id: str, sig: int) -> None:
         launcher = self._where.get(worker_id)

@@ -7,6 +7,10 @@
   heartbeats. The heartbeat replies repeat the latest notifications, so an update missed on
   the PUB socket (a subscriber that connected late) still arrives within one interval; and a
   driver that stops answering is noticed, so workers never outlive a dead driver.
+
+Every socket is a CURVE client of the job (``elasticrun.common.auth``) with the keys the
+launcher handed over through a pipe (:func:`job_keys`), and refuses frames over the protocol's
+size limit.
 """
 
 from __future__ import annotations
@@ -19,10 +23,28 @@ from typing import Any, Callable
 
 import zmq
 
+from elasticrun.common import secretpipe
+from elasticrun.common.auth import WorkerKeys, secure_client
 from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, Message, ProtocolError, new_sender_id
 from elasticrun.common.ratelimit import LimitedLog
 
 log = logging.getLogger("elasticrun.worker")
+
+_keys: WorkerKeys | None = None
+_keys_lock = threading.Lock()
+
+
+def job_keys() -> WorkerKeys:
+    """This worker's keys: read from the launcher's pipe on first use, then kept in memory.
+
+    The pipe can be read once per process; the runtime and ``elasticrun.worker.entry`` both
+    come here. Raises ``secretpipe.SecretUnavailable`` or ``auth.BadKeys`` with the reason.
+    """
+    global _keys
+    with _keys_lock:
+        if _keys is None:
+            _keys = WorkerKeys.decode(secretpipe.receive())
+        return _keys
 
 
 class DriverTimeout(RuntimeError):
@@ -33,10 +55,10 @@ class Aborted(RuntimeError):
     """A wait was abandoned because the round it belonged to was aborted."""
 
 
-def _socket(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
+def _socket(ctx: zmq.Context, kind: int, addr: str, keys: WorkerKeys) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    secure_client(sock, keys, MAX_FRAME_BYTES)
     sock.connect(addr)
     return sock
 
@@ -44,9 +66,9 @@ def _socket(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
 class DriverClient:
     """Thread-safe request/reply with the driver over one DEALER socket."""
 
-    def __init__(self, ctx: zmq.Context, addr: str, secret: bytes, job_id: str, name: str):
-        self._codec = Codec(secret, job_id, new_sender_id(name))
-        self._sock = _socket(ctx, zmq.DEALER, addr)
+    def __init__(self, ctx: zmq.Context, addr: str, keys: WorkerKeys, job_id: str, name: str):
+        self._codec = Codec(keys.secret, job_id, new_sender_id(name))
+        self._sock = _socket(ctx, zmq.DEALER, addr, keys)
         self._lock = threading.Lock()
         self._req = itertools.count(1)
         self._dropped = LimitedLog(log)  # refused frames: a few lines and counts, not one line each
@@ -98,16 +120,16 @@ class ControlChannel(threading.Thread):
     ``on_driver_lost`` is called once if the driver stays silent for ``driver_timeout``.
     """
 
-    def __init__(self, ctx: zmq.Context, control_addr: str, notify_addr: str, secret: bytes, job_id: str,
+    def __init__(self, ctx: zmq.Context, control_addr: str, notify_addr: str, keys: WorkerKeys, job_id: str,
                  heartbeat_body: Callable[[], dict[str, Any]], on_message: Callable[[Message], None],
                  on_driver_lost: Callable[[float], None], interval: float, driver_timeout: float,
                  take_events: Callable[[], list[dict[str, Any]]] = list):
         super().__init__(name="elasticrun-control", daemon=True)
-        self._sub = _socket(ctx, zmq.SUB, notify_addr)
+        self._sub = _socket(ctx, zmq.SUB, notify_addr, keys)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub_codec = Codec(secret, job_id, new_sender_id("sub"))
-        self._hb = _socket(ctx, zmq.DEALER, control_addr)
-        self._hb_codec = Codec(secret, job_id, new_sender_id("hb"))
+        self._sub_codec = Codec(keys.secret, job_id, new_sender_id("sub"))
+        self._hb = _socket(ctx, zmq.DEALER, control_addr, keys)
+        self._hb_codec = Codec(keys.secret, job_id, new_sender_id("hb"))
         self._heartbeat_body = heartbeat_body
         self._on_message = on_message
         self._on_driver_lost = on_driver_lost

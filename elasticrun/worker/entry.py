@@ -23,8 +23,10 @@ import cloudpickle
 import zmq
 
 from elasticrun.common import env
+from elasticrun.common.auth import BadKeys
 from elasticrun.common.protocol import MAX_FRAME_BYTES
-from elasticrun.worker.client import DriverClient
+from elasticrun.common.secretpipe import SecretUnavailable
+from elasticrun.worker.client import DriverClient, job_keys
 
 #: Raw bytes per part: their base64 (4/3) plus the JSON envelope stay under the frame limit.
 PART_BYTES = MAX_FRAME_BYTES // 2
@@ -76,11 +78,13 @@ def main() -> int:
         return 2
     from elasticrun.worker import runtime
 
+    try:  # read from the launcher's pipe once; the runtime's connection reuses them
+        keys = job_keys()
+    except (SecretUnavailable, BadKeys) as exc:
+        sys.stderr.write(f"elasticrun: {exc}\n")
+        return 2
     ctx = zmq.Context()
-    # The runtime removes the secret from os.environ when it connects (so the user's
-    # subprocesses do not inherit it); this client reads it first.
-    client = DriverClient(ctx, os.environ[env.CONTROL_ADDR], bytes.fromhex(os.environ[env.SECRET]),
-                          os.environ[env.JOB_ID], "entry")
+    client = DriverClient(ctx, os.environ[env.CONTROL_ADDR], keys, os.environ[env.JOB_ID], "entry")
     try:
         try:
             blob, sys_path = _fetch(client, worker_id)

@@ -34,7 +34,7 @@ import zmq
 
 from elasticrun.common import env
 from elasticrun.common.protocol import Message
-from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout
+from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 log = logging.getLogger("elasticrun.worker")
@@ -102,13 +102,14 @@ class Runtime:
 
     # --- connection -------------------------------------------------------------------------
     def _connect(self) -> None:
-        # The secret leaves os.environ so that the user's subprocesses do not inherit it.
-        secret = bytes.fromhex(os.environ.pop(env.SECRET))
+        # The keys come through a pipe the launcher handed over (never the environment, which
+        # /proc/PID/environ shows and the user's subprocesses inherit); read once, then closed.
+        keys = job_keys()
         job_id = os.environ[env.JOB_ID]
         self._ctx = zmq.Context()
-        self._client = DriverClient(self._ctx, os.environ[env.CONTROL_ADDR], secret, job_id, "worker")
+        self._client = DriverClient(self._ctx, os.environ[env.CONTROL_ADDR], keys, job_id, "worker")
         self._control = ControlChannel(
-            self._ctx, os.environ[env.CONTROL_ADDR], os.environ[env.NOTIFY_ADDR], secret, job_id,
+            self._ctx, os.environ[env.CONTROL_ADDR], os.environ[env.NOTIFY_ADDR], keys, job_id,
             heartbeat_body=lambda: {"worker": self.worker_id, "round": self.round},
             on_message=self._on_message, on_driver_lost=self._on_driver_lost,
             interval=float(os.environ.get(env.HEARTBEAT_INTERVAL, "1")),

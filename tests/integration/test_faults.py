@@ -114,13 +114,15 @@ def test_forged_and_oversized_control_messages_are_dropped(job):
         forged = Codec(b"not the job's secret" * 2, job_id, "rogue")
         rogue.send(forged.encode("rendezvous", {"worker": "w1", "after_round": 0}))  # wrong secret
         rogue.send(b"\x00" * 40)  # garbage
-        rogue.send(b"x" * (MAX_FRAME_BYTES + 10))  # oversized: the driver drops the connection
+        rogue.send(b"x" * (MAX_FRAME_BYTES + 10))  # oversized
         wait_for_training(job, lines=3)
     finally:
         ctx.destroy(linger=0)
     r = job.finish()
     assert r.returncode == 0, r.output
-    assert "dropped a control frame: bad MAC" in r.stderr
+    # A peer without the job's CURVE keys never gets a frame to the driver's loop (a peer with
+    # stolen CURVE keys but not the HMAC secret: tests/integration/test_security.py).
+    assert "dropped a control frame" not in r.stderr, r.stderr
     assert [e["epoch"] for e in r.log] == list(range(6))  # nothing was lost or repeated
 
 

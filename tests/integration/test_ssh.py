@@ -24,6 +24,7 @@ from sshd import cmdline, descendants, ssh_server, sshd_clean  # noqa: F401  (fi
 pytestmark = pytest.mark.timeout(120)
 
 SECRET = "c0ffee" * 10
+KEYS = b'{"v": 1, "secret": "' + SECRET.encode() + b'"}'  # the launcher only passes the blob on
 
 
 class _Sink:
@@ -61,7 +62,7 @@ def _launcher(server, **kw) -> tuple[SSHLauncher, _Sink, _Exits]:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return dict(PATH=os.environ["PATH"], ELASTICRUN_SECRET=SECRET, **extra)
+    return dict(PATH=os.environ["PATH"], **extra)
 
 
 def _wait_for(predicate, timeout: float, what: str):
@@ -82,8 +83,8 @@ def _sleepers(server) -> list[int]:
 def test_output_env_connection_reuse_and_tree_kill(sshd_clean, tmp_path):
     server = sshd_clean
     launcher, sink, exits = _launcher(server)
-    script = "echo out $GREETING; pwd; echo err >&2; sleep 300 & sleep 300"
-    launcher.launch("w1", ["sh", "-c", script], _env(GREETING="hello there"), host="127.0.0.2")
+    script = 'echo out $GREETING; pwd; echo err >&2; echo "keys $(cat <&$ELASTICRUN_SECRET_FD)"; sleep 300 & sleep 300'
+    launcher.launch("w1", ["sh", "-c", script], _env(GREETING="hello there"), host="127.0.0.2", keys=KEYS)
     launcher.launch("w2", ["sh", "-c", "sleep 301 & echo quick; exit 3"], _env(), host="127.0.0.2")
     assert exits.wait("w2") == {"w2": 3}
     # w2's orphan went with it: the watchdog kills what is left of the group when the worker exits
@@ -92,13 +93,15 @@ def test_output_env_connection_reuse_and_tree_kill(sshd_clean, tmp_path):
     assert ("w1", "stdout", "out hello there") in sink.lines
     assert ("w1", "stdout", os.getcwd()) in sink.lines  # the driver's working directory
     assert ("w1", "stderr", "err") in sink.lines and ("w2", "stdout", "quick") in sink.lines
+    assert ("w1", "stdout", f"keys {KEYS.decode()}") in sink.lines  # through the pipe
     assert not any("@@elasticrun" in line for _, _, line in sink.lines)  # reports never reach the user
     assert len(launcher.connections("127.0.0.2").clients) == 1  # both workers on one connection
-    # The secret is in the worker's environment, and on no command line of the remote side.
+    # The keys are in no environment and on no command line of the remote side.
     shell = next(p for p in server.workload() if "echo out" in cmdline(p))
-    assert f"ELASTICRUN_SECRET={SECRET}".encode() in open(f"/proc/{shell}/environ", "rb").read().split(b"\0")
+    assert b"ELASTICRUN_SECRET_FD=" in open(f"/proc/{shell}/environ", "rb").read()
     for pid in server.sessions():
         assert SECRET not in cmdline(pid)
+        assert SECRET.encode() not in open(f"/proc/{pid}/environ", "rb").read()
     started = time.monotonic()
     launcher.signal("w1", signal.SIGTERM)
     assert exits.wait("w1") == {"w1": -15}

@@ -1,10 +1,11 @@
 """The SSH launcher's pure parts and its remote bootstrap, run here without sshd.
 
 The command line a remote shell runs is checked for quoting and for what it must never hold
-(the environment, the secret, the user's command). The bootstrap is then run exactly as a
+(the environment, the keys, the user's command). The bootstrap is then run exactly as a
 remote login shell would run it (``sh -c COMMAND`` with the payload on stdin), to check how the
-environment arrives, what it reports, and that it stops the worker's whole process group when
-its stdin closes (what happens when the driver's SSH connection drops).
+environment and the keys arrive (the keys through a pipe, not the environment), what it
+reports, and that it stops the worker's whole process group when its stdin closes (what
+happens when the driver's SSH connection drops).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from elasticrun.driver import cli, ssh
 pytestmark = pytest.mark.timeout(60)
 
 SECRET = "5ec7e7" * 10
+KEYS = b'{"v": 1, "secret": "' + SECRET.encode() + b'"}'  # the bootstrap only passes the blob on
 MARK = "@@elasticrun:test@@ "
 
 
@@ -38,13 +40,15 @@ def test_remote_command_quotes_every_word(python):
 
 
 def test_remote_command_holds_no_environment_secret_or_user_command():
-    env = {"ELASTICRUN_SECRET": SECRET, "TOKEN": "hunter2"}
-    payload = ssh.launch_payload(["python", "train.py", "--lr", "0.1"], env, "/work", 5.0, MARK)
+    env = {"TOKEN": "hunter2"}
+    payload = ssh.launch_payload(["python", "train.py", "--lr", "0.1"], env, "/work", 5.0, MARK, KEYS)
     line = ssh.remote_command("python3", "job1", "w1")
     for word in (SECRET, "hunter2", "train.py", "TOKEN", "/work"):
         assert word not in line
         assert word.encode() in payload
     assert len(line) < 200  # no "argument list too long", whatever the environment
+    request = json.loads(payload.split(b"\n")[1])
+    assert request["keys"] == KEYS.decode() and SECRET not in json.dumps(request["env"])
 
 
 def test_payload_is_ascii_json_lines_and_keeps_odd_values_exact():
@@ -196,11 +200,12 @@ def test_cli_ssh_errors(args, expected, capsys):
 
 
 # --- the bootstrap, run as a remote shell would run it ---------------------------------------------
-def _start(command: list[str], env: dict[str, str], cwd: str = "/", grace: float = 2.0) -> subprocess.Popen:
+def _start(command: list[str], env: dict[str, str], cwd: str = "/", grace: float = 2.0,
+           keys: bytes | None = None) -> subprocess.Popen:
     line = ssh.remote_command(sys.executable, "job1", "w1")
     proc = subprocess.Popen(["sh", "-c", line], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
-    proc.stdin.write(ssh.launch_payload(command, env, cwd, grace, MARK))
+    proc.stdin.write(ssh.launch_payload(command, env, cwd, grace, MARK, keys))
     proc.stdin.flush()
     return proc
 
@@ -240,19 +245,23 @@ def _alive(pid: int) -> bool:
 
 def test_bootstrap_delivers_env_and_cwd_without_command_line(tmp_path):
     code = ("import os,sys;"
-            "print(os.environ['ELASTICRUN_SECRET'], os.environ['ODD'], os.getcwd(), os.environ['PWD'], sep='|');"
+            "from elasticrun.common import secretpipe;"
+            "environ = open('/proc/%d/environ' % os.getpid(), 'rb').read();"
+            "print(secretpipe.receive().decode(), os.environ['ODD'], os.getcwd(), os.environ['PWD'], sep='|');"
+            f"print({SECRET!r}.encode() in environ, 'ELASTICRUN_SECRET_FD' in os.environ);"
             "sys.stdout.flush();"
             "print(repr(open('/proc/%d/cmdline' % os.getppid(), 'rb').read()));"
             "print(os.getpgrp() == os.getpid(), os.getpgrp() != os.getpgid(os.getppid()));"
             "sys.exit(3)")
-    env = {"ELASTICRUN_SECRET": SECRET, "ODD": "a b'c\"$(x)", "PATH": os.environ["PATH"]}
-    proc = _start([sys.executable, "-c", code], env, cwd=str(tmp_path))
+    env = {"ODD": "a b'c\"$(x)", "PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = _start([sys.executable, "-c", code], env, cwd=str(tmp_path), keys=KEYS)
     out, err = _finish(proc)
     reports, lines = _reports(out)
     assert proc.returncode == 3, err
-    assert lines[0] == f"{SECRET}|a b'c\"$(x)|{tmp_path}|{tmp_path}"
-    assert SECRET not in lines[1] and "elasticrun-worker" in lines[1]  # the watchdog's command line
-    assert lines[2] == "True True"  # the worker leads its own process group, apart from the watchdog
+    assert lines[0] == f"{KEYS.decode()}|a b'c\"$(x)|{tmp_path}|{tmp_path}"  # the keys came through the pipe
+    assert lines[1] == "False False"  # not in the worker's environment, and the pipe's number is gone once read
+    assert SECRET not in lines[2] and "elasticrun-worker" in lines[2]  # the watchdog's command line
+    assert lines[3] == "True True"  # the worker leads its own process group, apart from the watchdog
     assert "pid" in reports[0] and reports[0]["pgid"] == reports[0]["pid"]
     assert reports[-1] == {"exit": 3}
 
