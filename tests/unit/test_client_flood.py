@@ -9,21 +9,26 @@ import threading
 import pytest
 import zmq
 
+from elasticrun.common import auth
 from elasticrun.common.protocol import Codec
 from elasticrun.worker.client import DriverClient
 
 pytestmark = pytest.mark.timeout(60)
 
-SECRET, JOB = b"k" * 32, "job-1"
+JOB = "job-1"
 
 
 def test_garbage_replies_are_counted_and_the_real_one_is_returned(caplog):
     ctx = zmq.Context()
+    keys = auth.JobKeys.generate()
+    SECRET = keys.secret
+    zap = auth.ZapAuthenticator(ctx, [keys.worker.client_public]).start()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops what exceeds its high-water mark
+    auth.secure_server(router, keys, 1 << 20)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    client = DriverClient(ctx, f"tcp://127.0.0.1:{port}", SECRET, JOB, "w")
+    client = DriverClient(ctx, f"tcp://127.0.0.1:{port}", keys.worker, JOB, "w")
     driver = Codec(SECRET, JOB, "driver")
     try:
         with caplog.at_level(logging.WARNING, logger="elasticrun.worker"):
@@ -44,6 +49,7 @@ def test_garbage_replies_are_counted_and_the_real_one_is_returned(caplog):
             client.close()
     finally:
         router.close(0)
+        zap.stop()
         ctx.term()
     lines = [r.getMessage() for r in caplog.records if "control frame" in r.getMessage()]
     assert len(lines) <= 8, lines

@@ -57,8 +57,8 @@ def driver():
     d = ElasticDriver(JobSettings(command=["true"], np=1, min_np=1, max_np=1, hosts={"localhost": 1}),
                       FixedHosts({"localhost": 1}))
     d._router, d._pub = _Socket(), _Socket()
-    d._rx = Codec(d._secret, d.job_id, "driver-rx")
-    d._pub_codec = Codec(d._secret, d.job_id, "driver-pub")
+    d._rx = Codec(d._keys.secret, d.job_id, "driver-rx")
+    d._pub_codec = Codec(d._keys.secret, d.job_id, "driver-pub")
     d._store = KVStore()
     d.function_payload = b"x" * 100
     yield d
@@ -69,16 +69,16 @@ def driver():
 @given(type_=st.sampled_from(TYPES) | st.text(max_size=10), body=bodies)
 @settings(max_examples=400, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
 def test_authenticated_requests_of_any_shape_never_raise(driver, type_, body):
-    sender = Codec(driver._secret, driver.job_id, "fuzzer", _counter=_SEQ)
+    sender = Codec(driver._keys.secret, driver.job_id, "fuzzer", _counter=_SEQ)
     driver._on_frame(b"identity", sender.encode(type_, body))
 
 
 def test_the_fuzzed_requests_were_accepted_and_answered(driver):
     """The sanity check of the test above: its frames are genuine, so they reach _dispatch."""
-    sender = Codec(driver._secret, driver.job_id, "fuzzer", _counter=_SEQ)
+    sender = Codec(driver._keys.secret, driver.job_id, "fuzzer", _counter=_SEQ)
     before = len(driver._router.sent)
     driver._on_frame(b"identity", sender.encode("heartbeat", {"worker": "w1", "req": 5}))
-    reply = Codec(driver._secret, driver.job_id, "fuzzer").decode(driver._router.sent[before][1])
+    reply = Codec(driver._keys.secret, driver.job_id, "fuzzer").decode(driver._router.sent[before][1])
     assert reply.type == "heartbeat_ack" and reply.body["re"] == 5
 
 
