@@ -216,9 +216,12 @@ def test_bad_arguments_raise_the_command_lines_message(kwargs, argv, capsys):
     assert cli == f"elasticrun: error: {info.value} (see elasticrun --help)"
 
 
+def test_without_a_host_source_it_runs_here(tag):
+    """As horovod.run: no hosts= (nor hostfile=, discovery...) means localhost:np."""
+    assert elasticrun.run(sleepy_rank, args=(0,), np=2) == [0, 1]
+
+
 def test_api_only_argument_errors():
-    with pytest.raises(ValueError, match="one of hosts=, hostfile=, discovery_script= or discovery="):
-        elasticrun.run(sleepy_rank, np=1)
     with pytest.raises(ValueError, match="discovery= cannot be combined with hosts="):
         elasticrun.run(sleepy_rank, np=1, hosts="localhost", discovery=lambda: {"localhost": 1})
     with pytest.raises(TypeError, match="unexpected keyword argument 'min_procs'"):
