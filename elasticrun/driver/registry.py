@@ -202,9 +202,15 @@ class Registry:
 
     # --- events: they only record ----------------------------------------------------------
     def discovered(self, hosts: Mapping[str, int], now: float) -> None:
+        before = self.hosts.discovered()
         change = self.hosts.update(hosts, now)
+        served = set(self.hosts.blacklisted())  # every host ever blacklisted (entries outlive cooldowns)
         for h in change.added:
-            self._outbox.append(Event("host_added", f"host {h} added ({hosts[h]} slots)", {"host": h}))
+            if h in served and h in before:  # its cooldown ended just before this listing came
+                self._outbox.append(Event("host_whitelisted", f"host {h} is back after its blacklist cooldown",
+                                          {"host": h}))
+            else:
+                self._outbox.append(Event("host_added", f"host {h} added ({hosts[h]} slots)", {"host": h}))
         for h in change.removed:
             self._outbox.append(Event("host_removed", f"host {h} removed", {"host": h}))
         for h in change.resized:

@@ -1241,3 +1241,13 @@ TestCooldownMachine = CooldownMachine.TestCase
 TestCooldownMachine.settings = settings(
     _machine_settings, max_examples=300, derandomize=True, database=None, phases=[Phase.generate],
     report_multiple_bugs=False, print_blob=False)
+
+
+def test_a_listing_after_the_cooldown_says_the_host_is_back_not_added():
+    """Whether the deadline's decision or the next discovery run notices the end of a
+    cooldown first, the console and the event log say the same thing."""
+    job = Job(np=2, min_np=1, cooldown=(1.0, 1.0))
+    job.start({"a": 1, "b": 1}, at=0)
+    job.exit("w1", 1, at=1)  # b blacklisted until 2
+    acts = job.discover({"a": 1, "b": 1}, at=2.5)  # a discovery run comes before any tick
+    assert events(acts, "host_whitelisted") and not events(acts, "host_added")
