@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import cloudpickle
 
 from elasticrun.driver.driver import JobFailed
+from elasticrun.driver.functions import FunctionService, Result
+from elasticrun.driver.registry import WorkerRecord
 
 __all__ = ["run", "RunError"]
 
@@ -43,18 +45,19 @@ class RunError(JobFailed):
     ``failures``: every error a worker sent, oldest first (dicts: round, rank, host, error, traceback).
     """
 
-    def __init__(self, reason: str, exit_code: int = 1, failure: dict[str, Any] | None = None,
-                 failures: list[dict[str, Any]] | None = None):
+    def __init__(self, reason: str, exit_code: int = 1, failure: Result | None = None,
+                 failures: list[Result] | None = None):
         message = reason
         if failure is not None:
-            message += (f"\n\nrank {failure['rank']} ({failure['host']}[{failure['slot']}]) raised "
-                        f"{failure['error']}; its traceback:\n{failure['traceback'].rstrip()}")
+            message += (f"\n\nrank {failure.rank} ({failure.host}[{failure.slot}]) raised "
+                        f"{failure.error}; its traceback:\n{failure.traceback.rstrip()}")
         super().__init__(message, exit_code)
         self.reason = reason
-        self.rank = failure["rank"] if failure else None
-        self.host = failure["host"] if failure else None
-        self.remote_traceback = failure["traceback"] if failure else None
-        self.failures = failures or []
+        self.rank = failure.rank if failure else None
+        self.host = failure.host if failure else None
+        self.remote_traceback = failure.traceback if failure else None
+        self.failures = [{"worker": f.worker, "round": f.round, "rank": f.rank, "host": f.host, "slot": f.slot,
+                          "error": f.error, "traceback": f.traceback} for f in failures or []]
 
 
 def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, *,
@@ -109,14 +112,13 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
         source = FixedHosts(settings.hosts)
 
     threads_before = set(threading.enumerate())
+    functions = FunctionService(payload, [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")])
     with _driver_logging(settings.log_level):
-        driver = ElasticDriver(settings, source)
-        driver.function_payload = payload
-        driver.function_sys_path = [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")]
+        driver = ElasticDriver(settings, source, services=[functions])
         try:
             code = driver.run()
         except JobFailed as exc:
-            failures = _failures(driver)
+            failures = functions.errors()
             last = _root_cause(failures)
             raise RunError(str(exc), exc.exit_code, last, failures) from _exception(last)
         finally:
@@ -128,7 +130,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
             # (KeyboardInterrupt for SIGINT; the default SIGTERM action ends the program).
             signal.raise_signal(code - 128)
         raise RunError(f"The job was stopped by {name}.", code)
-    return _final_values(driver)
+    return _final_values(driver.registry.final_round(), functions)
 
 
 # --- options -------------------------------------------------------------------------------
@@ -174,45 +176,35 @@ def _argv(options: dict[str, Any]) -> list[str]:
 
 
 # --- results -------------------------------------------------------------------------------
-def _complete(r: dict[str, Any]) -> bytes | None:
-    return None if any(p is None for p in r["parts"]) else b"".join(r["parts"])
-
-
-def _failures(driver: Any) -> list[dict[str, Any]]:
-    return [dict(r, worker=wid) for wid, r in driver.results.items() if r["kind"] == "error"]
-
-
-def _root_cause(failures: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _root_cause(failures: list[Result]) -> Result | None:
     """The first error of the last round that had errors (later ones are usually its echoes)."""
     if not failures:
         return None
-    last_round = max(f["round"] for f in failures)
-    return next(f for f in failures if f["round"] == last_round)
+    last_round = max(f.round for f in failures)
+    return next(f for f in failures if f.round == last_round)
 
 
-def _exception(failure: dict[str, Any] | None) -> BaseException | None:
-    blob = _complete(failure) if failure is not None else None
+def _exception(failure: Result | None) -> BaseException | None:
+    blob = failure.blob if failure is not None else None
     if not blob:
         return None
-    try:  # it came in frames authenticated with the job's secret, from our own workers
+    try:  # it came in frames authenticated with the job's keys, from our own workers
         exc = cloudpickle.loads(blob)
     except Exception:
         return None
     return exc if isinstance(exc, BaseException) else None
 
 
-def _final_values(driver: Any) -> list[Any]:
-    reg = driver.registry
-    members = sorted((reg.workers[wid] for wid in reg.members.values()), key=lambda w: w.rank)
+def _final_values(members: list[WorkerRecord], functions: FunctionService) -> list[Any]:
     values: list[Any] = []
     for w in members:
-        r = driver.results.get(w.id)
-        blob = _complete(r) if r is not None and r["kind"] == "value" else None
+        r = functions.result(w.id)
+        blob = r.blob if r is not None and r.kind == "value" else None
         if blob is None:
-            failure = dict(r, worker=w.id) if r is not None and r["kind"] == "error" else None
+            failure = r if r is not None and r.kind == "error" else None
             why = w.why or (f"exited with code {w.exit_code}" if w.exit_code is not None else "did not finish")
             raise RunError(f"The job finished, but rank {w.rank} ({w.label}) of its final round returned no "
-                           f"value: it {why}.", 1, failure, _failures(driver)) from _exception(failure)
+                           f"value: it {why}.", 1, failure, functions.errors()) from _exception(failure)
         values.append(cloudpickle.loads(blob))
     return values
 

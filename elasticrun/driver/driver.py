@@ -8,7 +8,6 @@ through a pipe that the ZeroMQ poller watches alongside the sockets.
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import queue
@@ -16,9 +15,8 @@ import signal
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import zmq
 
@@ -32,7 +30,9 @@ from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.host_manager import HostManager
 from elasticrun.discovery.sources import DiscoveryError
 from elasticrun.driver import registry as reg
+from elasticrun.driver.functions import Service
 from elasticrun.driver.kvstore import KVStore
+from elasticrun.driver.notifications import Notifications
 from elasticrun.driver.output import OutputSink
 from elasticrun.driver.resets import ResetTracker
 from elasticrun.driver.ssh import DriverEndpoints, Launchers, driver_bind_address, forwarded_environment
@@ -86,7 +86,7 @@ def _receive(sock: zmq.Socket, keep: int = 2) -> tuple[list[bytes], int]:
 class ElasticDriver:
     """Runs one elastic job to completion. ``run()`` returns the exit code."""
 
-    def __init__(self, settings: JobSettings, source: Source):
+    def __init__(self, settings: JobSettings, source: Source, services: Sequence[Service] = ()):
         self.settings = settings
         self.source = source
         self.job_id = uuid.uuid4().hex[:12]
@@ -110,9 +110,7 @@ class ElasticDriver:
         # Child processes for this machine, SSH for other hosts (--launcher decides).
         self._launcher = Launchers(settings, self._sink, on_exit=lambda wid, code: self._post("exit", (wid, code)))
         self._pending_rdzv: dict[str, _Pending] = {}
-        self._updates: deque[tuple[float, bool, bool]] = deque(maxlen=16)
-        self._last_ts = 0.0
-        self._abort_reason = ""
+        self._notifications = Notifications()
         self._reported_problems: set[int] = set()  # hashes of discovery problems already said
         self._last_problems: int | None = None  # the previous discovery run's problems, hashed
         # Problems that input can repeat without end (garbage frames, discovery output): a few
@@ -127,11 +125,8 @@ class ElasticDriver:
         self._resets = ResetTracker()
         self._last_hosts: dict[str, int] | None = None
         self._started = time.monotonic()
-        # elasticrun.run(): the pickled (fn, args, kwargs) that workers fetch (set by the caller),
-        # and per worker id what each sent back ({"kind": "value"|"error", "parts": [bytes], ...}).
-        self.function_payload: bytes | None = None
-        self.function_sys_path: list[str] = []
-        self.results: dict[str, dict[str, Any]] = {}
+        # Request types served by others (elasticrun.run(): driver/functions.py).
+        self._services: dict[str, Service] = {t: svc for svc in services for t in svc.types}
 
     # --- plumbing --------------------------------------------------------------------------
     def _post(self, kind: str, payload: Any) -> None:
@@ -298,11 +293,6 @@ class ElasticDriver:
         now = time.monotonic()
         if kind == "discovered":
             self._report_discovery_problems(payload)
-            if not payload.hosts and self.registry.hosts.discovered():
-                # Removing every host would end the job and discard its state; a script that
-                # lists nothing is far more often broken than a cluster that is truly empty.
-                self._on_event("discovery_failed", "it listed no usable hosts")
-                return
             if payload.hosts != self._last_hosts:
                 self._last_hosts = dict(payload.hosts)
                 self._journal.write("discovery", hosts=payload.hosts)
@@ -338,8 +328,8 @@ class ElasticDriver:
         if msg.type == "heartbeat":
             self.registry.heartbeat(str(body.get("worker")), time.monotonic())
             self._reply(identity, msg, "heartbeat_ack", {
-                "round": self.registry.round, "aborted": self.registry.aborted, "reason": self._abort_reason,
-                "updates": [list(u) for u in self._updates]})
+                "round": self.registry.round, "aborted": self.registry.aborted,
+                "reason": self.registry.abort_reason, "updates": self._notifications.recent()})
         elif msg.type == "store":
             pending = _Pending(identity, msg.sender, body.get("req"))
             self._send_store_replies(self._store.handle(pending, body, time.monotonic()))
@@ -348,18 +338,17 @@ class ElasticDriver:
         elif msg.type == "failing":
             self._reply(identity, msg, "ack", {})
             self.registry.failing(str(body.get("worker")), str(body.get("error", ""))[:500], time.monotonic())
-        elif msg.type == "function":  # elasticrun.run(): a worker fetches the function, part by part
-            self._reply(identity, msg, "function", self._function_part(int(body.get("part", 0))))
-        elif msg.type == "result":  # elasticrun.run(): a worker's return value or exception, part by part
-            self._on_result(str(body.get("worker")), body)
-            self._reply(identity, msg, "ack", {})
+        elif msg.type in self._services:  # e.g. elasticrun.run()'s function and results
+            worker = self.registry.workers.get(str(body.get("worker")))
+            self._reply(identity, msg, *self._services[msg.type].handle(msg.type, body, worker))
         elif msg.type == "rendezvous":
             worker_id = str(body.get("worker"))
             self._pending_rdzv[worker_id] = _Pending(identity, msg.sender, body.get("req"))
             error = body.get("error")
             self.registry.rendezvous(worker_id, time.monotonic(), error=str(error)[:300] if error else None,
                                      restored=body.get("restored") is True, has_state=body.get("has_state") is True)
-        else:
+        else:  # answered, so that a peer never waits out its timeout for nothing
+            self._reply(identity, msg, "error", {"error": f"this job does not serve {msg.type!r:.40} requests"})
             self._limited.warn("ignored requests", f"ignored a {msg.type!r:.40} message from {msg.sender:.40}",
                                "unknown type")
 
@@ -394,9 +383,10 @@ class ElasticDriver:
                 pending = self._pending_rdzv.pop(act.worker_id, None)
                 if pending is not None:
                     self._reply(pending.identity, pending, "assignment", dict(
-                        act.info.as_dict(), round=act.round, notify_ts=self._last_ts, must_sync=act.must_sync))
-                if act.info.rank == 0:
-                    self._store.keep_only(f"round{act.round}/")  # earlier rounds' keys are dead
+                        act.info.as_dict(), round=act.round, notify_ts=self._notifications.last_ts,
+                        must_sync=act.must_sync))
+            elif isinstance(act, reg.ForgetRounds):
+                self._store.keep_only(f"round{act.round}/")
             elif isinstance(act, reg.Dismiss):
                 pending = self._pending_rdzv.pop(act.worker_id, None)
                 if pending is not None:
@@ -404,17 +394,13 @@ class ElasticDriver:
             elif isinstance(act, reg.Kill):
                 self._launcher.signal(act.worker_id, signal.SIGKILL)
             elif isinstance(act, reg.Notify):
-                # Strictly increasing even within one clock tick, so no update is mistaken
-                # for one already handled.
-                self._last_ts = max(time.time(), self._last_ts + 1e-6)
-                self._updates.append((self._last_ts, act.added, act.removed))
-                self._publish("hosts_updated", {"ts": self._last_ts, "added": act.added, "removed": act.removed})
-                self._journal.write("notification_sent", round=self.registry.round, ts=self._last_ts,
+                update = self._notifications.publish(act.added, act.removed, time.time())
+                self._publish("hosts_updated", {"ts": update.ts, "added": act.added, "removed": act.removed})
+                self._journal.write("notification_sent", round=self.registry.round, ts=update.ts,
                                     added=act.added, removed=act.removed)
                 what = " and ".join(w for w, on in (("added", act.added), ("removed", act.removed)) if on)
                 self._resets.trigger("hosts", f"hosts {what}", time.time())
             elif isinstance(act, reg.AbortRound):
-                self._abort_reason = act.reason
                 log.warning("round %d aborted: %s", act.round, act.reason)
                 self._publish("round_aborted", {"round": act.round, "reason": act.reason})
                 self._journal.write("round_aborted", round=act.round, reason=act.reason)
@@ -439,35 +425,6 @@ class ElasticDriver:
                 if done is not None:
                     log.info("%s", done.pop("line"))
                     self._journal.write("reset", **done)
-
-    # --- elasticrun.run(): the function goes out, the results come back ------------------------
-    #: Raw bytes per part: their base64 (4/3) plus the JSON envelope stays under MAX_FRAME_BYTES.
-    FUNCTION_PART_BYTES = MAX_FRAME_BYTES // 2
-
-    def _function_part(self, part: int) -> dict[str, Any]:
-        blob, n = self.function_payload, self.FUNCTION_PART_BYTES
-        if blob is None:
-            return {"error": "this job runs a command, not a function"}
-        parts = max(1, -(-len(blob) // n))
-        if not 0 <= part < parts:
-            return {"error": f"there is no part {part} of {parts}"}
-        return {"part": part, "parts": parts, "data": base64.b64encode(blob[part * n:(part + 1) * n]).decode(),
-                "sys_path": self.function_sys_path if part == 0 else []}
-
-    def _on_result(self, worker_id: str, body: dict[str, Any]) -> None:
-        w = self.registry.workers.get(worker_id)
-        if w is None:
-            raise ValueError(f"unknown worker {worker_id!r}")
-        kind, part, parts = str(body["kind"]), int(body["part"]), int(body["parts"])
-        if kind not in ("value", "error") or not 0 <= part < parts <= 1 << 16:
-            raise ValueError(f"bad result part {part}/{parts} of kind {kind!r}")
-        r = self.results.get(worker_id)
-        if r is None or r["kind"] != kind or len(r["parts"]) != parts:
-            r = self.results[worker_id] = {
-                "kind": kind, "parts": [None] * parts, "round": int(body.get("round", w.round)),
-                "rank": int(body.get("rank", w.rank)), "host": w.host, "slot": w.slot,
-                "error": str(body.get("error", ""))[:2000], "traceback": str(body.get("traceback", ""))[-20000:]}
-        r["parts"][part] = base64.b64decode(body["data"])
 
     def _launch(self, act: reg.Launch) -> None:
         info, s = act.info, self.settings

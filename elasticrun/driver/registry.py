@@ -150,6 +150,13 @@ class AbortRound:
 
 
 @dataclass(frozen=True)
+class ForgetRounds:
+    """``round`` has formed: store keys and waiters of every other round are dead."""
+
+    round: int
+
+
+@dataclass(frozen=True)
 class Event:
     """Something worth telling the user or the event log (``level``: how loudly)."""
 
@@ -165,7 +172,7 @@ class Finish:
     reason: str
 
 
-Action = Union[Launch, Assign, Dismiss, Kill, Notify, AbortRound, Event, Finish]
+Action = Union[Launch, Assign, Dismiss, Kill, Notify, AbortRound, ForgetRounds, Event, Finish]
 
 
 @dataclass(frozen=True)
@@ -191,6 +198,7 @@ class Registry:
         self.round = -1
         self.members: dict[tuple[str, int], str] = {}
         self.aborted = False
+        self.abort_reason = ""  # why the current round was aborted (workers hear it with heartbeats)
         self.reset_count = 0
         self.finished: Finish | None = None
         self._outbox: list[Action] = []  # what events produced, returned by the next decide()
@@ -199,9 +207,21 @@ class Registry:
         self._wait_started: float | None = None
         self._wait_reminder: float | None = None  # when the next "still waiting" line is due
         self._said: set[str] = set()  # one-time messages of the current round
+        self._empty_said = False  # an empty discovery listing was reported (until a non-empty one)
 
     # --- events: they only record ----------------------------------------------------------
     def discovered(self, hosts: Mapping[str, int], now: float) -> None:
+        """A discovery result. An empty one keeps the last hosts: removing every host would
+        end the job and discard its state, and a script that lists nothing is far more often
+        broken than a cluster that is truly empty."""
+        self._dirty = True
+        if not hosts and self.hosts.discovered():
+            if not self._empty_said:
+                self._empty_said = True
+                self._outbox.append(Event("discovery_empty", "discovery listed no usable hosts; keeping the last "
+                                          "known hosts", {}, level="warning"))
+            return
+        self._empty_said = False
         before = self.hosts.discovered()
         change = self.hosts.update(hosts, now)
         served = set(self.hosts.blacklisted())  # every host ever blacklisted (entries outlive cooldowns)
@@ -215,7 +235,6 @@ class Registry:
             self._outbox.append(Event("host_removed", f"host {h} removed", {"host": h}))
         for h in change.resized:
             self._outbox.append(Event("host_resized", f"host {h} now has {hosts[h]} slots", {"host": h}))
-        self._dirty = True
 
     def rendezvous(self, worker_id: str, now: float, error: str | None = None, restored: bool = False,
                    has_state: bool = False) -> None:
@@ -235,8 +254,7 @@ class Registry:
         if error and w.state is WorkerState.RUNNING and w.round == self.round and not self.aborted:
             # Its peers may be blocked in a collective with it (e.g. it gave up on its own
             # collective timeout): without an abort they would wait out theirs.
-            self.aborted = True
-            self._outbox.append(AbortRound(self.round, f"{w.label} left round {self.round} after an error: {error}"))
+            self._abort(f"{w.label} left round {self.round} after an error: {error}")
         w.state, w.last_seen, w.restored = WorkerState.WAITING, now, restored
         w.holds = w.holds or has_state
 
@@ -296,6 +314,10 @@ class Registry:
     def live(self) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if not w.exited]
 
+    def final_round(self) -> list[WorkerRecord]:
+        """The members of the last round formed, by rank (who returned the job's result)."""
+        return sorted((self.workers[wid] for wid in self.members.values()), key=lambda w: w.rank)
+
     def holders(self) -> list[WorkerRecord]:
         """Live workers known to hold the newest committed state."""
         return [w for w in self.workers.values() if w.holds and w.state in _LIVE]
@@ -333,8 +355,11 @@ class Registry:
             Event("host_blacklisted", f"host {w.host} blacklisted {when}", {"host": w.host}),
         ]
         if was_member and not self.aborted:
-            self.aborted = True
-            self._outbox.append(AbortRound(self.round, f"{w.label} {why}"))
+            self._abort(f"{w.label} {why}")
+
+    def _abort(self, reason: str) -> None:
+        self.aborted, self.abort_reason = True, reason
+        self._outbox.append(AbortRound(self.round, reason))
 
     def _timeouts(self, now: float) -> None:
         for w in list(self.workers.values()):
@@ -598,10 +623,11 @@ class Registry:
         if self.round > 0:
             self.reset_count += 1
         self.members = {}
-        self.aborted = False
+        self.aborted, self.abort_reason = False, ""
         self._notified_target = None
         self._wait_started = self._wait_reminder = None
         self._said.clear()
+        acts.append(ForgetRounds(self.round))
         for info, w in zip(infos, workers):
             w.state, w.round, w.rank = WorkerState.RUNNING, self.round, info.rank
             self.members[info.key] = w.id

@@ -19,6 +19,7 @@ from elasticrun.common.ratelimit import LimitedLog
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.sources import FixedHosts
 from elasticrun.driver.driver import ElasticDriver, _receive
+from elasticrun.driver.functions import FunctionService
 from elasticrun.driver.kvstore import KVStore
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,12 +56,11 @@ _SEQ = itertools.count(1)  # one sequence for every frame the tests forge: none 
 @pytest.fixture(scope="module")
 def driver():
     d = ElasticDriver(JobSettings(command=["true"], np=1, min_np=1, max_np=1, hosts={"localhost": 1}),
-                      FixedHosts({"localhost": 1}))
+                      FixedHosts({"localhost": 1}), services=[FunctionService(b"x" * 100, [])])
     d._router, d._pub = _Socket(), _Socket()
     d._rx = Codec(d._keys.secret, d.job_id, "driver-rx")
     d._pub_codec = Codec(d._keys.secret, d.job_id, "driver-pub")
     d._store = KVStore()
-    d.function_payload = b"x" * 100
     yield d
     os.close(d._wake_r)
     os.close(d._wake_w)

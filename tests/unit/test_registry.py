@@ -26,6 +26,7 @@ from elasticrun.driver.registry import (
     Dismiss,
     Event,
     Finish,
+    ForgetRounds,
     Kill,
     Launch,
     Notify,
@@ -1082,7 +1083,7 @@ class RegistryMachine(RuleBasedStateMachine):
     # -- checks on every action list ------------------------------------------------------
     def step(self, acts):
         for a in acts:
-            assert isinstance(a, (Launch, Assign, Dismiss, Kill, Notify, AbortRound, Event, Finish)), a
+            assert isinstance(a, (Launch, Assign, Dismiss, Kill, Notify, AbortRound, ForgetRounds, Event, Finish)), a
         if self.finished is not None:
             # Only log events and replies to rendezvous calls after the end.
             assert all(isinstance(a, (Event, Dismiss)) for a in acts), acts
@@ -1251,3 +1252,39 @@ def test_a_listing_after_the_cooldown_says_the_host_is_back_not_added():
     job.exit("w1", 1, at=1)  # b blacklisted until 2
     acts = job.discover({"a": 1, "b": 1}, at=2.5)  # a discovery run comes before any tick
     assert events(acts, "host_whitelisted") and not events(acts, "host_added")
+
+
+class TestPoliciesOfTheCore:
+    """Rules that used to live in the driver shell (issue 13)."""
+
+    def test_an_empty_listing_keeps_the_last_hosts_and_says_so_once(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        acts = job.discover({}, at=1)
+        assert control(acts) == [] and job.hosts.discovered() == {"a": 1, "b": 1}
+        said = events(acts, "discovery_empty")
+        assert said and said[0].level == "warning" and "keeping the last known hosts" in said[0].message
+        assert not events(job.discover({}, at=2), "discovery_empty")  # said once per streak
+        job.discover({"a": 1, "b": 1}, at=3)
+        assert events(job.discover({}, at=4), "discovery_empty")
+
+    def test_an_empty_first_listing_is_just_no_hosts_yet(self):
+        job = Job(np=1)
+        assert not events(job.discover({}, at=0), "discovery_empty")
+
+    def test_the_abort_reason_is_kept_until_the_next_round(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        assert job.reg.abort_reason == ""
+        job.exit("w1", 137, at=1)
+        assert job.reg.aborted and job.reg.abort_reason == "b[0] exited with code 137"
+        job.rdv("w0", at=2)
+        assert job.reg.round == 1 and not job.reg.aborted and job.reg.abort_reason == ""
+
+    def test_a_formed_round_forgets_the_store_of_the_others(self):
+        job = Job(np=2)
+        acts = of(job.discover({"a": 2}), Launch)
+        acts = job.rdv_all([l.worker_id for l in acts])
+        forget = of(acts, ForgetRounds)
+        assert forget == [ForgetRounds(0)]
+        assert acts.index(forget[0]) < acts.index(of(acts, Assign)[0])  # before any worker uses the store
