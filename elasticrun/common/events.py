@@ -1,24 +1,100 @@
-"""The job's event log: one JSON object per line, written by the driver.
+"""The job's event log: one JSON object per line, written by the driver, and its schema.
 
 Workers do not write files: they queue events in memory (no I/O on the training path) and
 their control thread ships them to the driver, which appends them to the same file. Every
 event carries the wall-clock time it happened (``t``, seconds since the epoch, taken where it
 happened), its ``kind`` and ``source`` ("driver" or "worker"), and where known the round, host
-and rank, so that a reset can be split into phases after the fact (benchmarks/recovery.py).
+and rank, so that a reset can be split into phases after the fact (``benchmarks/recovery.py``,
+``elasticrun timeline``).
 
-Kinds (driver): discovery, host_added, host_removed, host_resized, host_blacklisted,
-host_whitelisted, worker_started, worker_exited, worker_failed, worker_succeeded,
-notification_sent, round_aborted, round_formed, reset, job_end.
-Kinds (worker): rendezvous_complete, group_formed, notification_received, interrupt,
-failure_detected, restore, sync_done, first_step.
+Every kind is a :class:`Kind` and its fields are listed in :data:`FIELDS`; emitters (the
+driver, the registry's log events, the workers), the reset tracker and the timeline all name
+kinds through :class:`Kind`, so a kind cannot be misspelt in one place and read in another.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import threading
 import time
 from typing import IO, Any
+
+
+class Kind(str, enum.Enum):
+    """The kinds of event (a ``str``: ``Kind.ROUND_FORMED == "round_formed"`` in JSON and code)."""
+
+    # The driver's own.
+    DISCOVERY = "discovery"                  # the discovered hosts changed
+    DISCOVERY_EMPTY = "discovery_empty"      # an empty listing, ignored
+    HOST_ADDED = "host_added"
+    HOST_REMOVED = "host_removed"
+    HOST_RESIZED = "host_resized"
+    HOST_BLACKLISTED = "host_blacklisted"
+    HOST_WHITELISTED = "host_whitelisted"    # back after its cooldown
+    WORKER_STARTED = "worker_started"
+    WORKER_EXITED = "worker_exited"
+    WORKER_FAILED = "worker_failed"
+    WORKER_SUCCEEDED = "worker_succeeded"
+    HOSTS_UPDATED = "hosts_updated"          # the registry decided to notify (with what changes)
+    NOTIFICATION_SENT = "notification_sent"  # ... and the driver published it
+    HANDOVER_PENDING = "handover_pending"    # every holder of the state is leaving; no newcomer ready
+    REMOVAL_HELD = "removal_held"            # a removal would leave fewer than --min-np
+    WAITING_FOR_SLOTS = "waiting_for_slots"
+    STATE_LOST = "state_lost"                # a round formed without any holder of the state
+    ROUND_ABORTED = "round_aborted"
+    ROUND_FORMED = "round_formed"
+    RESET = "reset"                          # a reset closed: cause, sizes and cost
+    JOB_END = "job_end"
+    # The workers' (source "worker"): the phases of a reset, as each worker lives them.
+    NOTIFICATION_RECEIVED = "notification_received"
+    INTERRUPT = "interrupt"                  # HostsUpdatedInterrupt raised (all ranks at once)
+    FAILURE_DETECTED = "failure_detected"    # a collective failed: HorovodInternalError
+    RESTORE = "restore"
+    RENDEZVOUS_COMPLETE = "rendezvous_complete"
+    GROUP_FORMED = "group_formed"
+    SYNC_DONE = "sync_done"
+    FIRST_STEP = "first_step"                # the first collective of a new round completed
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: The fields of each kind, besides ``t``, ``kind`` and ``source`` (``round`` is on most).
+FIELDS: dict[Kind, tuple[str, ...]] = {
+    Kind.DISCOVERY: ("hosts",),
+    Kind.DISCOVERY_EMPTY: ("round", "message"),
+    Kind.HOST_ADDED: ("round", "message", "host"),
+    Kind.HOST_REMOVED: ("round", "message", "host"),
+    Kind.HOST_RESIZED: ("round", "message", "host"),
+    Kind.HOST_BLACKLISTED: ("round", "message", "host"),
+    Kind.HOST_WHITELISTED: ("round", "message", "host"),
+    Kind.WORKER_STARTED: ("worker", "host", "slot", "rank"),
+    Kind.WORKER_EXITED: ("worker", "code", "host", "slot", "rank"),
+    Kind.WORKER_FAILED: ("round", "message", "host", "rank"),
+    Kind.WORKER_SUCCEEDED: ("round", "message", "host"),
+    Kind.HOSTS_UPDATED: ("round", "message", "added", "removed", "handover"),
+    Kind.NOTIFICATION_SENT: ("round", "ts", "added", "removed"),
+    Kind.HANDOVER_PENDING: ("round", "message", "hosts"),
+    Kind.REMOVAL_HELD: ("round", "message", "hosts"),
+    Kind.WAITING_FOR_SLOTS: ("round", "message", "need", "ready"),
+    Kind.STATE_LOST: ("round", "message"),
+    Kind.ROUND_ABORTED: ("round", "reason"),
+    Kind.ROUND_FORMED: ("round", "message", "size", "hosts"),
+    Kind.RESET: ("cause", "trigger", "round", "from_size", "to_size", "seconds"),
+    Kind.JOB_END: ("round", "ok", "reason"),
+    Kind.NOTIFICATION_RECEIVED: ("round", "rank", "host", "slot", "ts"),
+    Kind.INTERRUPT: ("round", "rank", "host", "slot", "skip_sync", "ts", "agreed_in"),
+    Kind.FAILURE_DETECTED: ("round", "rank", "host", "slot", "error"),
+    Kind.RESTORE: ("round", "rank", "host", "slot", "ms"),
+    Kind.RENDEZVOUS_COMPLETE: ("round", "rank", "host", "slot", "size", "waited_ms"),
+    Kind.GROUP_FORMED: ("round", "rank", "host", "slot", "ms"),
+    Kind.SYNC_DONE: ("round", "rank", "host", "slot", "ms"),
+    Kind.FIRST_STEP: ("round", "rank", "host", "slot", "what"),
+}
+
+WORKER_KINDS = frozenset({Kind.NOTIFICATION_RECEIVED, Kind.INTERRUPT, Kind.FAILURE_DETECTED, Kind.RESTORE,
+                          Kind.RENDEZVOUS_COMPLETE, Kind.GROUP_FORMED, Kind.SYNC_DONE, Kind.FIRST_STEP})
 
 
 class EventLog:
@@ -28,10 +104,10 @@ class EventLog:
         self._file: IO[str] | None = open(path, "a", buffering=1, encoding="utf-8") if path else None
         self._lock = threading.Lock()
 
-    def write(self, kind: str, source: str = "driver", t: float | None = None, **fields: Any) -> None:
+    def write(self, kind: Kind | str, source: str = "driver", t: float | None = None, **fields: Any) -> None:
         if self._file is None:
             return
-        record = {"t": time.time() if t is None else t, "kind": kind, "source": source}
+        record = {"t": time.time() if t is None else t, "kind": str(kind), "source": source}
         record.update({k: v for k, v in fields.items() if v is not None})
         line = json.dumps(record, separators=(",", ":"), default=str)
         with self._lock:

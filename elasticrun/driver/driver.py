@@ -22,7 +22,7 @@ import zmq
 
 from elasticrun.common import env
 from elasticrun.common.auth import PUB_MAX_FRAME_BYTES, CurveUnavailable, JobKeys, ZapAuthenticator, secure_server
-from elasticrun.common.events import EventLog
+from elasticrun.common.events import FIELDS, WORKER_KINDS, EventLog, Kind
 from elasticrun.common.hosts import HostList
 from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, Message, ProtocolError, new_sender_id
 from elasticrun.common.ratelimit import LimitedLog
@@ -295,13 +295,13 @@ class ElasticDriver:
             self._report_discovery_problems(payload)
             if payload.hosts != self._last_hosts:
                 self._last_hosts = dict(payload.hosts)
-                self._journal.write("discovery", hosts=payload.hosts)
+                self._journal.write(Kind.DISCOVERY, hosts=payload.hosts)
             self.registry.discovered(payload.hosts, now)
         elif kind == "discovery_failed":
             self._warn_once(f"discovery failed, keeping the last known hosts: {payload}", "failed discovery runs")
         elif kind == "exit":
             worker_id, code = payload
-            self._journal.write("worker_exited", worker=worker_id, code=code, **self._where(worker_id))
+            self._journal.write(Kind.WORKER_EXITED, worker=worker_id, code=code, **self._where(worker_id))
             self._pending_rdzv.pop(worker_id, None)
             self.registry.exited(worker_id, code, now)
 
@@ -373,10 +373,10 @@ class ElasticDriver:
             if isinstance(act, reg.Event):
                 log.log(logging.WARNING if act.level == "warning" else logging.INFO, "%s", act.message)
                 self._journal.write(act.kind, round=self.registry.round, message=act.message, **act.fields)
-                if act.kind == "round_formed":
+                if act.kind is Kind.ROUND_FORMED:
                     self._resets.round_formed(self.registry.round, int(act.fields.get("size", 0)))
             elif isinstance(act, reg.Launch):
-                self._journal.write("worker_started", worker=act.worker_id, host=act.info.host, slot=act.info.slot,
+                self._journal.write(Kind.WORKER_STARTED, worker=act.worker_id, host=act.info.host, slot=act.info.slot,
                                     rank=act.info.rank)
                 self._launch(act)
             elif isinstance(act, reg.Assign):
@@ -396,35 +396,40 @@ class ElasticDriver:
             elif isinstance(act, reg.Notify):
                 update = self._notifications.publish(act.added, act.removed, time.time())
                 self._publish("hosts_updated", {"ts": update.ts, "added": act.added, "removed": act.removed})
-                self._journal.write("notification_sent", round=self.registry.round, ts=update.ts,
+                self._journal.write(Kind.NOTIFICATION_SENT, round=self.registry.round, ts=update.ts,
                                     added=act.added, removed=act.removed)
                 what = " and ".join(w for w, on in (("added", act.added), ("removed", act.removed)) if on)
                 self._resets.trigger("hosts", f"hosts {what}", time.time())
             elif isinstance(act, reg.AbortRound):
                 log.warning("round %d aborted: %s", act.round, act.reason)
                 self._publish("round_aborted", {"round": act.round, "reason": act.reason})
-                self._journal.write("round_aborted", round=act.round, reason=act.reason)
+                self._journal.write(Kind.ROUND_ABORTED, round=act.round, reason=act.reason)
                 self._resets.trigger("failure", act.reason, time.time())
             elif isinstance(act, reg.Finish):
-                self._journal.write("job_end", round=self.registry.round, ok=act.ok, reason=act.reason)
+                self._journal.write(Kind.JOB_END, round=self.registry.round, ok=act.ok, reason=act.reason)
 
     def _where(self, worker_id: str) -> dict[str, Any]:
         w = self.registry.workers.get(worker_id)
         return {"host": w.host, "slot": w.slot, "rank": w.rank} if w is not None else {}
 
     def _on_worker_events(self, sender: str, events: list[Any]) -> None:
-        """Workers' events go to the journal; the first step after a reset closes it."""
+        """Workers' events go to the journal (the kinds and fields of the schema only, values
+        shortened); the first step after a reset closes it."""
         for e in events[:500]:
-            if not isinstance(e, dict) or not isinstance(e.get("kind"), str):
+            if not isinstance(e, dict) or e.get("kind") not in WORKER_KINDS:
                 continue
-            e = dict(e)
-            kind, t = e.pop("kind"), float(e.pop("t", time.time()))
-            self._journal.write(kind, source="worker", t=t, **e)
-            if kind == "first_step":
+            kind = Kind(e["kind"])
+            t = e.get("t")
+            t = float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else time.time()
+            fields = {k: (v[:300] if isinstance(v, str) else v) for k, v in e.items()
+                      if k in FIELDS[kind] and isinstance(v, (str, int, float, bool))}
+            self._journal.write(kind, source="worker", t=t, **fields)
+            e = fields
+            if kind == Kind.FIRST_STEP:
                 done = self._resets.first_step(int(e.get("round", -1)), t)
                 if done is not None:
                     log.info("%s", done.pop("line"))
-                    self._journal.write("reset", **done)
+                    self._journal.write(Kind.RESET, **done)
 
     def _launch(self, act: reg.Launch) -> None:
         info, s = act.info, self.settings

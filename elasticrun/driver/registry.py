@@ -57,6 +57,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Union
 
+from elasticrun.common.events import Kind
 from elasticrun.discovery.host_manager import HostManager
 from elasticrun.driver.assignment import SlotInfo, assign, assign_keys
 
@@ -160,7 +161,7 @@ class ForgetRounds:
 class Event:
     """Something worth telling the user or the event log (``level``: how loudly)."""
 
-    kind: str
+    kind: Kind
     message: str
     fields: Mapping[str, object] = field(default_factory=dict)
     level: str = "info"  # "info" | "warning"
@@ -218,7 +219,7 @@ class Registry:
         if not hosts and self.hosts.discovered():
             if not self._empty_said:
                 self._empty_said = True
-                self._outbox.append(Event("discovery_empty", "discovery listed no usable hosts; keeping the last "
+                self._outbox.append(Event(Kind.DISCOVERY_EMPTY, "discovery listed no usable hosts; keeping the last "
                                           "known hosts", {}, level="warning"))
             return
         self._empty_said = False
@@ -227,14 +228,14 @@ class Registry:
         served = set(self.hosts.blacklisted())  # every host ever blacklisted (entries outlive cooldowns)
         for h in change.added:
             if h in served and h in before:  # its cooldown ended just before this listing came
-                self._outbox.append(Event("host_whitelisted", f"host {h} is back after its blacklist cooldown",
+                self._outbox.append(Event(Kind.HOST_WHITELISTED, f"host {h} is back after its blacklist cooldown",
                                           {"host": h}))
             else:
-                self._outbox.append(Event("host_added", f"host {h} added ({hosts[h]} slots)", {"host": h}))
+                self._outbox.append(Event(Kind.HOST_ADDED, f"host {h} added ({hosts[h]} slots)", {"host": h}))
         for h in change.removed:
-            self._outbox.append(Event("host_removed", f"host {h} removed", {"host": h}))
+            self._outbox.append(Event(Kind.HOST_REMOVED, f"host {h} removed", {"host": h}))
         for h in change.resized:
-            self._outbox.append(Event("host_resized", f"host {h} now has {hosts[h]} slots", {"host": h}))
+            self._outbox.append(Event(Kind.HOST_RESIZED, f"host {h} now has {hosts[h]} slots", {"host": h}))
 
     def rendezvous(self, worker_id: str, now: float, error: str | None = None, restored: bool = False,
                    has_state: bool = False) -> None:
@@ -274,7 +275,7 @@ class Registry:
             return
         if code == 0:
             w.state = WorkerState.SUCCEEDED
-            self._outbox.append(Event("worker_succeeded", f"{w.label} (rank {w.rank}) finished", {"host": w.host}))
+            self._outbox.append(Event(Kind.WORKER_SUCCEEDED, f"{w.label} (rank {w.rank}) finished", {"host": w.host}))
             return
         self._fail(w, f"exited with code {code}" + (f": {detail}" if detail else ""), now)
 
@@ -299,7 +300,7 @@ class Registry:
         if self.finished is not None:
             return acts
         for h in self.hosts.refresh(now).added:
-            acts.append(Event("host_whitelisted", f"host {h} is back after its blacklist cooldown", {"host": h}))
+            acts.append(Event(Kind.HOST_WHITELISTED, f"host {h} is back after its blacklist cooldown", {"host": h}))
         self._timeouts(now)
         acts += self._outbox
         self._outbox = []
@@ -351,8 +352,8 @@ class Registry:
         until = self.hosts.blacklist(w.host, now)
         when = "permanently" if until is None else f"for {until - now:.1f} s"
         self._outbox += [
-            Event("worker_failed", f"{w.label} (rank {w.rank}) {why}", {"host": w.host, "rank": w.rank}),
-            Event("host_blacklisted", f"host {w.host} blacklisted {when}", {"host": w.host}),
+            Event(Kind.WORKER_FAILED, f"{w.label} (rank {w.rank}) {why}", {"host": w.host, "rank": w.rank}),
+            Event(Kind.HOST_BLACKLISTED, f"host {w.host} blacklisted {when}", {"host": w.host}),
         ]
         if was_member and not self.aborted:
             self._abort(f"{w.label} {why}")
@@ -507,7 +508,7 @@ class Registry:
         if not plan:  # every holder is leaving and no newcomer is ready to take the state over
             if gone:
                 acts += self._say_once("handover", Event(
-                    "handover_pending", f"the workers holding the job's state are on host(s) {', '.join(gone)}, "
+                    Kind.HANDOVER_PENDING, f"the workers holding the job's state are on host(s) {', '.join(gone)}, "
                     f"which left discovery or were blacklisted: they keep training until new workers are ready "
                     f"to take the state over", {"hosts": gone}))
             return acts
@@ -516,7 +517,7 @@ class Registry:
         if len(plan) < self.config.min_np:
             if gone:
                 acts += self._say_once("below_min_np", Event(
-                    "removal_held", f"host(s) {', '.join(gone)} left discovery or were blacklisted, but without "
+                    Kind.REMOVAL_HELD, f"host(s) {', '.join(gone)} left discovery or were blacklisted, but without "
                     f"them fewer than --min-np "
                     f"{self.config.min_np} workers are ready: they keep training until enough are",
                     {"hosts": gone}, level="warning"))
@@ -532,7 +533,7 @@ class Registry:
             added, removed = bool(keys - current), removal
             acts.append(Notify(added=added, removed=removed))
             what = "handing the state over" if handover else "membership changing"
-            acts.append(Event("hosts_updated", f"{what} from {len(current)} to {len(keys)} worker(s)",
+            acts.append(Event(Kind.HOSTS_UPDATED, f"{what} from {len(current)} to {len(keys)} worker(s)",
                               {"added": added, "removed": removed, "handover": handover}))
         return acts
 
@@ -589,7 +590,7 @@ class Registry:
         self._wait_reminder = now + WAIT_REMINDER
         left = self._wait_limit() - waited
         ready = sum(1 for w in self.workers.values() if w.state is WorkerState.WAITING)
-        return [Event("waiting_for_slots", f"waiting for {need} ready worker(s) (have {ready}; usable hosts: "
+        return [Event(Kind.WAITING_FOR_SLOTS, f"waiting for {need} ready worker(s) (have {ready}; usable hosts: "
                       f"{hosts}); giving up in {left:.0f} s ({flag})", {"need": need, "ready": ready},
                       level="warning" if self.round >= 0 or waited > 0 else "info")]
 
@@ -615,7 +616,7 @@ class Registry:
             for w in workers:
                 w.holds = True  # they all start from the same state: the script's own
             if lost:
-                acts.append(Event("state_lost", f"round {self.round + 1} starts without any worker that held the "
+                acts.append(Event(Kind.STATE_LOST, f"round {self.round + 1} starts without any worker that held the "
                                   f"job's state: every holder is gone. The new workers start from what the script "
                                   f"loads (its initial state or its own checkpoint); training since then is redone",
                                   {}, level="warning"))
@@ -640,6 +641,6 @@ class Registry:
                 w.state = WorkerState.LEFT
                 acts.append(Dismiss(w.id, f"no place for {w.label} in the next round"))
         hosts = sorted({i.host for i in infos})
-        acts.append(Event("round_formed", f"round {self.round}: {len(infos)} worker(s) on {len(hosts)} host(s)",
+        acts.append(Event(Kind.ROUND_FORMED, f"round {self.round}: {len(infos)} worker(s) on {len(hosts)} host(s)",
                           {"size": len(infos), "hosts": hosts}))
         return acts

@@ -1,48 +1,20 @@
-"""``elasticrun timeline EVENTS.jsonl -o OUT``: pictures and traces of a job's event log.
-
-The event log (``--events``, see elasticrun/common/events.py) becomes:
-
-* ``.json``: a Chrome-trace / Perfetto file (chrome://tracing, ui.perfetto.dev). The driver is
-  one process with tracks for rounds, resets, the phases of each reset, and host/failure
-  instants; every host is a process with one track per worker slot, holding that worker's
-  rendezvous, group formation, restore, sync and training spans. Times are microseconds since
-  the first event of the job.
-* ``.svg`` (no dependency), ``.html`` (the SVG and the summary tables in one page) or
-  ``.png`` (needs matplotlib): the world size over time with markers for hosts added,
-  removed, blacklisted and failures, and one bar per reset split into its phases.
-
-and a text summary (rounds; resets with cause and cost) is printed.
-
-Phases of a reset, as in benchmarks/recovery.py but laid end to end on one clock so that they
-add up to the reset's cost as the driver reported it (from its trigger: a round aborted or a
-host update published, to the first completed collective of the new round):
-
-    detect        trigger -> the first worker notices (collective fails / interrupt)
-    decide        -> the driver forms the new round
-    rendezvous    -> the last worker of the new round has its assignment
-    group         -> the last worker has formed the process group
-    restore+sync  -> the last worker has synced the state (restore itself usually overlaps
-                     decide: it runs while the driver forms the round)
-    first step    -> the first collective of the new round completes
-
-A boundary that happened before the previous one (clocks of different hosts, or a worker that
-noticed the failure before the driver did) gives a zero-length phase.
-"""
+"""Drawing an analysed event log: a Chrome trace, an SVG, an HTML page, a PNG (matplotlib)."""
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import math
 import os
 import statistics
-import sys
-from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
-PHASES = ("detect", "decide", "rendezvous", "group", "restore+sync", "first step")
+from elasticrun.common.events import Kind
+from elasticrun.timeline.analysis import (
+    MARKERS, PHASES, Marker, TimelineError, analyze, by_cause, size_of, summary,
+)
+
 PHASE_COLORS = {
     "detect": "#d62728",
     "decide": "#ff7f0e",
@@ -51,155 +23,7 @@ PHASE_COLORS = {
     "restore+sync": "#17becf",
     "first step": "#1f77b4",
 }
-# Markers on the world-size chart: event kind -> (label, colour, shape).
-MARKERS = {
-    "host_added": ("host added", "#2ca02c", "up"),
-    "host_removed": ("host removed", "#7f7f7f", "down"),
-    "host_blacklisted": ("host blacklisted", "#000000", "cross"),
-    "host_whitelisted": ("host back from blacklist", "#9467bd", "diamond"),
-    "worker_failed": ("worker failed", "#d62728", "circle"),
-}
 FORMATS = (".json", ".svg", ".html", ".png")
-
-
-class TimelineError(Exception):
-    """A problem the user can fix (bad file, unknown format, missing matplotlib)."""
-
-
-# --- reading --------------------------------------------------------------------------------
-def load_events(path: str) -> list[dict[str, Any]]:
-    """The events of a log, by time; lines that are not JSON objects (a job killed mid-write) are skipped."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except OSError as exc:
-        raise TimelineError(f"cannot read the event log {path}: {exc.strerror or exc}") from None
-    events = []
-    for line in lines:
-        try:
-            e = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(e, dict) and isinstance(e.get("kind"), str) and isinstance(e.get("t"), (int, float)):
-            events.append(e)
-    if not events:
-        raise TimelineError(f"{path} holds no events (write one with `elasticrun --events {path} ...`)")
-    return sorted(events, key=lambda e: e["t"])
-
-
-# --- analysis -------------------------------------------------------------------------------
-@dataclass
-class Round:
-    round: int
-    size: int
-    hosts: list[str]
-    start: float
-    end: float
-
-
-@dataclass
-class Reset:
-    index: int
-    cause: str
-    trigger: str  # "failure" | "hosts"
-    round: int  # the round it led to
-    from_size: int
-    to_size: int
-    start: float
-    end: float
-    seconds: float
-    phases: list[tuple[str, float, float]]  # (name, start, end), end to end from start to end
-
-    def phase_seconds(self) -> dict[str, float]:
-        return {name: b - a for name, a, b in self.phases}
-
-
-@dataclass
-class Marker:
-    t: float
-    kind: str
-    host: str
-    label: str
-
-
-@dataclass
-class Analysis:
-    t0: float
-    t_end: float
-    rounds: list[Round]
-    resets: list[Reset]
-    markers: list[Marker]
-    steps: list[tuple[float, int]]  # world size from each time on
-    ok: bool | None = None
-    end_reason: str = ""
-    events: list[dict[str, Any]] = field(default_factory=list, repr=False)
-
-    @property
-    def duration(self) -> float:
-        return self.t_end - self.t0
-
-
-def _in_round(events: Iterable[dict], kind: str, round_: int) -> list[float]:
-    return [e["t"] for e in events if e["kind"] == kind and e.get("round") == round_ and e["source"] == "worker"]
-
-
-def analyze(events: list[dict[str, Any]]) -> Analysis:
-    """Rounds, resets (with phases), markers and the world size over time, from sorted events."""
-    if not events:
-        raise TimelineError("no events")
-    events = sorted(events, key=lambda e: e["t"])
-    for e in events:
-        e.setdefault("source", "driver")
-    t0 = events[0]["t"]
-    job_end = next((e for e in events if e["kind"] == "job_end"), None)
-    t_end = job_end["t"] if job_end else events[-1]["t"]
-    t_end = max(t_end, events[-1]["t"]) if job_end is None else t_end
-
-    formed = [e for e in events if e["kind"] == "round_formed"]
-    rounds = []
-    for i, e in enumerate(formed):
-        end = formed[i + 1]["t"] if i + 1 < len(formed) else t_end
-        rounds.append(Round(int(e.get("round", i)), int(e.get("size", 0)), list(e.get("hosts") or []), e["t"],
-                            max(end, e["t"])))
-    steps = [(t0, 0)] + [(r.start, r.size) for r in rounds]
-
-    resets = []
-    for e in (e for e in events if e["kind"] == "reset"):
-        r = int(e.get("round", -1))
-        seconds = float(e.get("seconds", 0.0))
-        first = _in_round(events, "first_step", r)
-        end = min(first) if first else e["t"]
-        start = end - seconds
-        noticed = [x["t"] for x in events if x["kind"] in ("failure_detected", "interrupt") and x["source"] == "worker"
-                   and x.get("round", -1) < r and start - 1.0 <= x["t"] <= end]
-        round_formed = [x["t"] for x in formed if x.get("round") == r]
-        marks = [
-            min(noticed, default=start),
-            min(round_formed, default=start),
-            max(_in_round(events, "rendezvous_complete", r), default=start),
-            max(_in_round(events, "group_formed", r), default=start),
-            max(_in_round(events, "sync_done", r), default=start),
-            end,
-        ]
-        phases, b = [], start
-        for name, m in zip(PHASES, marks):
-            nb = min(max(b, m), end)
-            phases.append((name, b, nb))
-            b = nb
-        resets.append(Reset(len(resets) + 1, str(e.get("cause", "?")), str(e.get("trigger", "?")), r,
-                            int(e.get("from_size", 0)), int(e.get("to_size", 0)), start, end, seconds, phases))
-
-    markers = []
-    for e in events:
-        if e["kind"] in MARKERS and e["source"] == "driver":
-            host = str(e.get("host", ""))
-            label = f"{MARKERS[e['kind']][0]}: {host}" if host else MARKERS[e["kind"]][0]
-            detail = e.get("message") or e.get("reason") or e.get("error")
-            if detail and str(detail) != label:
-                label += f" ({detail})"
-            markers.append(Marker(e["t"], e["kind"], host, label))
-    return Analysis(t0, t_end, rounds, resets, markers, steps, ok=job_end.get("ok") if job_end else None,
-                    end_reason=str(job_end.get("reason", "")) if job_end else "", events=events)
 
 
 # --- Chrome trace ---------------------------------------------------------------------------
@@ -255,10 +79,10 @@ def to_chrome_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         if k in MARKERS:
             fields = {x: e[x] for x in ("host", "slot", "rank", "message", "reason", "error", "round") if x in e}
             instant(f"{MARKERS[k][0]}: {e.get('host', '')}".rstrip(": "), DRIVER_PID, hf, e["t"],
-                    "failure" if k == "worker_failed" else "hosts", **fields)
-        elif k in ("round_aborted", "notification_sent", "job_end"):
+                    "failure" if k == Kind.WORKER_FAILED else "hosts", **fields)
+        elif k in (Kind.ROUND_ABORTED, Kind.NOTIFICATION_SENT, Kind.JOB_END):
             fields = {x: e[x] for x in ("round", "reason", "added", "removed", "ok") if x in e}
-            instant(k.replace("_", " "), DRIVER_PID, hf, e["t"], "failure" if k == "round_aborted" else "driver",
+            instant(k.replace("_", " "), DRIVER_PID, hf, e["t"], "failure" if k == Kind.ROUND_ABORTED else "driver",
                     **fields)
 
     # One process per host (in order of appearance), one track per worker slot.
@@ -280,7 +104,7 @@ def to_chrome_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     for e in events:
         if "host" in e and ("slot" in e or e["source"] == "worker") and e["kind"] not in MARKERS:
             key = (str(e["host"]), int(e.get("slot", 0)))
-            if e["source"] == "worker" or e["kind"] in ("worker_started", "worker_exited"):
+            if e["source"] == "worker" or e["kind"] in (Kind.WORKER_STARTED, Kind.WORKER_EXITED):
                 by_worker.setdefault(key, []).append(e)
     for (host, slot), mine in by_worker.items():
         pid, tid = track(host, slot)
@@ -288,29 +112,29 @@ def to_chrome_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         for e in mine:
             k, t = e["kind"], e["t"]
             where = {x: e[x] for x in ("round", "rank") if x in e}
-            if k == "worker_started":
+            if k == Kind.WORKER_STARTED:
                 instant("worker started", pid, tid, t, "worker", worker=e.get("worker"), rank=e.get("rank"))
-            elif k == "worker_exited":
+            elif k == Kind.WORKER_EXITED:
                 if train_from is not None:
                     span("training", pid, tid, train_from[0], t, "training", **train_from[1])
                     train_from = None
                 instant(f"worker exited ({e.get('code')})", pid, tid, t, "worker", worker=e.get("worker"),
                         code=e.get("code"))
-            elif k == "rendezvous_complete":
+            elif k == Kind.RENDEZVOUS_COMPLETE:
                 span("rendezvous", pid, tid, t - float(e.get("waited_ms", 0)) / 1000, t, "reset", size=e.get("size"),
                      **where)
-            elif k in ("group_formed", "sync_done", "restore"):
-                name = {"group_formed": "group formation", "sync_done": "sync", "restore": "restore"}[k]
+            elif k in (Kind.GROUP_FORMED, Kind.SYNC_DONE, Kind.RESTORE):
+                name = {Kind.GROUP_FORMED: "group formation", Kind.SYNC_DONE: "sync", Kind.RESTORE: "restore"}[k]
                 span(name, pid, tid, t - float(e.get("ms", 0)) / 1000, t, "reset", **where)
-                if k != "restore":
-                    train_from = (t, dict(where, size=_size_of(a, e.get("round"))))
-            elif k in ("interrupt", "failure_detected"):
+                if k != Kind.RESTORE:
+                    train_from = (t, dict(where, size=size_of(a, e.get("round"))))
+            elif k in (Kind.INTERRUPT, Kind.FAILURE_DETECTED):
                 if train_from is not None:
                     span("training", pid, tid, train_from[0], t, "training", **train_from[1])
                     train_from = None
-                args = dict(where, error=e.get("error")) if k == "failure_detected" else dict(where)
-                instant(k.replace("_", " "), pid, tid, t, "failure" if k == "failure_detected" else "reset", **args)
-            elif k in ("first_step", "notification_received"):
+                args = dict(where, error=e.get("error")) if k == Kind.FAILURE_DETECTED else dict(where)
+                instant(k.replace("_", " "), pid, tid, t, "failure" if k == Kind.FAILURE_DETECTED else "reset", **args)
+            elif k in (Kind.FIRST_STEP, Kind.NOTIFICATION_RECEIVED):
                 instant(k.replace("_", " "), pid, tid, t, "reset", **where)
         if train_from is not None:
             span("training", pid, tid, train_from[0], a.t_end, "training", **train_from[1])
@@ -318,10 +142,6 @@ def to_chrome_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     return {"traceEvents": out, "displayTimeUnit": "ms",
             "otherData": {"generator": "elasticrun timeline", "job_start_unix_s": a.t0,
                           "duration_s": round(a.duration, 6), "rounds": len(a.rounds), "resets": len(a.resets)}}
-
-
-def _size_of(a: Analysis, round_: Any) -> int | None:
-    return next((r.size for r in a.rounds if r.round == round_), None)
 
 
 def _unoverlap(out: list[dict[str, Any]]) -> None:
@@ -340,44 +160,6 @@ def _unoverlap(out: list[dict[str, Any]]) -> None:
                 e["dur"] = round(max(0.0, stop - end), 1)
             end = max(end, e["ts"] + e["dur"])
 
-
-# --- text summary ---------------------------------------------------------------------------
-def _ms(s: float) -> str:
-    return f"{s * 1000:.0f} ms" if s < 10 else f"{s:.1f} s"
-
-
-def summary(a: Analysis) -> str:
-    recovering = sum(r.seconds for r in a.resets)
-    share = f" ({100 * recovering / a.duration:.1f}% of the job)" if a.duration > 0 else ""
-    status = "" if a.ok is None else (" succeeded" if a.ok else " failed")
-    lines = [f"job{status} in {a.duration:.1f} s: {len(a.rounds)} round(s), {len(a.resets)} reset(s), "
-             f"{recovering:.2f} s recovering{share}"]
-    if a.end_reason:
-        lines.append(f"  end: {a.end_reason}")
-    if a.rounds:
-        lines.append("rounds:")
-        for r in a.rounds:
-            lines.append(f"  round {r.round:<3} {r.size:>3} worker(s)  {r.start - a.t0:7.1f} s -> "
-                         f"{r.end - a.t0:7.1f} s  on {', '.join(r.hosts)}")
-    if a.resets:
-        lines.append("resets (phases in ms: " + " / ".join(PHASES) + "):")
-        for rs in a.resets:
-            ph = " / ".join(f"{v * 1000:.0f}" for v in rs.phase_seconds().values())
-            lines.append(f"  reset {rs.index} at {rs.start - a.t0:.1f} s ({rs.cause}): {rs.from_size} -> "
-                         f"{rs.to_size} worker(s), {_ms(rs.seconds)}  [{ph}]")
-        lines.append("resets by cause:")
-        for cause, items in _by_cause(a.resets).items():
-            secs = [r.seconds for r in items]
-            lines.append(f"  {cause}: {len(items)} reset(s), {_ms(sum(secs))} in all, median "
-                         f"{_ms(statistics.median(secs))}, max {_ms(max(secs))}")
-    return "\n".join(lines)
-
-
-def _by_cause(resets: list[Reset]) -> dict[str, list[Reset]]:
-    groups: dict[str, list[Reset]] = {}
-    for r in resets:
-        groups.setdefault(r.cause, []).append(r)
-    return groups
 
 
 # --- SVG ------------------------------------------------------------------------------------
@@ -565,7 +347,7 @@ def to_html(events: list[dict[str, Any]], title: str = "elasticrun job timeline"
     causes = "".join(
         f"<tr><td>{html.escape(c)}</td><td>{len(items)}</td><td>{sum(r.seconds for r in items) * 1000:.1f}</td>"
         f"<td>{statistics.median(r.seconds for r in items) * 1000:.1f}</td></tr>"
-        for c, items in _by_cause(a.resets).items())
+        for c, items in by_cause(a.resets).items())
     phase_heads = "".join(f"<th>{html.escape(p)} ms</th>" for p in PHASES)
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
@@ -652,36 +434,3 @@ def write(events: list[dict[str, Any]], path: str, title: str = "elasticrun job 
             else to_svg(events, title) if ext == ".svg" else to_html(events, title))
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="elasticrun timeline",
-        description="Summarize a job's event log (elasticrun --events FILE) and draw it: .json is a Chrome-trace / "
-                    "Perfetto file (chrome://tracing, ui.perfetto.dev); .svg, .html and .png (needs matplotlib) show "
-                    "the world size over time and one bar per reset split into its phases.")
-    p.add_argument("events", metavar="EVENTS.jsonl", help="the event log written by elasticrun --events")
-    p.add_argument("-o", "--output", action="append", default=[], metavar="OUT",
-                   help="output file; its extension picks the format (.json, .svg, .html, .png); may be repeated")
-    p.add_argument("--title", default="elasticrun job timeline", help="title of the picture")
-    p.add_argument("-q", "--quiet", action="store_true", help="do not print the summary")
-    args = p.parse_args(argv)
-    try:
-        for out in args.output:  # check every extension before doing any work
-            if os.path.splitext(out)[1].lower() not in FORMATS:
-                raise TimelineError(f"{out}: unknown output format; the extension must be one of {', '.join(FORMATS)}")
-        events = load_events(args.events)
-        if not args.quiet:
-            print(summary(analyze(events)))
-        for out in args.output:
-            write(events, out, args.title)
-            if not args.quiet:
-                print(f"wrote {out}")
-    except TimelineError as exc:
-        sys.stderr.write(f"elasticrun timeline: {exc}\n")
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
