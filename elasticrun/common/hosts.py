@@ -66,6 +66,9 @@ class HostList:
     warnings: list[str] = field(default_factory=list)
     more_errors: int = 0  # not kept, only counted
     more_warnings: int = 0
+    # Hosts listed with the word ``draining``: still up, but about to go (a spot reclaim
+    # notice, a cordoned node): their workers leave gracefully and none is started there.
+    draining: set[str] = field(default_factory=set)
 
     def error(self, message: str) -> None:
         if len(self.errors) < MAX_KEPT_PROBLEMS:
@@ -89,8 +92,13 @@ class HostList:
         self.hosts[host] = max(slots, previous or 0)
 
 
+#: The word after a host that says it is about to go away (see HostList.draining).
+DRAINING = "draining"
+
+
 def parse_discovery_output(text: str, default_slots: int) -> HostList:
-    """Parse a discovery script's stdout: one ``host`` or ``host:slots`` per line.
+    """Parse a discovery script's stdout: one ``host``, ``host:slots`` or ``host[:slots] draining``
+    per line.
 
     Blank lines and ``#`` comments are ignored; an invalid line is reported (with its line
     number and text) and skipped, so one bad line never hides the good ones. The caller
@@ -101,12 +109,19 @@ def parse_discovery_output(text: str, default_slots: int) -> HostList:
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
+        entry, *rest = line.split(None, 1)
+        word = rest[0].strip() if rest else ""
+        if word and word != DRAINING:
+            result.error(f"line {number}: {shown(line)}: expected `host[:slots]` or `host[:slots] {DRAINING}`")
+            continue
         try:
-            host, slots = parse_host_entry(line, default_slots)
+            host, slots = parse_host_entry(entry, default_slots)
         except HostSpecError as exc:
             result.error(f"line {number}: {exc}")
             continue
         result.add(host, slots, f"line {number}")
+        if word:
+            result.draining.add(host)
     return result
 
 

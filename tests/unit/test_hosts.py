@@ -382,3 +382,12 @@ class TestParseHostfile:
                 lines.append(f"{host}:{slots}")
             expected[host] = default if slots is None else slots
         assert parse_hostfile("\n".join(lines), default) == expected
+
+
+def test_draining_hosts_are_listed_and_marked():
+    from elasticrun.common.hosts import parse_discovery_output
+
+    r = parse_discovery_output("a:2\nb:4 draining\nc\tdraining  # reclaimed in 2 min\nd:1 leaving\n", 1)
+    assert r.hosts == {"a": 2, "b": 4, "c": 1}
+    assert r.draining == {"b", "c"}
+    assert len(r.errors) == 1 and "expected `host[:slots]` or `host[:slots] draining`" in r.errors[0]
