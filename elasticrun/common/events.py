@@ -32,6 +32,8 @@ class Kind(str, enum.Enum):
     HOST_RESIZED = "host_resized"
     HOST_BLACKLISTED = "host_blacklisted"
     HOST_WHITELISTED = "host_whitelisted"    # back after its cooldown
+    HOST_DRAINING = "host_draining"          # discovery says it is about to go
+    HOST_LEAVING = "host_leaving"            # one of its workers got SIGTERM: it is going
     WORKER_STARTED = "worker_started"
     WORKER_EXITED = "worker_exited"
     WORKER_FAILED = "worker_failed"
@@ -42,6 +44,8 @@ class Kind(str, enum.Enum):
     REMOVAL_HELD = "removal_held"            # a removal would leave fewer than --min-np
     WAITING_FOR_SLOTS = "waiting_for_slots"
     STATE_LOST = "state_lost"                # a round formed without any holder of the state
+    WORKERS_LOST = "workers_lost"            # every worker lost to the infrastructure; resuming from disk
+    RESUMED = "resumed"                      # a round starts from the newest durable copy
     ROUND_ABORTED = "round_aborted"
     ROUND_FORMED = "round_formed"
     RESET = "reset"                          # a reset closed: cause, sizes and cost
@@ -69,6 +73,8 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.HOST_RESIZED: ("round", "message", "host"),
     Kind.HOST_BLACKLISTED: ("round", "message", "host"),
     Kind.HOST_WHITELISTED: ("round", "message", "host"),
+    Kind.HOST_DRAINING: ("round", "message", "host"),
+    Kind.HOST_LEAVING: ("round", "message", "host", "why"),
     Kind.WORKER_STARTED: ("worker", "host", "slot", "rank"),
     Kind.WORKER_EXITED: ("worker", "code", "host", "slot", "rank"),
     Kind.WORKER_FAILED: ("round", "message", "host", "rank"),
@@ -79,6 +85,8 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.REMOVAL_HELD: ("round", "message", "hosts"),
     Kind.WAITING_FOR_SLOTS: ("round", "message", "need", "ready"),
     Kind.STATE_LOST: ("round", "message"),
+    Kind.WORKERS_LOST: ("round", "message"),
+    Kind.RESUMED: ("round", "message", "checkpoint", "commit", "saved_at", "steps_back"),
     Kind.ROUND_ABORTED: ("round", "reason"),
     Kind.ROUND_FORMED: ("round", "message", "size", "hosts"),
     Kind.RESET: ("cause", "trigger", "round", "from_size", "to_size", "seconds"),

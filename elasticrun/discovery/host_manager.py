@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Collection, Mapping
+
+
+#: Why a host is draining (HostManager.draining()).
+NOTICE = "notice"  # discovery listed it `draining`
+LEAVING = "leaving"  # one of its workers received SIGTERM
 
 
 @dataclass(frozen=True)
@@ -55,19 +60,37 @@ class HostManager:
     _discovered: dict[str, int] = field(default_factory=dict)
     _order: list[str] = field(default_factory=list)
     _blacklist: dict[str, _Blacklisting] = field(default_factory=dict)
+    # Hosts about to go away, and who said so: NOTICE (discovery listed them `draining`; it
+    # lasts while it lists them so) or LEAVING (one of their workers got SIGTERM; it lasts
+    # until discovery stops listing the host, which is then new if it ever comes back).
+    _draining: dict[str, str] = field(default_factory=dict)
     _now: float = float("-inf")
 
     # -- inputs ---------------------------------------------------------------------------
-    def update(self, discovered: Mapping[str, int], now: float) -> HostChange:
-        """Take a new discovery result; return how the usable hosts changed."""
+    def update(self, discovered: Mapping[str, int], now: float,
+               draining: Collection[str] | None = None) -> HostChange:
+        """Take a new discovery result (``draining``: the hosts it says are about to go; None:
+        as before); return how the usable hosts changed."""
         before = dict(self.available())
         self._discovered = dict(discovered)
         self._now = max(self._now, now)
-        self._order = [h for h in self._order if h in self._discovered and not self._is_blocked(h)]
+        for host, why in list(self._draining.items()):
+            if host not in self._discovered or (why == NOTICE and draining is not None and host not in draining):
+                del self._draining[host]
+        for host in draining or ():
+            if host in self._discovered:
+                self._draining.setdefault(host, NOTICE)
+        self._order = [h for h in self._order if h in self._discovered and self._usable(h)]
         for host in self._discovered:
-            if host not in self._order and not self._is_blocked(host):
+            if host not in self._order and self._usable(host):
                 self._order.append(host)
         return self._diff(before)
+
+    def drain(self, host: str, now: float) -> HostChange:
+        """A worker of ``host`` was told it will be stopped (SIGTERM): the host is going."""
+        if host in self._discovered:
+            self._draining.setdefault(host, LEAVING)
+        return self.update(self._discovered, now)
 
     def blacklist(self, host: str, now: float) -> float | None:
         """Blacklist ``host`` after a failure; return when it may come back (None: never)."""
@@ -82,6 +105,11 @@ class HostManager:
         if host in self._order:
             self._order.remove(host)
         return until
+
+    def pardon(self, host: str, now: float) -> HostChange:
+        """Forget ``host``'s blacklisting (the whole job was lost at once: no host is to blame)."""
+        self._blacklist.pop(host, None)
+        return self.update(self._discovered, now)
 
     def refresh(self, now: float) -> HostChange:
         """Let hosts whose cooldown has ended back in; return what that changed."""
@@ -111,10 +139,17 @@ class HostManager:
                  if e.until is not None and e.until > self._now and h in self._discovered]
         return min(times) if times else None
 
+    def draining(self) -> dict[str, str]:
+        """Hosts about to go away: host -> NOTICE (discovery) or LEAVING (a worker's SIGTERM)."""
+        return dict(self._draining)
+
     def is_permanent(self) -> bool:
         return self.cooldown_range is None
 
     # -- internals ------------------------------------------------------------------------
+    def _usable(self, host: str) -> bool:
+        return not self._is_blocked(host) and host not in self._draining
+
     def _is_blocked(self, host: str) -> bool:
         entry = self._blacklist.get(host)
         if entry is None:

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Union
+from typing import Callable, Collection, Mapping, Union
 
 from elasticrun.common.events import Kind
 from elasticrun.discovery.host_manager import HostManager
@@ -93,6 +93,7 @@ class WorkerRecord:
     last_seen: float | None = None  # last heartbeat or request; None until the first contact
     restored: bool = False  # it rolled back to its last commit before asking for this round
     holds: bool = False  # it holds the job's newest committed state (see the module docstring)
+    script_error: bool = False  # it failed with a Python exception of its own (not the machine's doing)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -118,6 +119,8 @@ class Assign:
     # The state must be synced: new members, or the previous round failed or some member
     # rolled back (then ranks that took a host-update interrupt hold a newer commit).
     must_sync: bool = True
+    # Load the newest durable copy before the sync (rank 0 of a round that no holder joined).
+    restore: bool = False
 
 
 @dataclass(frozen=True)
@@ -209,9 +212,10 @@ class Registry:
         self._wait_reminder: float | None = None  # when the next "still waiting" line is due
         self._said: set[str] = set()  # one-time messages of the current round
         self._empty_said = False  # an empty discovery listing was reported (until a non-empty one)
+        self.durable_commit: int | None = None  # the commit of the newest durable copy (--checkpoint-dir)
 
     # --- events: they only record ----------------------------------------------------------
-    def discovered(self, hosts: Mapping[str, int], now: float) -> None:
+    def discovered(self, hosts: Mapping[str, int], now: float, draining: Collection[str] = ()) -> None:
         """A discovery result. An empty one keeps the last hosts: removing every host would
         end the job and discard its state, and a script that lists nothing is far more often
         broken than a cluster that is truly empty."""
@@ -224,7 +228,12 @@ class Registry:
             return
         self._empty_said = False
         before = self.hosts.discovered()
-        change = self.hosts.update(hosts, now)
+        was_draining = self.hosts.draining()
+        change = self.hosts.update(hosts, now, draining)
+        for h in sorted(set(draining) & set(hosts)):
+            if h not in was_draining:
+                self._outbox.append(Event(Kind.HOST_DRAINING, f"host {h} is about to go (discovery lists it "
+                                          f"draining): its workers leave at their next step", {"host": h}))
         served = set(self.hosts.blacklisted())  # every host ever blacklisted (entries outlive cooldowns)
         for h in change.added:
             if h in served and h in before:  # its cooldown ended just before this listing came
@@ -233,7 +242,8 @@ class Registry:
             else:
                 self._outbox.append(Event(Kind.HOST_ADDED, f"host {h} added ({hosts[h]} slots)", {"host": h}))
         for h in change.removed:
-            self._outbox.append(Event(Kind.HOST_REMOVED, f"host {h} removed", {"host": h}))
+            if h not in self.hosts.draining():
+                self._outbox.append(Event(Kind.HOST_REMOVED, f"host {h} removed", {"host": h}))
         for h in change.resized:
             self._outbox.append(Event(Kind.HOST_RESIZED, f"host {h} now has {hosts[h]} slots", {"host": h}))
 
@@ -258,6 +268,24 @@ class Registry:
             self._abort(f"{w.label} left round {self.round} after an error: {error}")
         w.state, w.last_seen, w.restored = WorkerState.WAITING, now, restored
         w.holds = w.holds or has_state
+
+    def leaving(self, worker_id: str, why: str, now: float) -> None:
+        """A worker was told it will be stopped (SIGTERM: a reclaim, a pod deletion, scancel).
+        Its host goes like a discovery removal: its workers leave at their next step, without
+        a rollback, and nothing starts there until discovery lists it anew."""
+        w = self.workers.get(worker_id)
+        if w is None or w.state in _GONE:
+            return
+        self._dirty = True
+        if w.host not in self.hosts.draining():
+            self._outbox.append(Event(Kind.HOST_LEAVING, f"host {w.host} leaving ({why})", {"host": w.host, "why": why}))
+        self.hosts.drain(w.host, now)
+
+    def durable(self, commit: int) -> None:
+        """A durable copy of ``commit`` exists (written now, or found at start with --checkpoint-dir):
+        a round that no holder of the state joins starts from it instead of from scratch."""
+        self.durable_commit = commit
+        self._dirty = True
 
     def heartbeat(self, worker_id: str, now: float) -> None:
         """A sign of life from a worker (no decision depends on it until it stops)."""
@@ -285,6 +313,7 @@ class Registry:
         if w is None or w.state in _GONE:
             return
         self._dirty = True
+        w.script_error = True
         self._fail(w, f"failed: {error}", now)
 
     @property
@@ -546,8 +575,18 @@ class Registry:
         live = [w for w in self.workers.values() if w.state not in _GONE]
         failed = [w for w in self.workers.values() if w.state is WorkerState.FAILED]
         if not live and failed:
-            detail = "; ".join(f"{w.label} {w.why}" for w in failed[-8:])
-            return acts + self._finish(False, f"all workers failed ({detail})")
+            if not self._resumable(failed):
+                detail = "; ".join(f"{w.label} {w.why}" for w in failed[-8:])
+                return acts + self._finish(False, f"all workers failed ({detail})")
+            if "collapse" not in self._said:
+                # Losing everything at once says nothing about any one host: let them all back.
+                for h in sorted({w.host for w in failed if w.round == self.round}):
+                    self.hosts.pardon(h, now)
+                target = self._target()
+            acts += self._say_once("collapse", Event(
+                Kind.WORKERS_LOST, f"every worker is gone; waiting up to --elastic-timeout "
+                f"{self.config.elastic_timeout:g} s for --min-np {self.config.min_np} slots to resume from the "
+                f"durable copy of commit {self.durable_commit}", {}, level="warning"))
         if self.hosts.all_blacklisted() and self.hosts.is_permanent():
             return acts + self._finish(False, "every host is blacklisted after failures: "
                                        + ", ".join(self.hosts.blacklisted()))
@@ -573,6 +612,12 @@ class Registry:
         if len(plan) < need:
             return acts  # the rest are starting
         return acts + self._form_round(plan)
+
+    def _resumable(self, failed: list[WorkerRecord]) -> bool:
+        """Every worker is gone, and a durable copy can carry on: some member of the last round
+        was lost to the infrastructure (killed, silent, unreachable), not to its own exception."""
+        return (self.durable_commit is not None and self.round >= 0
+                and any(not w.script_error for w in failed if w.round == self.round))
 
     def _wait(self, need: int, now: float) -> list[Action]:
         """Not enough slots: wait up to the limit, saying what for (then every 30 s)."""
@@ -611,11 +656,13 @@ class Registry:
         new_members = any(w.id not in previous for w in workers)
         must_sync = new_members or self.aborted or any(w.restored for w in workers)
         acts: list[Action] = []
+        restore = False
         if not any(w.holds for w in workers):
             lost = self.round >= 0
             for w in workers:
-                w.holds = True  # they all start from the same state: the script's own
-            if lost:
+                w.holds = True  # they all start from the same state: the script's own, or the durable copy
+            restore = self.durable_commit is not None
+            if lost and not restore:
                 acts.append(Event(Kind.STATE_LOST, f"round {self.round + 1} starts without any worker that held the "
                                   f"job's state: every holder is gone. The new workers start from what the script "
                                   f"loads (its initial state or its own checkpoint); training since then is redone",
@@ -632,7 +679,7 @@ class Registry:
         for info, w in zip(infos, workers):
             w.state, w.round, w.rank = WorkerState.RUNNING, self.round, info.rank
             self.members[info.key] = w.id
-            acts.append(Assign(w.id, self.round, info, must_sync))
+            acts.append(Assign(w.id, self.round, info, must_sync or restore, restore and info.rank == 0))
         # Holders kept for a hand-over that are not in it, and anyone else waiting outside the
         # target, have no place now.
         keep = {i.key for i in self._target()} | set(self.members)

@@ -1069,6 +1069,31 @@ class RegistryMachine(RuleBasedStateMachine):
             assert self.reg.heartbeat(wid, self.job.now) is None
         self.check_state()
 
+    @precondition(lambda self: any(w.state in LIVE_STATES for w in self.reg.workers.values()))
+    @rule(data=st.data(), dt=st.integers(0, 3))
+    def leaving(self, data, dt):
+        """A worker gets SIGTERM: its host is going."""
+        wid = data.draw(st.sampled_from(sorted(w.id for w in self.reg.workers.values() if w.state in LIVE_STATES)),
+                        label="sigterm")
+        self.job._at(self.job.now + dt)
+        self.before = {w for w in self.holders if self.reg.workers[w].state in LIVE_STATES}
+        self.reg.leaving(wid, "SIGTERM", self.job.now)
+        self.step(self.reg.decide(self.job.now))
+
+    @precondition(lambda self: bool(self.current_hosts))
+    @rule(data=st.data(), dt=st.integers(0, 3))
+    def drain_notice(self, data, dt):
+        """Discovery lists some hosts as draining."""
+        draining = data.draw(st.sets(st.sampled_from(sorted(self.current_hosts))), label="draining")
+        self.job._at(self.job.now + dt)
+        self.before = {w for w in self.holders if self.reg.workers[w].state in LIVE_STATES}
+        self.reg.discovered(self.current_hosts, self.job.now, draining)
+        self.step(self.reg.decide(self.job.now))
+
+    @rule(commit=st.integers(1, 100))
+    def durable_copy(self, commit):
+        self.reg.durable(commit)
+
     @rule(dt=st.sampled_from([1, 3, 10, 30]))
     def tick(self, dt):
         self.step(self.job.tick(self.job.now + dt))
@@ -1101,6 +1126,7 @@ class RegistryMachine(RuleBasedStateMachine):
 
         for launch in of(acts, Launch):
             assert launch.worker_id not in self.launched
+            assert launch.info.host not in self.reg.hosts.draining(), f"launched on draining {launch.info.host}"
             self.launched.add(launch.worker_id)
 
         round_now = self.last_round
@@ -1152,6 +1178,9 @@ class RegistryMachine(RuleBasedStateMachine):
         else:
             assert not outside
             self.holders |= new_ids  # a round without holders: they all start from the script's state
+        # Rank 0 restores the durable copy exactly when no holder joined and a copy exists.
+        assert [a.restore for a in assigns] == [not alive_holders and self.reg.durable_commit is not None] + \
+            [False] * (size - 1)
         if first:  # the first round is the whole target
             total = sum(available.values())
             assert size == (total if self.cfg.max_np is None else min(total, self.cfg.max_np))
@@ -1288,3 +1317,83 @@ class TestPoliciesOfTheCore:
         forget = of(acts, ForgetRounds)
         assert forget == [ForgetRounds(0)]
         assert acts.index(forget[0]) < acts.index(of(acts, Assign)[0])  # before any worker uses the store
+
+
+class TestGoingAway:
+    """Issue 14: hosts about to go (discovery's `draining`, a worker's SIGTERM) leave gracefully."""
+
+    def test_a_draining_host_leaves_at_once_and_gets_no_new_worker(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        job.reg.discovered({"a": 1, "b": 1}, 1.0, draining={"b"})
+        acts = job.tick(1)
+        assert of(acts, Notify) == [Notify(added=False, removed=True)]
+        assert events(acts, "host_draining") and not events(acts, "host_removed")
+        acts = job.rdv_all(["w1", "w0"], at=2)
+        assert [d.worker_id for d in of(acts, Dismiss)] == ["w1"] and not of(acts, Launch)
+        acts = job.exit("w1", 0, at=3)  # its exit frees the slot, but b is still draining
+        assert not of(acts, Launch)
+        acts = job.discover({"a": 1, "b": 1}, at=4)  # listed without the word: usable again
+        assert [l.info.key for l in of(acts, Launch)] == [("b", 0)]
+
+    def test_a_worker_told_to_stop_takes_its_host_out(self):
+        job = Job(np=3, min_np=1)
+        job.start({"a": 1, "b": 2})
+        job.reg.leaving("w1", "SIGTERM", 1.0)
+        acts = job.tick(1)
+        assert [e.message for e in events(acts, "host_leaving")] == ["host b leaving (SIGTERM)"]
+        assert of(acts, Notify) == [Notify(added=False, removed=True)]
+        acts = job.rdv_all(["w1", "w2", "w0"], at=2)
+        assert sorted(d.worker_id for d in of(acts, Dismiss)) == ["w1", "w2"]
+        assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0)}
+        job.exit("w1", 0, at=3), job.exit("w2", 0, at=3)
+        assert not of(job.discover({"a": 1, "b": 2}, at=4), Launch)  # still listed: still going
+        job.discover({"a": 1}, at=5)  # gone from the listing ...
+        assert len(of(job.discover({"a": 1, "b": 2}, at=6), Launch)) == 2  # ... and back: a new host
+
+
+class TestDurableCopies:
+    """Issue 14: with a durable copy, losing every worker to the infrastructure is survived."""
+
+    def test_every_worker_killed_then_resumed_from_the_durable_copy(self):
+        job = Job(np=2, min_np=2, elastic_timeout=60.0)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.reg.durable(7)
+        job.exit("w0", -9, at=1)
+        acts = job.exit("w1", -9, at=1)
+        assert not of(acts, Finish)
+        assert events(acts, "workers_lost") and not job.hosts.blacklisted()  # nobody to blame
+        launches = of(acts, Launch)
+        assert sorted(l.info.key for l in launches) == [("a", 0), ("b", 0)]
+        acts = job.rdv_all([l.worker_id for l in launches], at=3)
+        assigns = of(acts, Assign)
+        assert [(a.info.rank, a.restore, a.must_sync) for a in assigns] == [(0, True, True), (1, False, True)]
+        assert not events(acts, "state_lost")
+
+    def test_every_worker_failing_by_its_own_exception_fails_the_job(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.reg.durable(7)
+        job.failing("w0", "ValueError: bad batch", at=1)
+        acts = job.failing("w1", "ValueError: bad batch", at=1)
+        assert of(acts, Finish) and "all workers failed" in of(acts, Finish)[0].reason
+
+    def test_without_a_durable_copy_losing_everything_fails_as_before(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.exit("w0", -9, at=1)
+        assert "all workers failed" in of(job.exit("w1", -9, at=1), Finish)[0].reason
+
+    def test_a_job_started_with_a_durable_copy_restores_it_in_round_0(self):
+        job = Job(np=2)
+        job.reg.durable(3)
+        assigns = job.start({"a": 2})
+        assert [(a.info.rank, a.restore) for a in assigns] == [(0, True), (1, False)]
+
+    def test_a_round_with_a_holder_does_not_restore(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        job.reg.durable(5)
+        job.exit("w1", -9, at=1)
+        assigns = of(job.rdv("w0", at=2), Assign)
+        assert [a.restore for a in assigns] == [False]
