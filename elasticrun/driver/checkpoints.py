@@ -175,28 +175,58 @@ class Writer:
     """
 
     def __init__(self, directory: str, number: int, *, commit: int, steps: int, saved_at: float, job: str,
-                 world: int, data_bytes: int, meta: bytes):
+                 world: int, data_bytes: int, meta: bytes | None = None):
         self.directory = directory
         self.final = os.path.join(directory, _name(number))
         self.tmp = os.path.join(directory, f".tmp-{_name(number)}-{os.getpid()}")
-        self._manifest = Manifest(number, commit, steps, saved_at, job, world, len(meta),
-                                  hashlib.sha256(meta).hexdigest(), data_bytes)
+        self._manifest = Manifest(number, commit, steps, saved_at, job, world, 0, "", data_bytes)
         self._got: dict[int, Shard] = {}
         self._covered = 0
+        self._meta_fd = self._data = -1
+        self._meta_done = False
         try:
             os.makedirs(directory, exist_ok=True)
             shutil.rmtree(self.tmp, ignore_errors=True)
             os.mkdir(self.tmp, 0o700)
-            self._write_file("meta.bin", meta)
-            fd = os.open(os.path.join(self.tmp, "data.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.ftruncate(fd, data_bytes)
-            finally:
-                os.close(fd)
-            self._data = os.open(os.path.join(self.tmp, "data.bin"), os.O_WRONLY)
+            self._data = self._create("data.bin", data_bytes)
         except OSError as exc:
             self.abort()
             raise CheckpointError(f"cannot write in {directory}: {exc.strerror or exc}") from None
+        if meta is not None:
+            self.meta_size(len(meta))
+            self.write_meta(0, meta)
+            self.meta_done(hashlib.sha256(meta).hexdigest())
+
+    def _create(self, name: str, size: int) -> int:
+        fd = os.open(os.path.join(self.tmp, name), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(fd, size)
+        return fd
+
+    def meta_size(self, size: int) -> None:
+        """Rank 0 says how long the metadata is (it sends it in parts, like a shard)."""
+        if self._meta_fd >= 0:
+            return
+        try:
+            self._meta_fd = self._create("meta.bin", size)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write {self.tmp}/meta.bin: {exc.strerror or exc}") from None
+        self._manifest.meta_bytes = size
+
+    def write_meta(self, offset: int, chunk: bytes | memoryview) -> None:
+        if self._meta_fd < 0:
+            raise CheckpointError("metadata before its size")
+        self._pwrite(self._meta_fd, "meta.bin", self._manifest.meta_bytes, offset, chunk)
+
+    def meta_done(self, sha256: str) -> None:
+        try:
+            with open(os.path.join(self.tmp, "meta.bin"), "rb") as f:
+                got = _sha256_range(f, 0, self._manifest.meta_bytes)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read back {self.tmp}/meta.bin: {exc.strerror or exc}") from None
+        if got != sha256:
+            raise CheckpointError("the metadata arrived damaged (checksum mismatch)")
+        self._manifest.meta_sha256 = sha256
+        self._meta_done = True
 
     def _write_file(self, name: str, blob: bytes) -> None:
         fd = os.open(os.path.join(self.tmp, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -208,19 +238,21 @@ class Writer:
         finally:
             os.close(fd)
 
-    def write(self, offset: int, chunk: bytes | memoryview) -> None:
-        """Bytes of data.bin at ``offset`` (a part of some rank's shard)."""
-        if offset < 0 or offset + len(chunk) > self._manifest.data_bytes:
-            raise CheckpointError(f"bytes {offset}..{offset + len(chunk)} lie outside the copy's "
-                                  f"{self._manifest.data_bytes} bytes")
+    def _pwrite(self, fd: int, name: str, size: int, offset: int, chunk: bytes | memoryview) -> None:
+        if offset < 0 or offset + len(chunk) > size:
+            raise CheckpointError(f"bytes {offset}..{offset + len(chunk)} lie outside {name}'s {size} bytes")
         try:
             view = memoryview(chunk)
             at = offset
             while view:
-                n = os.pwrite(self._data, view, at)
+                n = os.pwrite(fd, view, at)
                 view, at = view[n:], at + n
         except OSError as exc:
-            raise CheckpointError(f"cannot write {self.tmp}/data.bin: {exc.strerror or exc}") from None
+            raise CheckpointError(f"cannot write {self.tmp}/{name}: {exc.strerror or exc}") from None
+
+    def write(self, offset: int, chunk: bytes | memoryview) -> None:
+        """Bytes of data.bin at ``offset`` (a part of some rank's shard)."""
+        self._pwrite(self._data, "data.bin", self._manifest.data_bytes, offset, chunk)
 
     def shard_done(self, offset: int, size: int, sha256: str) -> None:
         """A rank has sent all of its shard; check it against the rank's own checksum."""
@@ -238,15 +270,16 @@ class Writer:
 
     @property
     def complete(self) -> bool:
-        return self._covered == self._manifest.data_bytes and len(self._got) == self._manifest.world
+        return self._meta_done and self._covered == self._manifest.data_bytes and len(self._got) == self._manifest.world
 
     def commit(self, keep: int) -> Durable:
         """Make the copy durable and visible; drop copies beyond the newest ``keep``."""
         self._manifest.shards = sorted(self._got.values(), key=lambda s: s.offset)
         try:
-            os.fsync(self._data)
-            os.close(self._data)
-            self._data = -1
+            for fd in (self._data, self._meta_fd):
+                os.fsync(fd)
+                os.close(fd)
+            self._data = self._meta_fd = -1
             self._write_file("manifest.json", json.dumps(self._manifest.as_json(), indent=1).encode())
             _fsync_dir(self.tmp)
             os.rename(self.tmp, self.final)
@@ -260,12 +293,14 @@ class Writer:
 
     def abort(self) -> None:
         """Forget this copy (nothing already durable is touched)."""
-        if getattr(self, "_data", -1) >= 0:
-            try:
-                os.close(self._data)
-            except OSError:
-                pass
-            self._data = -1
+        for name in ("_data", "_meta_fd"):
+            fd = getattr(self, name, -1)
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                setattr(self, name, -1)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 

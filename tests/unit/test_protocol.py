@@ -500,3 +500,17 @@ def test_refusals_name_a_fixed_reason():
         with pytest.raises(ProtocolError) as err:
             rx.decode(frame)
         assert err.value.reason == reason, (frame[:40], str(err.value))
+
+
+def test_messages_with_a_blob_are_authenticated_as_a_whole():
+    from elasticrun.common.protocol import Codec, ProtocolError
+
+    a, b = Codec(b"k" * 32, "job", "a"), Codec(b"k" * 32, "job", "b")
+    header, blob = a.encode_with_blob("ckpt_part", {"offset": 8}, b"\x00\x01" * 1000)
+    msg, data = b.decode_with_blob(header, bytes(blob))
+    assert msg.type == "ckpt_part" and msg.body["offset"] == 8 and data == b"\x00\x01" * 1000
+    header, blob = a.encode_with_blob("ckpt_part", {"offset": 8}, b"abc")
+    with pytest.raises(ProtocolError, match="bad MAC"):
+        b.decode_with_blob(header, b"abd")  # a changed byte of the blob
+    with pytest.raises(ProtocolError, match="bad MAC"):
+        Codec(b"x" * 32, "job", "c").decode_with_blob(header, b"abc")

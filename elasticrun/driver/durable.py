@@ -1,0 +1,202 @@
+"""The driver's side of durable copies: receiving shards, writing them, serving restores.
+
+Durable copies move megabytes to gigabytes, so they have a socket and a thread of their own:
+the driver's event loop (heartbeats, rendezvous, notifications) never waits for a shard to be
+verified or written. The socket is a CURVE server behind the job's ZAP gate like the control
+socket, and every message is HMAC-authenticated; a shard's bytes travel as a raw second frame
+covered by the MAC (``Codec.encode_with_blob``), so nothing is base64-encoded or parsed.
+
+Worker -> driver messages (each answered with ``ack`` or ``error``, which is the flow control):
+
+    ckpt_begin  {id, rank, world, commit, steps, saved_at, data_bytes, meta_bytes (rank 0)}
+    ckpt_data   {id, offset} + bytes of data.bin       ckpt_meta {id, offset} + bytes (rank 0)
+    ckpt_end    {id, rank, offset, size, sha256, meta_sha256 (rank 0)}
+    ckpt_info   {}                        -> the newest copy: number, commit, steps, sizes
+    ckpt_read   {number, file, offset, size}  -> bytes of meta.bin or data.bin (a restore)
+
+One copy is written at a time: a request with a newer id replaces an unfinished one, and an
+unfinished copy is dropped after ``stale_after`` seconds (a rank died mid-transfer). A failed
+write is a warning: the job goes on with its in-memory commits and the older copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import zmq
+
+from elasticrun.common.auth import JobKeys, secure_server
+from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, Message, ProtocolError, new_sender_id
+from elasticrun.common.ratelimit import LimitedLog
+from elasticrun.driver import checkpoints as ck
+
+log = logging.getLogger("elasticrun")
+
+#: Bytes per message of a shard or a restore (with the header, under the frame limit).
+CHUNK = MAX_FRAME_BYTES // 2
+
+
+class DurableService(threading.Thread):
+    """Durable copies of the job's commits in ``directory``; see the module docstring.
+
+    ``on_written(durable, seconds)`` is called (on this thread) when a copy is whole on disk;
+    ``warn(line)`` for a copy that failed.
+    """
+
+    def __init__(self, ctx: zmq.Context, keys: JobKeys, job_id: str, directory: str, *,
+                 on_written: Callable[[ck.Durable, float], None], warn: Callable[[str], None],
+                 keep: int = 2, stale_after: float = 600.0, newest: ck.Durable | None = None):
+        super().__init__(name="elasticrun-durable", daemon=True)
+        self.directory = directory
+        self._codec = Codec(keys.secret, job_id, new_sender_id("driver-durable"))
+        self._job = job_id
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        secure_server(self._sock, keys, MAX_FRAME_BYTES + 4096)
+        self._on_written, self._warn = on_written, warn
+        self._keep, self._stale_after = keep, stale_after
+        self._newest = newest  # what a restore reads
+        self._writer: ck.Writer | None = None
+        self._writing: tuple[int, float] | None = None  # (request id, when its first shard came)
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._dropped = LimitedLog(log)
+
+    # --- the driver's side ---------------------------------------------------------------------
+    def bind(self, endpoint_base: str) -> str:
+        """Listen on ``tcp://ADDR`` (a random port); return the endpoint workers connect to."""
+        port = self._sock.bind_to_random_port(endpoint_base)
+        return f"{endpoint_base}:{port}"
+
+    @property
+    def newest(self) -> ck.Durable | None:
+        with self._lock:
+            return self._newest
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping.set()
+        self.join(timeout)
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+        self._sock.close(0)
+
+    # --- the thread ----------------------------------------------------------------------------
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if poller.poll(200):
+                for _ in range(64):
+                    try:
+                        parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_message([p.buffer for p in parts])
+            self._expire()
+
+    def _on_message(self, parts: list[memoryview]) -> None:
+        if len(parts) not in (2, 3):
+            self._dropped.warn("dropped durable-copy frames", f"dropped a message of {len(parts)} frames", "shape")
+            return
+        identity = bytes(parts[0])
+        try:
+            if len(parts) == 3:
+                msg, blob = self._codec.decode_with_blob(bytes(parts[1]), parts[2])
+            else:
+                msg, blob = self._codec.decode(bytes(parts[1])), b""
+        except ProtocolError as exc:
+            self._dropped.warn("dropped durable-copy frames", f"dropped a durable-copy frame: {exc}", exc.reason)
+            return
+        try:
+            reply, data = self._handle(msg, blob)
+        except (ck.CheckpointError, KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, ck.CheckpointError) and self._writer is not None:
+                self._fail(str(exc))
+            reply, data = {"error": str(exc)[:500]}, None
+        body = dict(reply, re=msg.body.get("req"))
+        try:
+            if data is None:
+                self._sock.send_multipart([identity, self._codec.encode("ack" if "error" not in reply else "error",
+                                                                        body, to=msg.sender)], zmq.NOBLOCK)
+            else:
+                self._sock.send_multipart([identity, *self._codec.encode_with_blob("ack", body, data, to=msg.sender)],
+                                          zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError):
+            pass  # the worker is gone
+
+    def _handle(self, msg: Message, blob: Any) -> tuple[dict[str, Any], bytes | None]:
+        b = msg.body
+        if msg.type == "ckpt_info":
+            d = self.newest
+            if d is None:
+                return {"error": "there is no durable copy"}, None
+            m = d.manifest
+            return {"number": m.number, "commit": m.commit, "steps": m.steps, "saved_at": m.saved_at,
+                    "meta_bytes": m.meta_bytes, "data_bytes": m.data_bytes}, None
+        if msg.type == "ckpt_read":
+            d = self.newest
+            if d is None or int(b["number"]) != d.manifest.number:
+                return {"error": f"durable copy {b.get('number')!r} is not the newest"}, None
+            name = {"meta": "meta.bin", "data": "data.bin"}[str(b["file"])]
+            return {}, ck.read_range(d.path, name, int(b["offset"]), min(int(b["size"]), CHUNK))
+        request = int(b["id"])
+        if msg.type == "ckpt_begin":
+            self._begin(request, b)
+            return {}, None
+        w = self._current(request)
+        if msg.type == "ckpt_data":
+            w.write(int(b["offset"]), blob)
+        elif msg.type == "ckpt_meta":
+            w.write_meta(int(b["offset"]), blob)
+        elif msg.type == "ckpt_end":
+            w.shard_done(int(b["offset"]), int(b["size"]), str(b["sha256"]))
+            if b.get("meta_sha256"):
+                w.meta_done(str(b["meta_sha256"]))
+            if w.complete:
+                self._finish(w)
+        else:
+            raise ValueError(f"unknown request {msg.type!r}")
+        return {}, None
+
+    def _begin(self, request: int, b: dict[str, Any]) -> None:
+        if self._writing is not None and self._writing[0] != request:
+            if request < self._writing[0]:
+                raise ValueError(f"copy {request} was replaced by copy {self._writing[0]}")
+            self._fail(f"copy {self._writing[0]} was replaced by copy {request} before it was whole")
+        if self._writer is None:
+            self._writer = ck.Writer(self.directory, ck.next_number(self.directory), commit=int(b["commit"]),
+                                     steps=int(b["steps"]), saved_at=float(b["saved_at"]), job=self._job,
+                                     world=int(b["world"]), data_bytes=int(b["data_bytes"]))
+            self._writing = (request, time.monotonic())
+        if int(b["rank"]) == 0:
+            self._writer.meta_size(int(b["meta_bytes"]))
+
+    def _current(self, request: int) -> ck.Writer:
+        if self._writer is None or self._writing is None or self._writing[0] != request:
+            raise ValueError(f"copy {request} is not being written")
+        return self._writer
+
+    def _finish(self, w: ck.Writer) -> None:
+        assert self._writing is not None
+        started = self._writing[1]
+        self._writer, self._writing = None, None
+        durable = w.commit(self._keep)
+        with self._lock:
+            self._newest = durable
+        self._on_written(durable, time.monotonic() - started)
+
+    def _fail(self, why: str) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+        self._writer, self._writing = None, None
+        self._warn(f"durable copy not written ({why}); training goes on from the in-memory commits")
+
+    def _expire(self) -> None:
+        if self._writing is not None and time.monotonic() - self._writing[1] > self._stale_after:
+            self._fail(f"not all ranks sent their shards within {self._stale_after:g} s")
+        self._dropped.flush()
