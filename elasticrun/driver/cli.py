@@ -18,13 +18,11 @@ from elasticrun.common.hosts import MAX_SLOTS_PER_HOST, HostSpecError, parse_hos
 from elasticrun.common.paths import check_writable_dir, check_writable_file
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.sources import FixedHosts, ScriptDiscovery, discovery_command
-from elasticrun.driver import check, config
+from elasticrun.driver import check, config, network
 from elasticrun.driver.parser import ExitingParser, RaisingParser, build_parser, read_hostfile
 
 
 def _remote_settings(parser: argparse.ArgumentParser, a: argparse.Namespace) -> dict:
-    from elasticrun.driver import ssh
-
     extra_env: dict[str, str] = {}
     for item in a.env:
         name, eq, value = item.partition("=")
@@ -48,7 +46,7 @@ def _remote_settings(parser: argparse.ArgumentParser, a: argparse.Namespace) -> 
     address = a.driver_address
     if a.network_interface is not None:
         try:
-            address = ssh.interface_address(a.network_interface)
+            address = network.interface_address(a.network_interface)
         except OSError as exc:
             parser.error(f"--network-interface {a.network_interface}: {exc.strerror or exc}")
     elif address is not None:
@@ -59,7 +57,7 @@ def _remote_settings(parser: argparse.ArgumentParser, a: argparse.Namespace) -> 
             parser.error(f"--driver-address {a.driver_address}: {exc.strerror}")
     if address is not None:
         try:
-            ssh.check_bindable(address)
+            network.check_bindable(address)
         except OSError as exc:
             flag = f"--network-interface {a.network_interface}" if a.network_interface else f"--driver-address {address}"
             parser.error(f"{flag}: cannot listen on {address} here ({exc.strerror or exc})")

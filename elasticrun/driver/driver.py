@@ -35,7 +35,8 @@ from elasticrun.driver import registry as reg
 from elasticrun.driver.kvstore import KVStore
 from elasticrun.driver.output import OutputSink
 from elasticrun.driver.resets import ResetTracker
-from elasticrun.driver.ssh import DriverEndpoints, Launchers, driver_bind_address, forwarded_environment
+from elasticrun.driver.network import DriverEndpoints, driver_bind_address
+from elasticrun.driver.ssh import Launchers, forwarded_environment
 
 log = logging.getLogger("elasticrun")
 

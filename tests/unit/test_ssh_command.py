@@ -14,7 +14,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -81,63 +80,6 @@ def test_forwarded_environment_drops_session_variables():
                                          (255, 255)])
 def test_decode_exit_status(status, code):
     assert ssh.decode_exit_status(status) == code
-
-
-# --- address selection -----------------------------------------------------------------------------
-def test_route_source_address_for_loopback_hosts():
-    for host in ("127.0.0.2", "someone@127.0.0.3", "localhost"):
-        assert ssh.route_source_address(host).startswith("127.")
-
-
-def test_route_source_address_unknown_name():
-    with pytest.raises(OSError):
-        ssh.route_source_address("no-such-host.invalid")
-
-
-def test_interface_address():
-    assert ssh.interface_address("lo") == "127.0.0.1"
-    with pytest.raises(OSError, match="no network interface 'nosuch0' .*lo"):
-        ssh.interface_address("nosuch0")
-
-
-class _FakeSocket:
-    def __init__(self):
-        self.binds: list[str] = []
-        self.options: dict = {}
-
-    def bind_to_random_port(self, base: str) -> int:
-        self.binds.append(base)
-        return 40000 + len(self.binds)
-
-    def setsockopt(self, opt, value):
-        self.options[opt] = value
-
-
-def test_driver_endpoints_bind_the_routed_address_once_per_address():
-    router, pub = _FakeSocket(), _FakeSocket()
-    routes = {"a": "10.0.0.5", "b": "10.0.0.5", "c": "192.168.1.2"}
-    ep = ssh.DriverEndpoints(router, pub, None, route=routes.__getitem__)
-    assert ep.local() == ("tcp://127.0.0.1:40001", "tcp://127.0.0.1:40001")
-    assert ep.for_host("a")[0].startswith("tcp://10.0.0.5:")
-    assert ep.for_host("b") == ep.for_host("a")
-    assert ep.for_host("c")[1].startswith("tcp://192.168.1.2:")
-    assert router.binds == ["tcp://127.0.0.1", "tcp://10.0.0.5", "tcp://192.168.1.2"]
-
-
-def test_driver_endpoints_forced_address_for_everyone():
-    router, pub = _FakeSocket(), _FakeSocket()
-    ep = ssh.DriverEndpoints(router, pub, "10.1.2.3", route=lambda h: pytest.fail("must not route"))
-    assert ep.local() == ep.for_host("anything")
-    assert router.binds == ["tcp://10.1.2.3"]
-
-
-def test_driver_endpoints_ipv6():
-    import zmq
-
-    router, pub = _FakeSocket(), _FakeSocket()
-    ep = ssh.DriverEndpoints(router, pub, "::1")
-    assert ep.local()[0].startswith("tcp://[::1]:")
-    assert router.options[zmq.IPV6] == 1 and pub.options[zmq.IPV6] == 1
 
 
 def _settings(**kw) -> JobSettings:
@@ -319,10 +261,3 @@ def test_bootstrap_kills_the_whole_group_when_the_driver_goes(how, tmp_path):
     assert elapsed < 2.0, elapsed  # SIGTERM is enough for these; SIGKILL only after the grace
     assert _reports(out)[0][-1] == {"exit": -15}
     assert proc.returncode == 128 + 15
-
-
-def test_check_bindable():
-    ssh.check_bindable("127.0.0.1")
-    with pytest.raises(OSError):
-        ssh.check_bindable("203.0.113.7")
-    socket.inet_aton(ssh.interface_address("lo"))
