@@ -22,7 +22,6 @@ from typing import Any, Protocol
 
 import zmq
 
-from elasticrun.common import env
 from elasticrun.common.auth import PUB_MAX_FRAME_BYTES, CurveUnavailable, JobKeys, ZapAuthenticator, secure_server
 from elasticrun.common.events import EventLog
 from elasticrun.common.hosts import HostList
@@ -32,11 +31,12 @@ from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.host_manager import HostManager
 from elasticrun.discovery.sources import DiscoveryError
 from elasticrun.driver import registry as reg
+from elasticrun.driver.environment import worker_environment
 from elasticrun.driver.kvstore import KVStore
+from elasticrun.driver.network import DriverEndpoints, driver_bind_address
 from elasticrun.driver.output import OutputSink
 from elasticrun.driver.resets import ResetTracker
-from elasticrun.driver.network import DriverEndpoints, driver_bind_address
-from elasticrun.driver.ssh import Launchers, forwarded_environment
+from elasticrun.driver.ssh import Launchers
 
 log = logging.getLogger("elasticrun")
 
@@ -482,22 +482,9 @@ class ElasticDriver:
                           "set --driver-address or --network-interface", info.host, exc.strerror or exc)
                 self._post("exit", (act.worker_id, 255))
                 return
-        # Remote workers get the driver's environment minus what describes this shell/session
-        # (or nothing of it, with --no-forward-env); the SSH launcher never puts it on a command line.
-        worker_env = forwarded_environment(os.environ, s.forward_env) if remote else dict(os.environ)
-        if s.network_interface and "GLOO_SOCKET_IFNAME" not in os.environ:
-            worker_env["GLOO_SOCKET_IFNAME"] = s.network_interface
-        worker_env.update(s.extra_env)
-        worker_env.update({
-            env.HOSTNAME: info.host, env.RANK: str(info.rank), env.SIZE: str(info.size),
-            env.LOCAL_RANK: str(info.local_rank), env.LOCAL_SIZE: str(info.local_size),
-            env.CROSS_RANK: str(info.cross_rank), env.CROSS_SIZE: str(info.cross_size),
-            env.SLOT: str(info.slot), env.WORKER_ID: act.worker_id, env.JOB_ID: self.job_id,
-            env.CONTROL_ADDR: control_addr, env.NOTIFY_ADDR: notify_addr,
-            env.COLLECTIVE_TIMEOUT: str(s.collective_timeout), env.RENDEZVOUS_TIMEOUT: str(s.elastic_wait_limit),
-            env.HEARTBEAT_INTERVAL: str(s.heartbeat_interval), env.DRIVER_TIMEOUT: str(s.driver_timeout),
-            env.LOG_LEVEL: s.worker_log_level, "PYTHONUNBUFFERED": "1",
-        })
+        worker_env = worker_environment(s, info, job_id=self.job_id, worker_id=act.worker_id,
+                                        control_addr=control_addr, notify_addr=notify_addr,
+                                        base_env=os.environ, remote=remote)
         try:
             # The keys go through a pipe (locally) or the SSH channel, never the environment.
             self._launcher.launch(act.worker_id, s.command, worker_env, host=info.host, keys=self._worker_keys)

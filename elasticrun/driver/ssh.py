@@ -80,14 +80,6 @@ log = logging.getLogger("elasticrun")
 
 LAUNCHER_MODES = ("auto", "local", "ssh")
 
-# Variables of the driver's environment that describe the driver's own shell or session and
-# must not be imposed on a remote worker (horovodrun skips the first ones too).
-_NOT_FORWARDED = frozenset({
-    "OLDPWD", "PWD", "SHLVL", "_", "HOSTNAME", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_AUTH_SOCK",
-    "SSH_AGENT_PID", "DISPLAY", "XAUTHORITY", "TMUX", "TMUX_PANE", "STY", "WINDOWID", "TERMCAP",
-})
-_NOT_FORWARDED_PREFIXES = ("BASH_FUNC_",)
-
 # The bootstrap and watchdog, run by the remote Python (3.6+, standard library only).
 _BOOTSTRAP = r'''
 import json, os, shutil, signal, sys, threading, time
@@ -272,18 +264,6 @@ def launch_payload(command: list[str], env: Mapping[str, str], cwd: str, grace: 
     request = {"mark": mark, "command": list(command), "env": dict(env), "cwd": cwd, "grace": grace,
                "keys": keys.decode("ascii") if keys is not None else None}
     return (json.dumps(_BOOTSTRAP) + "\n" + json.dumps(request) + "\n").encode("ascii")
-
-
-def forwarded_environment(environ: Mapping[str, str], forward: bool) -> dict[str, str]:
-    """The part of the driver's environment a remote worker gets (before -x and the job's own).
-
-    ``forward=False`` (``--no-forward-env``): nothing; the worker keeps the remote login
-    environment plus what ``-x`` names.
-    """
-    if not forward:
-        return {}
-    return {k: v for k, v in environ.items()
-            if k not in _NOT_FORWARDED and not k.startswith(_NOT_FORWARDED_PREFIXES)}
 
 
 def decode_exit_status(status: int) -> int:
