@@ -7,19 +7,12 @@ The driver opens (or reuses) one SSH connection per host and runs, in a new sess
     exec python3 -c 'import sys,json;exec(json.loads(sys.stdin.readline()))' elasticrun-worker JOB WORKER
 
 The command line holds no configuration at all. Over the channel's stdin the driver then sends
-two JSON lines: the source of a small *bootstrap* (``_BOOTSTRAP`` below, standard library only)
-and the launch request: the worker's command, environment, working directory and a per-launch
-marker. The bootstrap then
-
-1. changes to the working directory and looks the command up on the worker's ``PATH``,
-2. forks the worker into **its own process group**, reports the group id on stdout (one
-   marker line), and only then lets the worker ``exec`` — so the driver can signal the whole
-   tree the worker will start before it has started anything;
-3. stays behind as a **watchdog**: when its stdin reaches EOF (the SSH connection is gone
-   because the driver died, was killed with SIGKILL, or closed the channel) or it gets
-   SIGTERM/SIGINT/SIGHUP, it sends SIGTERM to the worker's group and SIGKILL after the grace
-   period; when the worker exits on its own, it SIGKILLs what is left of the group (the worker's
-   children), reports the worker's exit status (one marker line) and exits.
+two JSON lines: the source of a small *bootstrap* (``remote_bootstrap.py``, read as text from
+this package: standard library only, Python 3.6+) and the launch request: the worker's
+command, environment, working directory, the job's keys and a per-launch marker. The bootstrap
+starts the worker in its own process group, reports the group on stdout (so ``signal()`` can
+reach the whole tree the worker will start) and stays behind as a watchdog that stops that
+group when its stdin reaches EOF, i.e. when the driver's connection is gone; see its docstring.
 
 Why the environment travels over stdin (and not an SFTP temp file)
 ------------------------------------------------------------------
@@ -54,7 +47,9 @@ with code 255, as ``ssh`` does.
 
 from __future__ import annotations
 
+import functools
 import getpass
+import importlib.resources
 import json
 import logging
 import os
@@ -80,154 +75,14 @@ log = logging.getLogger("elasticrun")
 
 LAUNCHER_MODES = ("auto", "local", "ssh")
 
-# The bootstrap and watchdog, run by the remote Python (3.6+, standard library only).
-_BOOTSTRAP = r'''
-import json, os, shutil, signal, sys, threading, time
+#: The remote command line's program: it runs the first stdin line (the bootstrap's source).
+LOADER = "import sys,json;exec(json.loads(sys.stdin.readline()))"
 
 
-def _main():
-    cfg = json.loads(sys.stdin.readline())
-    mark = cfg["mark"]
-
-    def report(**fields):
-        try:
-            sys.stdout.write(mark + json.dumps(fields) + "\n")
-            sys.stdout.flush()
-        except (OSError, ValueError):
-            pass  # the driver is gone; the exit status is all that is left
-
-    env = dict(os.environ)  # the remote login environment, overlaid with the forwarded one
-    env.update(cfg["env"])
-    env.pop("ELASTICRUN_SECRET_FD", None)
-    keys = cfg.pop("keys", None)  # the job's keys: through a pipe, never the environment
-    command, cwd, grace = cfg["command"], cfg["cwd"], float(cfg["grace"])
-    try:
-        os.chdir(cwd)
-    except OSError as exc:
-        report(error="cwd", detail="cannot change to directory %s: %s" % (cwd, exc.strerror))
-        return 126
-    env["PWD"] = cwd if os.path.isabs(cwd) else os.getcwd()
-    prog = command[0]
-    path = env.get("PATH", os.defpath)
-    found = shutil.which(prog, path=path)
-    if found is None:
-        if os.sep in prog:
-            why = "not executable" if os.path.exists(prog) else "no such file"
-            report(error="not_found", detail="%s: %s" % (prog, why))
-        else:
-            report(error="not_found", detail="command not found: %s (searched PATH=%s)" % (prog, path))
-        return 127
-
-    gate_r, gate_w = os.pipe()
-    err_r, err_w = os.pipe()  # close-on-exec: EOF without data means the exec succeeded
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(gate_w)
-            os.close(err_r)
-            os.setpgid(0, 0)
-            os.read(gate_r, 1)  # wait until the driver knows our group
-            os.close(gate_r)
-            for name in ("SIGPIPE", "SIGXFSZ"):  # Python ignores them; the worker must not
-                if hasattr(signal, name):
-                    signal.signal(getattr(signal, name), signal.SIG_DFL)
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)  # the worker never reads the driver's pipe
-            if keys is not None:  # tiny: fits the pipe's buffer, so writing never blocks
-                key_r, key_w = os.pipe()
-                os.write(key_w, keys.encode("ascii"))
-                os.close(key_w)
-                os.set_inheritable(key_r, True)
-                env["ELASTICRUN_SECRET_FD"] = str(key_r)
-            os.execve(found, command, env)
-        except BaseException as exc:
-            try:
-                os.write(err_w, ("%s: %s" % (prog, getattr(exc, "strerror", None) or exc)).encode("utf-8", "replace"))
-            except BaseException:
-                pass
-        os._exit(127)
-
-    os.close(gate_r)
-    os.close(err_w)
-    keys = cfg = None  # the watchdog keeps no copy
-    try:
-        os.setpgid(pid, pid)  # also here, so the group exists before anyone signals it
-    except OSError:
-        pass
-    report(pid=pid, pgid=pid, watchdog=os.getpid())
-    os.write(gate_w, b"x")
-    os.close(gate_w)
-    failed = b""
-    while True:
-        chunk = os.read(err_r, 4096)
-        if not chunk:
-            break
-        failed += chunk
-    os.close(err_r)
-    if failed:
-        os.waitpid(pid, 0)
-        report(error="exec", detail=failed.decode("utf-8", "replace"))
-        return 126
-
-    stop = threading.Event()
-    status = []
-
-    def wait_child():
-        status.append(os.waitpid(pid, 0)[1])
-        stop.set()
-
-    def watch_driver():
-        try:
-            while os.read(0, 4096):
-                pass
-        except OSError:
-            pass
-        stop.set()  # EOF: the driver's connection is gone (or it closed this channel)
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
-    threading.Thread(target=wait_child, daemon=True).start()
-    threading.Thread(target=watch_driver, daemon=True).start()
-    while not stop.wait(1.0):
-        pass
-
-    def killpg(sig):
-        try:
-            os.killpg(pid, sig)
-        except OSError:
-            pass
-
-    if not status:  # asked to stop, or the driver is gone: SIGTERM the group, SIGKILL after grace
-        killpg(signal.SIGTERM)
-        deadline = time.time() + grace
-        while not status and time.time() < deadline:
-            time.sleep(0.02)
-    killpg(signal.SIGKILL)  # whatever is left of the group: the worker's own children too
-    deadline = time.time() + 10
-    while not status and time.time() < deadline:
-        time.sleep(0.02)
-    if not status:
-        return 255
-    st = status[0]
-    code = -os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st)
-    report(exit=code)
-    return code if code >= 0 else 128 - code
-
-
-try:
-    _code = _main()
-except BaseException as _exc:
-    import traceback
-    traceback.print_exc()
-    _code = 125
-try:
-    sys.stdout.flush()
-    sys.stderr.flush()
-finally:
-    os._exit(_code)
-'''
-
-_LOADER = "import sys,json;exec(json.loads(sys.stdin.readline()))"
+@functools.lru_cache(maxsize=1)
+def bootstrap_source() -> str:
+    """The remote bootstrap's source, as sent to every remote host (read once per process)."""
+    return importlib.resources.files("elasticrun.driver").joinpath("remote_bootstrap.py").read_text(encoding="utf-8")
 
 
 # --- pure helpers (unit-tested) --------------------------------------------------------------
@@ -249,7 +104,7 @@ def split_user(host: str, default_user: str | None = None) -> tuple[str, str]:
 
 def remote_command(python: str, job_id: str, worker_id: str) -> str:
     """The command line run by the remote login shell: no environment, no secret, no user command."""
-    return " ".join(["exec", shlex.quote(python), "-c", shlex.quote(_LOADER), "elasticrun-worker",
+    return " ".join(["exec", shlex.quote(python), "-c", shlex.quote(LOADER), "elasticrun-worker",
                      shlex.quote(job_id), shlex.quote(worker_id)])
 
 
@@ -263,7 +118,7 @@ def launch_payload(command: list[str], env: Mapping[str, str], cwd: str, grace: 
     """
     request = {"mark": mark, "command": list(command), "env": dict(env), "cwd": cwd, "grace": grace,
                "keys": keys.decode("ascii") if keys is not None else None}
-    return (json.dumps(_BOOTSTRAP) + "\n" + json.dumps(request) + "\n").encode("ascii")
+    return (json.dumps(bootstrap_source()) + "\n" + json.dumps(request) + "\n").encode("ascii")
 
 
 def decode_exit_status(status: int) -> int:
