@@ -99,6 +99,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
 
     from elasticrun.discovery.sources import CallableDiscovery, FixedHosts, ScriptDiscovery
     from elasticrun.driver.driver import ElasticDriver
+    from elasticrun.driver.launchers import Launchers
 
     if discovery is not None:
         source: Any = CallableDiscovery(discovery, settings.discovery_timeout)
@@ -110,7 +111,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
 
     threads_before = set(threading.enumerate())
     with _driver_logging(settings.log_level):
-        driver = ElasticDriver(settings, source)
+        driver = ElasticDriver(settings, source, Launchers(settings))
         driver.function_payload = payload
         driver.function_sys_path = [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")]
         try:

@@ -25,6 +25,7 @@ from elasticrun.discovery.sources import DiscoveryError, ScriptDiscovery, discov
 from elasticrun.driver import config
 from elasticrun.driver.launcher import is_local_host
 from elasticrun.driver.parser import build_parser, read_hostfile
+from elasticrun.driver.ssh import HostConnections, LaunchError, SSHOptions
 
 # Run by the (local or remote) Python: argv[1] is the working directory to import from.
 _PROBE = r'''
@@ -133,14 +134,12 @@ def _check_local(timeout: float) -> tuple[bool, str]:
 
 
 def _check_ssh(host: str, a: argparse.Namespace, timeout: float) -> tuple[bool, str]:
-    from elasticrun.driver.ssh import LaunchError, SSHOptions, _HostConnections
-
     opts = SSHOptions(port=a.ssh_port, user=a.ssh_user,
                       identity_file=os.path.abspath(a.ssh_identity_file) if a.ssh_identity_file else None,
                       known_hosts=os.path.abspath(a.ssh_known_hosts) if a.ssh_known_hosts else None,
                       accept_unknown_hosts=a.ssh_accept_unknown_hosts, connect_timeout=timeout,
                       remote_cwd=a.remote_cwd, python=a.remote_python)
-    conn = _HostConnections(host, opts)
+    conn = HostConnections(host, opts)
     deadline = time.monotonic() + timeout
     try:
         try:

@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = parse_settings(argv)
     logging.basicConfig(level=settings.log_level, format="[elasticrun] %(message)s", stream=sys.stderr)
     from elasticrun.driver.driver import ElasticDriver, JobFailed
+    from elasticrun.driver.launchers import Launchers
 
     if settings.discovery_script:
         source = ScriptDiscovery(settings.discovery_script, settings.slots_per_host, settings.discovery_timeout)
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         assert settings.hosts is not None
         source = FixedHosts(settings.hosts)
     try:
-        return ElasticDriver(settings, source).run()
+        return ElasticDriver(settings, source, Launchers(settings)).run()
     except JobFailed as exc:
         sys.stderr.write(f"elasticrun: {exc}\n")
         return exc.exit_code

@@ -33,10 +33,10 @@ from elasticrun.discovery.sources import DiscoveryError
 from elasticrun.driver import registry as reg
 from elasticrun.driver.environment import worker_environment
 from elasticrun.driver.kvstore import KVStore
+from elasticrun.driver.launchers import Launcher, Launchers
 from elasticrun.driver.network import DriverEndpoints, driver_bind_address
 from elasticrun.driver.output import OutputSink
 from elasticrun.driver.resets import ResetTracker
-from elasticrun.driver.ssh import Launchers
 
 log = logging.getLogger("elasticrun")
 
@@ -87,7 +87,9 @@ def _receive(sock: zmq.Socket, keep: int = 2) -> tuple[list[bytes], int]:
 class ElasticDriver:
     """Runs one elastic job to completion. ``run()`` returns the exit code."""
 
-    def __init__(self, settings: JobSettings, source: Source):
+    def __init__(self, settings: JobSettings, source: Source, launcher: Launcher | None = None):
+        """``launcher`` starts the workers (default: :class:`Launchers`, by ``--launcher``:
+        child processes on this machine, SSH elsewhere); the driver binds it to itself."""
         self.settings = settings
         self.source = source
         self.job_id = uuid.uuid4().hex[:12]
@@ -108,8 +110,9 @@ class ElasticDriver:
                                heartbeat_timeout=settings.heartbeat_timeout),
             HostManager(cooldown_range=settings.cooldown_range), new_id=lambda: next(self._ids))
         self._sink = OutputSink(self._rank_of, settings.output_filename)
-        # Child processes for this machine, SSH for other hosts (--launcher decides).
-        self._launcher = Launchers(settings, self._sink, on_exit=lambda wid, code: self._post("exit", (wid, code)))
+        # It reports each worker's end through worker_exited() and its output to the sink.
+        self._launcher: Launcher = launcher if launcher is not None else Launchers(settings)
+        self._launcher.bind(self.worker_exited, self._sink)
         self._pending_rdzv: dict[str, _Pending] = {}
         self._updates: deque[tuple[float, bool, bool]] = deque(maxlen=16)
         self._last_ts = 0.0
@@ -133,6 +136,11 @@ class ElasticDriver:
         self.function_payload: bytes | None = None
         self.function_sys_path: list[str] = []
         self.results: dict[str, dict[str, Any]] = {}
+
+    def worker_exited(self, worker_id: str, code: int) -> None:
+        """The launcher's report that a worker ended (from any thread); ``code`` as ``subprocess``
+        gives it (-N: killed by signal N)."""
+        self._post("exit", (worker_id, code))
 
     # --- plumbing --------------------------------------------------------------------------
     def _post(self, kind: str, payload: Any) -> None:

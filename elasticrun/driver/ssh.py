@@ -63,8 +63,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from elasticrun.common import env as envvars
-from elasticrun.driver.launcher import LocalLauncher, is_local_host
-from elasticrun.driver.output import OutputSink
+from elasticrun.driver.output import Output
 
 if TYPE_CHECKING:
     import paramiko
@@ -72,8 +71,6 @@ if TYPE_CHECKING:
     from elasticrun.common.settings import JobSettings
 
 log = logging.getLogger("elasticrun")
-
-LAUNCHER_MODES = ("auto", "local", "ssh")
 
 #: The remote command line's program: it runs the first stdin line (the bootstrap's source).
 LOADER = "import sys,json;exec(json.loads(sys.stdin.readline()))"
@@ -170,7 +167,7 @@ def _host_key_policy(accept_unknown: bool, known_hosts: str) -> "paramiko.Missin
     return Accept() if accept_unknown else Reject()
 
 
-class _HostConnections:
+class HostConnections:
     """The SSH connections to one host: normally one, more only when sshd's MaxSessions is hit."""
 
     def __init__(self, host: str, opts: SSHOptions):
@@ -323,7 +320,7 @@ class SSHLauncher:
     ``on_exit(worker_id, code)``; a launch that fails logs the host and the cause first.
     """
 
-    def __init__(self, sink: OutputSink, on_exit: Callable[[str, int], None], options: SSHOptions):
+    def __init__(self, sink: Output, on_exit: Callable[[str, int], None], options: SSHOptions):
         import paramiko  # noqa: F401  (fail here, not in a worker thread, if it is missing)
 
         # paramiko logs its own view of every failure we report with the host and the cause.
@@ -333,16 +330,16 @@ class SSHLauncher:
         self._sink = sink
         self._on_exit = on_exit
         self.opts = options
-        self._hosts: dict[str, _HostConnections] = {}
+        self._hosts: dict[str, HostConnections] = {}
         self._remotes: dict[str, _Remote] = {}
         self._lock = threading.Lock()
         self._stopping = False
 
-    def connections(self, host: str) -> _HostConnections:
+    def connections(self, host: str) -> HostConnections:
         with self._lock:
             conns = self._hosts.get(host)
             if conns is None:
-                conns = self._hosts[host] = _HostConnections(host, self.opts)
+                conns = self._hosts[host] = HostConnections(host, self.opts)
             return conns
 
     # --- launching ------------------------------------------------------------------------
@@ -550,72 +547,3 @@ class SSHLauncher:
             threads = [t for r in self._remotes.values() for t in r.threads]
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
-
-
-# --- choosing the launcher per host ------------------------------------------------------------
-class Launchers:
-    """Routes each worker to the local or the SSH launcher, by host and ``--launcher``.
-
-    ``auto``: hosts that are this machine launch locally, others (and any ``user@host``) over
-    SSH; ``local``: never SSH (a host that is not this machine fails to launch); ``ssh``:
-    always SSH, even for names of this machine.
-    """
-
-    def __init__(self, settings: "JobSettings", sink: OutputSink, on_exit: Callable[[str, int], None]):
-        self.settings = settings
-        self.mode = getattr(settings, "launcher", "auto")
-        self._sink, self._on_exit = sink, on_exit
-        self.local = LocalLauncher(sink, on_exit)
-        self._ssh: SSHLauncher | None = None
-        self._where: dict[str, Any] = {}
-
-    @property
-    def ssh(self) -> SSHLauncher:
-        if self._ssh is None:
-            self._ssh = SSHLauncher(self._sink, self._on_exit, SSHOptions.from_settings(self.settings))
-        return self._ssh
-
-    def is_remote(self, host: str) -> bool:
-        if self.mode == "ssh":
-            return True
-        if self.mode == "local":
-            return False
-        return "@" in host or not is_local_host(host)
-
-    def launch(self, worker_id: str, command: list[str], env: dict[str, str], host: str | None = None,
-               keys: bytes | None = None) -> None:
-        """``keys``: the job's key blob; the worker gets it through a pipe, never its environment."""
-        if host is not None and self.is_remote(host):
-            self._where[worker_id] = self.ssh
-            self.ssh.launch(worker_id, command, env, host=host, keys=keys)
-            return
-        if host is not None and self.mode == "local" and not is_local_host(host):
-            raise OSError(f"host {host} is not this machine, and --launcher local never uses SSH")
-        self._where[worker_id] = self.local
-        self.local.launch(worker_id, command, env, keys=keys)
-
-    def signal(self, worker_id: str, sig: int) -> None:
-        launcher = self._where.get(worker_id)
-        if launcher is not None:
-            launcher.signal(worker_id, sig)
-
-    def pid(self, worker_id: str) -> int | None:
-        launcher = self._where.get(worker_id)
-        return launcher.pid(worker_id) if launcher is not None else None
-
-    def stop_all(self, grace: float) -> None:
-        """Stop local and remote workers at the same time (one grace period, not two)."""
-        if self._ssh is None:
-            self.local.stop_all(grace)
-            return
-        t = threading.Thread(target=self.local.stop_all, args=(grace,), name="elasticrun-stop-local", daemon=True)
-        t.start()
-        self._ssh.stop_all(grace)
-        t.join(grace + 10)
-
-    def drain(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        self.local.drain(timeout)
-        if self._ssh is not None:
-            self._ssh.drain(max(0.0, deadline - time.monotonic()))
-

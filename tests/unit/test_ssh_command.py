@@ -12,7 +12,6 @@ import shlex
 
 import pytest
 
-from elasticrun.common.settings import JobSettings
 from elasticrun.driver import cli, ssh
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,25 +62,6 @@ def test_split_user():
                                          (255, 255)])
 def test_decode_exit_status(status, code):
     assert ssh.decode_exit_status(status) == code
-
-
-def _settings(**kw) -> JobSettings:
-    return JobSettings(command=["true"], np=1, min_np=1, max_np=1, **kw)
-
-
-@pytest.mark.parametrize("mode,host,remote", [
-    ("auto", "localhost", False), ("auto", "127.0.0.2", False), ("auto", "me@localhost", True),
-    ("auto", "no-such-host.invalid", True), ("ssh", "localhost", True), ("local", "127.0.0.2", False),
-])
-def test_launcher_choice(mode, host, remote):
-    launchers = ssh.Launchers(_settings(launcher=mode), sink=None, on_exit=lambda w, c: None)
-    assert launchers.is_remote(host) is remote
-
-
-def test_local_mode_refuses_a_remote_host():
-    launchers = ssh.Launchers(_settings(launcher="local"), sink=None, on_exit=lambda w, c: None)
-    with pytest.raises(OSError, match="not this machine"):
-        launchers.launch("w1", ["true"], {}, host="no-such-host.invalid")
 
 
 # --- command line flags ------------------------------------------------------------------------------
