@@ -13,8 +13,8 @@ with its server in a separate process (the other core) and all N simulated worke
           heartbeats at once, answers the N rendezvous requests as soon as it holds all N (a
           barrier), and publishes one ``hosts_updated`` frame on its PUB socket;
   driver  the real ``ElasticDriver`` (registry, host manager, event loop, discovery thread,
-          CLI defaults), whose launcher is replaced by one that asks this process to start
-          simulated workers instead of spawning processes (driver.py is not modified).
+          CLI defaults), given a launcher (``elasticrun.driver.launchers.Launcher``) that asks
+          this process to start simulated workers instead of spawning processes.
 
 A simulated worker speaks the real protocol with the job's keys (handed over by the launcher,
 as a real worker gets them through its pipe) and its worker id, over the same three CURVE
@@ -158,25 +158,25 @@ class _SimSource:
 
 
 class _SimLauncher:
-    """The driver's launcher interface (launch/signal/pid/stop_all/drain/is_remote), forwarding
-    to the simulator instead of starting processes. Exits come back through ``on_exit``."""
+    """A ``Launcher`` (elasticrun.driver.launchers) forwarding to the simulator instead of
+    starting processes. Exits come back from the simulator through the driver's ``on_exit``."""
 
     def __init__(self, send):
         self._send = send
         self.stopped = threading.Event()
+        self.on_exit = None
+
+    def bind(self, on_exit, output) -> None:
+        self.on_exit = on_exit  # simulated workers have no output
 
     def is_remote(self, host: str) -> bool:
         return False
 
-    def launch(self, worker_id: str, command: list, env: dict, host: str | None = None,
-               keys: bytes | None = None) -> None:
+    def launch(self, worker_id: str, command: list, env: dict, host: str, keys: bytes | None = None) -> None:
         self._send(("launch", worker_id, {k: env[k] for k in ENV_KEYS if k in env}, time.time(), keys))
 
     def signal(self, worker_id: str, sig: int) -> None:
         self._send(("signal", worker_id, int(sig)))
-
-    def pid(self, worker_id: str) -> None:
-        return None
 
     def stop_all(self, grace: float) -> None:
         self._send(("stop_all",))
@@ -194,13 +194,7 @@ def _run_driver(drv, JobSettings, hosts: dict, np_: int, min_np: int, send, in_c
                            discovery_script="<simulated>", heartbeat_timeout=options["heartbeat_timeout"])
     source = _SimSource(hosts)
     launcher = _SimLauncher(send)
-
-    class SimDriver(drv.ElasticDriver):
-        def __init__(self) -> None:
-            super().__init__(settings, source)
-            self._launcher = launcher  # instead of Launchers: no processes, no SSH
-
-    driver = SimDriver()
+    driver = drv.ElasticDriver(settings, source, launcher)  # no processes, no SSH
 
     def control() -> None:
         while True:
@@ -210,7 +204,7 @@ def _run_driver(drv, JobSettings, hosts: dict, np_: int, min_np: int, send, in_c
                 os._exit(3)  # the simulator is gone: nothing left to measure or clean up
             kind = msg[0]
             if kind == "exit":
-                driver._post("exit", (msg[1], msg[2]))
+                launcher.on_exit(msg[1], msg[2])
             elif kind == "hosts":
                 source.hosts = dict(msg[1])
             elif kind == "stats":

@@ -102,6 +102,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
 
     from elasticrun.discovery.sources import CallableDiscovery, FixedHosts, ScriptDiscovery
     from elasticrun.driver.driver import ElasticDriver
+    from elasticrun.driver.launchers import Launchers
 
     if discovery is not None:
         source: Any = CallableDiscovery(discovery, settings.discovery_timeout)
@@ -114,7 +115,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
     threads_before = set(threading.enumerate())
     functions = FunctionService(payload, [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")])
     with _driver_logging(settings.log_level):
-        driver = ElasticDriver(settings, source, services=[functions])
+        driver = ElasticDriver(settings, source, Launchers(settings), services=[functions])
         try:
             code = driver.run()
         except JobFailed as exc:

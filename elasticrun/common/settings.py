@@ -30,7 +30,7 @@ class JobSettings:
     log_level: str = "INFO"
     worker_log_level: str = "WARNING"
     extra_env: dict[str, str] = field(default_factory=dict)  # -x NAME[=VALUE], for every worker
-    # Launching on other machines (elasticrun/driver/ssh.py).
+    # Launching on other machines (elasticrun/driver/launchers.py, ssh.py, network.py, environment.py).
     launcher: str = "auto"  # auto | local | ssh
     ssh_port: int = 22
     ssh_user: str | None = None  # default: the current user (or user@host)

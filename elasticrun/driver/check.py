@@ -20,6 +20,13 @@ import threading
 import time
 from typing import Callable
 
+from elasticrun.common.hosts import HostSpecError, parse_hostfile, parse_hosts_arg
+from elasticrun.discovery.sources import DiscoveryError, ScriptDiscovery, discovery_command
+from elasticrun.driver import config
+from elasticrun.driver.launcher import is_local_host
+from elasticrun.driver.parser import build_parser, read_hostfile
+from elasticrun.driver.ssh import HostConnections, LaunchError, SSHOptions
+
 # Run by the (local or remote) Python: argv[1] is the working directory to import from.
 _PROBE = r'''
 import json, os, sys
@@ -42,16 +49,12 @@ def wants_check(argv: list[str]) -> bool:
     """True if the command line asks for --check (not counting the training command's args)."""
     if "--check" not in argv:
         return False
-    from elasticrun.driver.cli import build_parser
-
-    from elasticrun.driver.config import split_command
-
     probe = build_parser()
     for action in probe._actions:
         action.required = False
     for group in probe._mutually_exclusive_groups:
         group.required = False
-    options, _ = split_command(probe, argv)
+    options, _ = config.split_command(probe, argv)
     return bool(probe.parse_args(options).check)
 
 
@@ -131,14 +134,12 @@ def _check_local(timeout: float) -> tuple[bool, str]:
 
 
 def _check_ssh(host: str, a: argparse.Namespace, timeout: float) -> tuple[bool, str]:
-    from elasticrun.driver.ssh import LaunchError, SSHOptions, _HostConnections
-
     opts = SSHOptions(port=a.ssh_port, user=a.ssh_user,
                       identity_file=os.path.abspath(a.ssh_identity_file) if a.ssh_identity_file else None,
                       known_hosts=os.path.abspath(a.ssh_known_hosts) if a.ssh_known_hosts else None,
                       accept_unknown_hosts=a.ssh_accept_unknown_hosts, connect_timeout=timeout,
                       remote_cwd=a.remote_cwd, python=a.remote_python)
-    conn = _HostConnections(host, opts)
+    conn = HostConnections(host, opts)
     deadline = time.monotonic() + timeout
     try:
         try:
@@ -170,8 +171,6 @@ def _check_ssh(host: str, a: argparse.Namespace, timeout: float) -> tuple[bool, 
 
 
 def _check_host(host: str, a: argparse.Namespace, timeout: float) -> tuple[bool, str]:
-    from elasticrun.driver.launcher import is_local_host
-
     local = is_local_host(host)
     if a.launcher == "ssh" or (a.launcher == "auto" and ("@" in host or not local)):
         return _check_ssh(host, a, timeout)
@@ -182,9 +181,6 @@ def _check_host(host: str, a: argparse.Namespace, timeout: float) -> tuple[bool,
 
 def _fixed_hosts(parser: argparse.ArgumentParser, a: argparse.Namespace) -> dict[str, int] | None:
     """-H / --hostfile, parsed strictly like a job's (bad ones exit 2 before any check runs)."""
-    from elasticrun.common.hosts import HostSpecError, parse_hostfile, parse_hosts_arg
-    from elasticrun.driver.cli import read_hostfile
-
     try:
         if a.hosts is not None:
             return parse_hosts_arg(a.hosts, a.slots_per_host)
@@ -196,8 +192,6 @@ def _fixed_hosts(parser: argparse.ArgumentParser, a: argparse.Namespace) -> dict
 
 
 def _discovered(a: argparse.Namespace, say: Callable[[str], None]) -> dict[str, int]:
-    from elasticrun.discovery.sources import DiscoveryError, ScriptDiscovery
-
     script = a.host_discovery_script
     try:
         found = ScriptDiscovery(script, a.slots_per_host, a.discovery_timeout).discover()
@@ -220,10 +214,6 @@ def _discovered(a: argparse.Namespace, say: Callable[[str], None]) -> dict[str, 
 
 
 def main(argv: list[str]) -> int:
-    from elasticrun.driver import config
-    from elasticrun.discovery.sources import discovery_command
-    from elasticrun.driver.cli import build_parser
-
     parser = build_parser()
     a = config.parse_args(parser, argv, probe_parser=build_parser())
     hosts = _fixed_hosts(parser, a)

@@ -1,4 +1,9 @@
-"""``elasticrun``: the command line (flag names follow ``horovodrun``)."""
+"""``elasticrun``: the command line (flag names follow ``horovodrun``).
+
+The flags themselves are ``parser.py``'s; here they are checked together and turned into
+``JobSettings`` (``parse_settings``, also used by ``elasticrun.run()``), and ``main`` runs the
+job, ``--check`` or ``elasticrun timeline``.
+"""
 
 from __future__ import annotations
 
@@ -9,190 +14,15 @@ import re
 import socket
 import sys
 
-from elasticrun import __version__
 from elasticrun.common.hosts import MAX_SLOTS_PER_HOST, HostSpecError, parse_hostfile, parse_hosts_arg
 from elasticrun.common.paths import check_writable_dir, check_writable_file
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.sources import FixedHosts, ScriptDiscovery, discovery_command
-from elasticrun.driver import check, config
-
-DESCRIPTION = """\
-Run COMMAND as an elastic, fault-tolerant data-parallel job.
-
-Hosts come from a discovery script (run every --discovery-interval; it prints one `host` or
-`host:slots` per line) or from a fixed list (-H / --hostfile, elastic for failures only).
-Workers that fail are restarted nowhere: their host is blacklisted and the survivors carry
-on from their last commit, in the same processes, once at least --min-np slots are usable.
-"""
-
-EPILOG = """\
-exit status: 0 when the job succeeds; 1 when it fails (the reason is printed); 2 for bad
-arguments or a misconfigured discovery script; 128+N when stopped by signal N.
-
-example:
-  elasticrun -np 2 --min-np 1 --max-np 4 --host-discovery-script ./discover_hosts.sh python train.py
-"""
-
-
-def _log_level(value: str) -> str:
-    """A level name, upper-cased; horovodrun's TRACE and FATAL map to logging's names."""
-    value = value.upper()
-    return {"TRACE": "DEBUG", "FATAL": "CRITICAL"}.get(value, value)
-
-
-#: Counts above this (-np 99999999999999999999) are typos, refused rather than waited for.
-MAX_COUNT = 1_000_000
-#: A hostfile is a list of hosts: more than this is not one (--hostfile /dev/zero).
-MAX_HOSTFILE_BYTES = 1 << 20
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    if value > MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"{text[:40]!r} must be at most {MAX_COUNT:,}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 seconds")
-    return value
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line a user can act on, exit 2
-        self.exit(2, f"elasticrun: error: {message} (see elasticrun --help)\n")
-
-
-class _RaisingParser(_Parser):
-    """For ``elasticrun.run()``: the same checks and messages, raised as ValueError."""
-
-    def error(self, message: str) -> None:
-        raise ValueError(message)
-
-
-def build_parser(parser_class: type[argparse.ArgumentParser] = _Parser,
-                 host_source_required: bool = True) -> argparse.ArgumentParser:
-    p = parser_class(prog="elasticrun", description=DESCRIPTION, epilog=EPILOG,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="version", version=f"elasticrun {__version__}")
-    p.add_argument("--check", action="store_true",
-                   help="check this installation (torch, gloo/NCCL, pyzmq, paramiko, cloudpickle) and that "
-                        "each host of -H/--hostfile/--host-discovery-script is reachable (SSH, python, torch); "
-                        "no training command needed; exit 0 when all is well, 1 otherwise")
-    p.add_argument("--config-file", metavar="FILE",
-                   help="TOML file of options (keys are long option names, e.g. min-np = 2); "
-                        "flags override ELASTICRUN_* environment variables, which override the file "
-                        "(see docs/configuration.md)")
-    p.add_argument("-np", "--num-proc", dest="np", type=_positive_int, required=True,
-                   help="number of processes to start with (the first round waits for this many slots)")
-    p.add_argument("--min-np", "--min-num-proc", dest="min_np", type=_positive_int,
-                   help="fewest processes to keep training with (default: -np)")
-    p.add_argument("--max-np", "--max-num-proc", dest="max_np", type=_positive_int,
-                   help="most processes to use (default: -np with a fixed host list, "
-                        "all discovered slots with a discovery script)")
-    hosts = p.add_mutually_exclusive_group(required=host_source_required)
-    hosts.add_argument("--host-discovery-script", metavar="PATH",
-                       help="executable printing the usable hosts, one `host[:slots]` per line (or, as "
-                            "with horovodrun, a command line run by /bin/sh: \"python discover.py --zone a\")")
-    hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="fixed host list, e.g. localhost:2,127.0.0.1:2")
-    hosts.add_argument("--hostfile", "-hostfile", metavar="FILE", help="file with one `host[:slots]` or `host slots=N` per line")
-    p.add_argument("--slots-per-host", "--slots", dest="slots_per_host", type=_positive_int, default=1,
-                   help="slots for hosts listed without a count (default 1)")
-    p.add_argument("--discovery-interval", type=_seconds, default=1.0, metavar="SECONDS",
-                   help="how often to run the discovery script (default 1)")
-    p.add_argument("--discovery-timeout", type=_seconds, default=10.0, metavar="SECONDS",
-                   help="a discovery run taking longer is killed and counts as failed (default 10)")
-    p.add_argument("--reset-limit", type=_non_negative_int, metavar="N",
-                   help="fail the job instead of doing reset number N+1 (default: unlimited)")
-    p.add_argument("--blacklist-cooldown-range", type=_seconds, nargs=2, metavar=("LOW", "HIGH"),
-                   help="let blacklisted hosts back after a cooldown that doubles on every failure, "
-                        "between LOW and HIGH seconds (default: blacklisting is permanent)")
-    p.add_argument("--elastic-timeout", type=_seconds, default=600.0, metavar="SECONDS",
-                   help="after a reset, how long to wait for --min-np slots before failing (default 600)")
-    p.add_argument("--start-timeout", type=_seconds, default=30.0, metavar="SECONDS",
-                   help="how long to wait for the first -np slots, and for a started worker to "
-                        "contact the driver (default 30)")
-    p.add_argument("--collective-timeout", type=_seconds, default=60.0, metavar="SECONDS",
-                   help="a collective taking longer raises HorovodInternalError in the worker (default 60)")
-    p.add_argument("--heartbeat-timeout", type=_seconds, default=5.0, metavar="SECONDS",
-                   help="a worker that sends no heartbeat for this long (hung, stopped, off the network) "
-                        "is killed and its host handled as failed (default 5)")
-    p.add_argument("--output-filename", metavar="DIR",
-                   help="also append each rank's output to DIR/rank.N/stdout and stderr")
-    p.add_argument("--events", metavar="FILE", dest="events_file",
-                   help="append the job's event log (JSON lines: discovery, failures, rounds, each "
-                        "worker's reset phases) to FILE (default: DIR/events.jsonl with --output-filename)")
-    p.add_argument("--log-level", default=None, type=_log_level,
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                   help="driver and worker log level (default INFO for the driver's job messages; "
-                        "horovodrun's TRACE and FATAL mean DEBUG and CRITICAL)")
-    p.add_argument("--verbose", action="store_true", help="same as --log-level DEBUG")
-    _add_remote_arguments(p)
-    p.add_argument("command", nargs=argparse.REMAINDER, help="the training command, e.g. python train.py")
-    return p
-
-
-def _add_remote_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("other machines (SSH)", "Hosts that are not this machine run their workers over "
-                             "SSH; the remote side needs the same Python environment and a `python3`.")
-    g.add_argument("--launcher", choices=["auto", "local", "ssh"], default="auto",
-                   help="auto (default): SSH for hosts that are not this machine and for user@host names, "
-                        "child processes otherwise; local: never SSH; ssh: always SSH, even to this machine")
-    g.add_argument("-p", "--ssh-port", type=_positive_int, default=22, metavar="PORT", help="SSH port (default 22)")
-    g.add_argument("-i", "--ssh-identity-file", metavar="FILE",
-                   help="private key to log in with (tried first; then the SSH agent and ~/.ssh keys)")
-    g.add_argument("--ssh-user", metavar="USER", help="remote user for hosts without user@ (default: yours)")
-    g.add_argument("--ssh-known-hosts", metavar="FILE",
-                   help="known_hosts file with the hosts' keys (default ~/.ssh/known_hosts); "
-                        "a host whose key is missing or different is refused")
-    g.add_argument("--ssh-accept-unknown-hosts", action="store_true",
-                   help="connect to hosts whose key is not in known_hosts without checking it (a changed key "
-                        "is still refused). RISK: whoever answers for a host name (DNS spoofing, a "
-                        "man in the middle) receives the job's secret and the workers' environment (with "
-                        "any credentials in it) and can send the driver forged worker messages; use it "
-                        "only on a network you trust")
-    g.add_argument("--remote-cwd", metavar="DIR",
-                   help="working directory of remote workers (default: the directory elasticrun runs in)")
-    g.add_argument("--remote-python", default="python3", metavar="PATH",
-                   help="Python 3 on the remote hosts that runs elasticrun's small launcher and watchdog "
-                        "(default python3, looked up on the remote login PATH)")
-    g.add_argument("-x", "--env", dest="env", action="append", default=[], metavar="NAME[=VALUE]",
-                   help="give every worker NAME (its value here) or NAME=VALUE; repeatable")
-    g.add_argument("--no-forward-env", dest="forward_env", action="store_false",
-                   help="remote workers get only their remote login environment plus the -x variables, "
-                        "instead of this environment (as horovodrun forwards it)")
-    where = g.add_mutually_exclusive_group()
-    where.add_argument("--driver-address", metavar="ADDR",
-                       help="address of this machine that workers connect to (default: for each host, the "
-                            "address this machine uses to reach it; 127.0.0.1 for local workers)")
-    where.add_argument("--network-interface", metavar="NIC",
-                       help="use the IPv4 address of interface NIC as --driver-address; also sets "
-                            "GLOO_SOCKET_IFNAME=NIC for the workers unless it is set")
+from elasticrun.driver import check, config, network
+from elasticrun.driver.parser import ExitingParser, RaisingParser, build_parser, read_hostfile
 
 
 def _remote_settings(parser: argparse.ArgumentParser, a: argparse.Namespace) -> dict:
-    from elasticrun.driver import ssh
-
     extra_env: dict[str, str] = {}
     for item in a.env:
         name, eq, value = item.partition("=")
@@ -216,7 +46,7 @@ def _remote_settings(parser: argparse.ArgumentParser, a: argparse.Namespace) -> 
     address = a.driver_address
     if a.network_interface is not None:
         try:
-            address = ssh.interface_address(a.network_interface)
+            address = network.interface_address(a.network_interface)
         except OSError as exc:
             parser.error(f"--network-interface {a.network_interface}: {exc.strerror or exc}")
     elif address is not None:
@@ -227,7 +57,7 @@ def _remote_settings(parser: argparse.ArgumentParser, a: argparse.Namespace) -> 
             parser.error(f"--driver-address {a.driver_address}: {exc.strerror}")
     if address is not None:
         try:
-            ssh.check_bindable(address)
+            network.check_bindable(address)
         except OSError as exc:
             flag = f"--network-interface {a.network_interface}" if a.network_interface else f"--driver-address {address}"
             parser.error(f"{flag}: cannot listen on {address} here ({exc.strerror or exc})")
@@ -244,7 +74,7 @@ def parse_settings(argv: list[str], *, api: bool = False, callable_discovery: bo
     With no host source, the job runs on ``localhost:NP`` as horovodrun's does.
     ``callable_discovery``: hosts come from ``elasticrun.run(discovery=callable)`` instead.
     """
-    kind = _RaisingParser if api else _Parser
+    kind = RaisingParser if api else ExitingParser
     parser = build_parser(kind, False)
     a = config.parse_args(parser, argv, probe_parser=build_parser(kind, False))
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -301,18 +131,6 @@ def parse_settings(argv: list[str], *, api: bool = False, callable_discovery: bo
         **_remote_settings(parser, a))
 
 
-def read_hostfile(parser: argparse.ArgumentParser, path: str) -> str:
-    """The text of a hostfile, read with a limit (``--hostfile /dev/zero`` is one line, not a hang)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read(MAX_HOSTFILE_BYTES + 1)
-    except OSError as exc:
-        parser.error(f"--hostfile {path}: {exc.strerror}")
-    if len(text) > MAX_HOSTFILE_BYTES:
-        parser.error(f"--hostfile {path}: more than 1 MiB, not a list of hosts")
-    return text
-
-
 def _check_output_paths(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """Every path the job will write, checked before anything starts (creating missing
     directories as the job would): one line naming the flag, not a traceback mid-job."""
@@ -338,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = parse_settings(argv)
     logging.basicConfig(level=settings.log_level, format="[elasticrun] %(message)s", stream=sys.stderr)
     from elasticrun.driver.driver import ElasticDriver, JobFailed
+    from elasticrun.driver.launchers import Launchers
 
     if settings.discovery_script:
         source = ScriptDiscovery(settings.discovery_script, settings.slots_per_host, settings.discovery_timeout)
@@ -345,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         assert settings.hosts is not None
         source = FixedHosts(settings.hosts)
     try:
-        return ElasticDriver(settings, source).run()
+        return ElasticDriver(settings, source, Launchers(settings)).run()
     except JobFailed as exc:
         sys.stderr.write(f"elasticrun: {exc}\n")
         return exc.exit_code

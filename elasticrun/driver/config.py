@@ -17,6 +17,8 @@ import argparse
 import os
 from typing import Any, Mapping
 
+from elasticrun.driver.parser import non_negative_int, positive_int, positive_seconds
+
 # Per-cluster options settable from the environment: variable -> argparse dest.
 ENV_VARS: dict[str, str] = {
     "ELASTICRUN_CONFIG_FILE": "config_file",
@@ -62,16 +64,15 @@ def _file_keys(parser: argparse.ArgumentParser) -> dict[str, tuple[argparse.Acti
 
 
 def _type_name(action: argparse.Action) -> str:
-    kind = getattr(action.type, "__name__", "")
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         return "true or false"
     if isinstance(action, argparse._AppendAction):
         return "a list of strings"
     if action.nargs == 2:
         return "a list of 2 numbers"
-    if kind in ("_positive_int", "_non_negative_int"):
+    if action.type in (positive_int, non_negative_int):
         return "a whole number"
-    if kind == "_seconds":
+    if action.type is positive_seconds:
         return "a number of seconds"
     if action.choices:
         return "one of " + ", ".join(repr(c) for c in action.choices)
@@ -97,12 +98,11 @@ def _convert(action: argparse.Action, value: Any, named_by_flag: bool) -> Any:
                 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
             raise ValueError(expected)
         return [action.type(str(v)) for v in value]
-    kind = getattr(action.type, "__name__", "")
-    if kind in ("_positive_int", "_non_negative_int"):
+    if action.type in (positive_int, non_negative_int):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(expected)
         return action.type(str(value))
-    if kind == "_seconds":
+    if action.type is positive_seconds:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(expected)
         return action.type(str(value))

@@ -20,7 +20,6 @@ from typing import Any, Protocol, Sequence
 
 import zmq
 
-from elasticrun.common import env
 from elasticrun.common.auth import PUB_MAX_FRAME_BYTES, CurveUnavailable, JobKeys, ZapAuthenticator, secure_server
 from elasticrun.common.events import FIELDS, WORKER_KINDS, EventLog, Kind
 from elasticrun.common.hosts import HostList
@@ -30,12 +29,14 @@ from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.host_manager import HostManager
 from elasticrun.discovery.sources import DiscoveryError
 from elasticrun.driver import registry as reg
+from elasticrun.driver.environment import worker_environment
 from elasticrun.driver.functions import Service
 from elasticrun.driver.kvstore import KVStore
+from elasticrun.driver.launchers import Launcher, Launchers
+from elasticrun.driver.network import DriverEndpoints, driver_bind_address
 from elasticrun.driver.notifications import Notifications
 from elasticrun.driver.output import OutputSink
 from elasticrun.driver.resets import ResetTracker
-from elasticrun.driver.ssh import DriverEndpoints, Launchers, driver_bind_address, forwarded_environment
 
 log = logging.getLogger("elasticrun")
 
@@ -86,7 +87,11 @@ def _receive(sock: zmq.Socket, keep: int = 2) -> tuple[list[bytes], int]:
 class ElasticDriver:
     """Runs one elastic job to completion. ``run()`` returns the exit code."""
 
-    def __init__(self, settings: JobSettings, source: Source, services: Sequence[Service] = ()):
+    def __init__(self, settings: JobSettings, source: Source, launcher: Launcher | None = None,
+                 services: Sequence[Service] = ()):
+        """``launcher`` starts the workers (default: :class:`Launchers`, by ``--launcher``:
+        child processes on this machine, SSH elsewhere); the driver binds it to itself.
+        ``services`` handle request types of their own (e.g. elasticrun.run()'s function)."""
         self.settings = settings
         self.source = source
         self.job_id = uuid.uuid4().hex[:12]
@@ -107,8 +112,9 @@ class ElasticDriver:
                                heartbeat_timeout=settings.heartbeat_timeout),
             HostManager(cooldown_range=settings.cooldown_range), new_id=lambda: next(self._ids))
         self._sink = OutputSink(self._rank_of, settings.output_filename)
-        # Child processes for this machine, SSH for other hosts (--launcher decides).
-        self._launcher = Launchers(settings, self._sink, on_exit=lambda wid, code: self._post("exit", (wid, code)))
+        # It reports each worker's end through worker_exited() and its output to the sink.
+        self._launcher: Launcher = launcher if launcher is not None else Launchers(settings)
+        self._launcher.bind(self.worker_exited, self._sink)
         self._pending_rdzv: dict[str, _Pending] = {}
         self._notifications = Notifications()
         self._reported_problems: set[int] = set()  # hashes of discovery problems already said
@@ -127,6 +133,11 @@ class ElasticDriver:
         self._started = time.monotonic()
         # Request types served by others (elasticrun.run(): driver/functions.py).
         self._services: dict[str, Service] = {t: svc for svc in services for t in svc.types}
+
+    def worker_exited(self, worker_id: str, code: int) -> None:
+        """The launcher's report that a worker ended (from any thread); ``code`` as ``subprocess``
+        gives it (-N: killed by signal N)."""
+        self._post("exit", (worker_id, code))
 
     # --- plumbing --------------------------------------------------------------------------
     def _post(self, kind: str, payload: Any) -> None:
@@ -443,22 +454,9 @@ class ElasticDriver:
                           "set --driver-address or --network-interface", info.host, exc.strerror or exc)
                 self._post("exit", (act.worker_id, 255))
                 return
-        # Remote workers get the driver's environment minus what describes this shell/session
-        # (or nothing of it, with --no-forward-env); the SSH launcher never puts it on a command line.
-        worker_env = forwarded_environment(os.environ, s.forward_env) if remote else dict(os.environ)
-        if s.network_interface and "GLOO_SOCKET_IFNAME" not in os.environ:
-            worker_env["GLOO_SOCKET_IFNAME"] = s.network_interface
-        worker_env.update(s.extra_env)
-        worker_env.update({
-            env.HOSTNAME: info.host, env.RANK: str(info.rank), env.SIZE: str(info.size),
-            env.LOCAL_RANK: str(info.local_rank), env.LOCAL_SIZE: str(info.local_size),
-            env.CROSS_RANK: str(info.cross_rank), env.CROSS_SIZE: str(info.cross_size),
-            env.SLOT: str(info.slot), env.WORKER_ID: act.worker_id, env.JOB_ID: self.job_id,
-            env.CONTROL_ADDR: control_addr, env.NOTIFY_ADDR: notify_addr,
-            env.COLLECTIVE_TIMEOUT: str(s.collective_timeout), env.RENDEZVOUS_TIMEOUT: str(s.elastic_wait_limit),
-            env.HEARTBEAT_INTERVAL: str(s.heartbeat_interval), env.DRIVER_TIMEOUT: str(s.driver_timeout),
-            env.LOG_LEVEL: s.worker_log_level, "PYTHONUNBUFFERED": "1",
-        })
+        worker_env = worker_environment(s, info, job_id=self.job_id, worker_id=act.worker_id,
+                                        control_addr=control_addr, notify_addr=notify_addr,
+                                        base_env=os.environ, remote=remote)
         try:
             # The keys go through a pipe (locally) or the SSH channel, never the environment.
             self._launcher.launch(act.worker_id, s.command, worker_env, host=info.host, keys=self._worker_keys)

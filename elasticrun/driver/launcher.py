@@ -20,7 +20,7 @@ from functools import lru_cache
 from typing import Callable
 
 from elasticrun.common import secretpipe
-from elasticrun.driver.output import OutputSink, pump
+from elasticrun.driver.output import Output, pump
 
 
 @lru_cache(maxsize=256)
@@ -49,7 +49,7 @@ class _Proc:
 class LocalLauncher:
     """Runs workers as child processes; reports each exit through ``on_exit(worker_id, code)``."""
 
-    def __init__(self, sink: OutputSink, on_exit: Callable[[str, int], None]):
+    def __init__(self, sink: Output, on_exit: Callable[[str, int], None]):
         self._sink = sink
         self._on_exit = on_exit
         self._procs: dict[str, _Proc] = {}

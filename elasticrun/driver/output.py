@@ -10,7 +10,13 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import IO, Callable
+from typing import IO, Callable, Protocol
+
+
+class Output(Protocol):
+    """Where a launcher writes its workers' output, line by line (from any thread)."""
+
+    def write(self, worker_id: str, stream: str, line: str) -> None: ...
 
 
 class OutputSink:
@@ -48,7 +54,7 @@ class OutputSink:
             self._files.clear()
 
 
-def pump(pipe: IO[bytes], worker_id: str, stream: str, sink: OutputSink) -> threading.Thread:
+def pump(pipe: IO[bytes], worker_id: str, stream: str, sink: Output) -> threading.Thread:
     """Copy ``pipe`` line by line into ``sink`` on a daemon thread (ends at EOF)."""
 
     def run() -> None:

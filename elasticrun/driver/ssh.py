@@ -7,19 +7,12 @@ The driver opens (or reuses) one SSH connection per host and runs, in a new sess
     exec python3 -c 'import sys,json;exec(json.loads(sys.stdin.readline()))' elasticrun-worker JOB WORKER
 
 The command line holds no configuration at all. Over the channel's stdin the driver then sends
-two JSON lines: the source of a small *bootstrap* (``_BOOTSTRAP`` below, standard library only)
-and the launch request: the worker's command, environment, working directory and a per-launch
-marker. The bootstrap then
-
-1. changes to the working directory and looks the command up on the worker's ``PATH``,
-2. forks the worker into **its own process group**, reports the group id on stdout (one
-   marker line), and only then lets the worker ``exec`` — so the driver can signal the whole
-   tree the worker will start before it has started anything;
-3. stays behind as a **watchdog**: when its stdin reaches EOF (the SSH connection is gone
-   because the driver died, was killed with SIGKILL, or closed the channel) or it gets
-   SIGTERM/SIGINT/SIGHUP, it sends SIGTERM to the worker's group and SIGKILL after the grace
-   period; when the worker exits on its own, it SIGKILLs what is left of the group (the worker's
-   children), reports the worker's exit status (one marker line) and exits.
+two JSON lines: the source of a small *bootstrap* (``remote_bootstrap.py``, read as text from
+this package: standard library only, Python 3.6+) and the launch request: the worker's
+command, environment, working directory, the job's keys and a per-launch marker. The bootstrap
+starts the worker in its own process group, reports the group on stdout (so ``signal()`` can
+reach the whole tree the worker will start) and stays behind as a watchdog that stops that
+group when its stdin reaches EOF, i.e. when the driver's connection is gone; see its docstring.
 
 Why the environment travels over stdin (and not an SFTP temp file)
 ------------------------------------------------------------------
@@ -54,9 +47,9 @@ with code 255, as ``ssh`` does.
 
 from __future__ import annotations
 
-import errno
+import functools
 import getpass
-import ipaddress
+import importlib.resources
 import json
 import logging
 import os
@@ -70,8 +63,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from elasticrun.common import env as envvars
-from elasticrun.driver.launcher import LocalLauncher, is_local_host
-from elasticrun.driver.output import OutputSink
+from elasticrun.driver.output import Output
 
 if TYPE_CHECKING:
     import paramiko
@@ -80,164 +72,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("elasticrun")
 
-LAUNCHER_MODES = ("auto", "local", "ssh")
-
-# Variables of the driver's environment that describe the driver's own shell or session and
-# must not be imposed on a remote worker (horovodrun skips the first ones too).
-_NOT_FORWARDED = frozenset({
-    "OLDPWD", "PWD", "SHLVL", "_", "HOSTNAME", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_AUTH_SOCK",
-    "SSH_AGENT_PID", "DISPLAY", "XAUTHORITY", "TMUX", "TMUX_PANE", "STY", "WINDOWID", "TERMCAP",
-})
-_NOT_FORWARDED_PREFIXES = ("BASH_FUNC_",)
-
-# The bootstrap and watchdog, run by the remote Python (3.6+, standard library only).
-_BOOTSTRAP = r'''
-import json, os, shutil, signal, sys, threading, time
+#: The remote command line's program: it runs the first stdin line (the bootstrap's source).
+LOADER = "import sys,json;exec(json.loads(sys.stdin.readline()))"
 
 
-def _main():
-    cfg = json.loads(sys.stdin.readline())
-    mark = cfg["mark"]
-
-    def report(**fields):
-        try:
-            sys.stdout.write(mark + json.dumps(fields) + "\n")
-            sys.stdout.flush()
-        except (OSError, ValueError):
-            pass  # the driver is gone; the exit status is all that is left
-
-    env = dict(os.environ)  # the remote login environment, overlaid with the forwarded one
-    env.update(cfg["env"])
-    env.pop("ELASTICRUN_SECRET_FD", None)
-    keys = cfg.pop("keys", None)  # the job's keys: through a pipe, never the environment
-    command, cwd, grace = cfg["command"], cfg["cwd"], float(cfg["grace"])
-    try:
-        os.chdir(cwd)
-    except OSError as exc:
-        report(error="cwd", detail="cannot change to directory %s: %s" % (cwd, exc.strerror))
-        return 126
-    env["PWD"] = cwd if os.path.isabs(cwd) else os.getcwd()
-    prog = command[0]
-    path = env.get("PATH", os.defpath)
-    found = shutil.which(prog, path=path)
-    if found is None:
-        if os.sep in prog:
-            why = "not executable" if os.path.exists(prog) else "no such file"
-            report(error="not_found", detail="%s: %s" % (prog, why))
-        else:
-            report(error="not_found", detail="command not found: %s (searched PATH=%s)" % (prog, path))
-        return 127
-
-    gate_r, gate_w = os.pipe()
-    err_r, err_w = os.pipe()  # close-on-exec: EOF without data means the exec succeeded
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(gate_w)
-            os.close(err_r)
-            os.setpgid(0, 0)
-            os.read(gate_r, 1)  # wait until the driver knows our group
-            os.close(gate_r)
-            for name in ("SIGPIPE", "SIGXFSZ"):  # Python ignores them; the worker must not
-                if hasattr(signal, name):
-                    signal.signal(getattr(signal, name), signal.SIG_DFL)
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)  # the worker never reads the driver's pipe
-            if keys is not None:  # tiny: fits the pipe's buffer, so writing never blocks
-                key_r, key_w = os.pipe()
-                os.write(key_w, keys.encode("ascii"))
-                os.close(key_w)
-                os.set_inheritable(key_r, True)
-                env["ELASTICRUN_SECRET_FD"] = str(key_r)
-            os.execve(found, command, env)
-        except BaseException as exc:
-            try:
-                os.write(err_w, ("%s: %s" % (prog, getattr(exc, "strerror", None) or exc)).encode("utf-8", "replace"))
-            except BaseException:
-                pass
-        os._exit(127)
-
-    os.close(gate_r)
-    os.close(err_w)
-    keys = cfg = None  # the watchdog keeps no copy
-    try:
-        os.setpgid(pid, pid)  # also here, so the group exists before anyone signals it
-    except OSError:
-        pass
-    report(pid=pid, pgid=pid, watchdog=os.getpid())
-    os.write(gate_w, b"x")
-    os.close(gate_w)
-    failed = b""
-    while True:
-        chunk = os.read(err_r, 4096)
-        if not chunk:
-            break
-        failed += chunk
-    os.close(err_r)
-    if failed:
-        os.waitpid(pid, 0)
-        report(error="exec", detail=failed.decode("utf-8", "replace"))
-        return 126
-
-    stop = threading.Event()
-    status = []
-
-    def wait_child():
-        status.append(os.waitpid(pid, 0)[1])
-        stop.set()
-
-    def watch_driver():
-        try:
-            while os.read(0, 4096):
-                pass
-        except OSError:
-            pass
-        stop.set()  # EOF: the driver's connection is gone (or it closed this channel)
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
-    threading.Thread(target=wait_child, daemon=True).start()
-    threading.Thread(target=watch_driver, daemon=True).start()
-    while not stop.wait(1.0):
-        pass
-
-    def killpg(sig):
-        try:
-            os.killpg(pid, sig)
-        except OSError:
-            pass
-
-    if not status:  # asked to stop, or the driver is gone: SIGTERM the group, SIGKILL after grace
-        killpg(signal.SIGTERM)
-        deadline = time.time() + grace
-        while not status and time.time() < deadline:
-            time.sleep(0.02)
-    killpg(signal.SIGKILL)  # whatever is left of the group: the worker's own children too
-    deadline = time.time() + 10
-    while not status and time.time() < deadline:
-        time.sleep(0.02)
-    if not status:
-        return 255
-    st = status[0]
-    code = -os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st)
-    report(exit=code)
-    return code if code >= 0 else 128 - code
-
-
-try:
-    _code = _main()
-except BaseException as _exc:
-    import traceback
-    traceback.print_exc()
-    _code = 125
-try:
-    sys.stdout.flush()
-    sys.stderr.flush()
-finally:
-    os._exit(_code)
-'''
-
-_LOADER = "import sys,json;exec(json.loads(sys.stdin.readline()))"
+@functools.lru_cache(maxsize=1)
+def bootstrap_source() -> str:
+    """The remote bootstrap's source, as sent to every remote host (read once per process)."""
+    return importlib.resources.files("elasticrun.driver").joinpath("remote_bootstrap.py").read_text(encoding="utf-8")
 
 
 # --- pure helpers (unit-tested) --------------------------------------------------------------
@@ -259,7 +101,7 @@ def split_user(host: str, default_user: str | None = None) -> tuple[str, str]:
 
 def remote_command(python: str, job_id: str, worker_id: str) -> str:
     """The command line run by the remote login shell: no environment, no secret, no user command."""
-    return " ".join(["exec", shlex.quote(python), "-c", shlex.quote(_LOADER), "elasticrun-worker",
+    return " ".join(["exec", shlex.quote(python), "-c", shlex.quote(LOADER), "elasticrun-worker",
                      shlex.quote(job_id), shlex.quote(worker_id)])
 
 
@@ -273,19 +115,7 @@ def launch_payload(command: list[str], env: Mapping[str, str], cwd: str, grace: 
     """
     request = {"mark": mark, "command": list(command), "env": dict(env), "cwd": cwd, "grace": grace,
                "keys": keys.decode("ascii") if keys is not None else None}
-    return (json.dumps(_BOOTSTRAP) + "\n" + json.dumps(request) + "\n").encode("ascii")
-
-
-def forwarded_environment(environ: Mapping[str, str], forward: bool) -> dict[str, str]:
-    """The part of the driver's environment a remote worker gets (before -x and the job's own).
-
-    ``forward=False`` (``--no-forward-env``): nothing; the worker keeps the remote login
-    environment plus what ``-x`` names.
-    """
-    if not forward:
-        return {}
-    return {k: v for k, v in environ.items()
-            if k not in _NOT_FORWARDED and not k.startswith(_NOT_FORWARDED_PREFIXES)}
+    return (json.dumps(bootstrap_source()) + "\n" + json.dumps(request) + "\n").encode("ascii")
 
 
 def decode_exit_status(status: int) -> int:
@@ -293,88 +123,6 @@ def decode_exit_status(status: int) -> int:
     if 128 < status <= 128 + 64:
         return 128 - status
     return status
-
-
-def route_source_address(host: str) -> str:
-    """The address of this machine that the kernel uses to reach ``host`` (no packet is sent)."""
-    name = split_user(host, "-")[1]
-    try:
-        infos = socket.getaddrinfo(name, 9, type=socket.SOCK_DGRAM)
-    except socket.gaierror as exc:
-        raise OSError(f"cannot resolve host name {name!r}: {exc.strerror}") from None
-    infos.sort(key=lambda i: i[0] != socket.AF_INET)  # IPv4 first
-    last: OSError | None = None
-    for family, _, _, _, sockaddr in infos:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            try:
-                s.connect(sockaddr)
-                return s.getsockname()[0]
-            except OSError as exc:
-                last = exc
-    raise OSError(f"no route from this machine to {name}" + (f": {last.strerror or last}" if last else ""))
-
-
-def interface_address(nic: str) -> str:
-    """The IPv4 address of network interface ``nic``; OSError naming the problem otherwise."""
-    import fcntl
-    import struct
-
-    names = [n for _, n in socket.if_nameindex()]
-    if nic not in names:
-        raise OSError(errno.ENODEV, f"no network interface {nic!r} (this machine has: {', '.join(names)})")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", nic.encode()[:15]))  # SIOCGIFADDR
-        except OSError:
-            raise OSError(errno.EADDRNOTAVAIL, f"network interface {nic!r} has no IPv4 address") from None
-    return socket.inet_ntoa(packed[20:24])
-
-
-def check_bindable(address: str) -> None:
-    """Raise OSError if this machine cannot listen on ``address``."""
-    ip = ipaddress.ip_address(address)
-    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-
-
-def zmq_endpoint(address: str) -> str:
-    return f"tcp://[{address}]" if ipaddress.ip_address(address).version == 6 else f"tcp://{address}"
-
-
-class DriverEndpoints:
-    """Where remote workers reach the driver: the address each host routes to, bound on demand.
-
-    With ``--driver-address`` (or ``--network-interface``) every worker gets that one address.
-    Otherwise the driver listens on 127.0.0.1 for local workers and, the first time a host
-    needs it, also on the address of this machine that the kernel would use to reach that host
-    (so no interface that nobody needs is exposed, and each host gets one it can route back to).
-    """
-
-    def __init__(self, router: Any, pub: Any, forced: str | None = None,
-                 route: Callable[[str], str] = route_source_address):
-        self._router, self._pub = router, pub
-        self._forced = forced
-        self._route = route
-        self._bound: dict[str, tuple[str, str]] = {}
-
-    def bind(self, address: str) -> tuple[str, str]:
-        if address not in self._bound:
-            import zmq
-
-            base = zmq_endpoint(address)
-            if ipaddress.ip_address(address).version == 6:
-                for sock in (self._router, self._pub):
-                    sock.setsockopt(zmq.IPV6, 1)
-            self._bound[address] = (f"{base}:{self._router.bind_to_random_port(base)}",
-                                    f"{base}:{self._pub.bind_to_random_port(base)}")
-        return self._bound[address]
-
-    def local(self) -> tuple[str, str]:
-        return self.bind(self._forced or "127.0.0.1")
-
-    def for_host(self, host: str) -> tuple[str, str]:
-        return self.bind(self._forced or self._route(host))
 
 
 # --- SSH connections -------------------------------------------------------------------------
@@ -419,7 +167,7 @@ def _host_key_policy(accept_unknown: bool, known_hosts: str) -> "paramiko.Missin
     return Accept() if accept_unknown else Reject()
 
 
-class _HostConnections:
+class HostConnections:
     """The SSH connections to one host: normally one, more only when sshd's MaxSessions is hit."""
 
     def __init__(self, host: str, opts: SSHOptions):
@@ -572,7 +320,7 @@ class SSHLauncher:
     ``on_exit(worker_id, code)``; a launch that fails logs the host and the cause first.
     """
 
-    def __init__(self, sink: OutputSink, on_exit: Callable[[str, int], None], options: SSHOptions):
+    def __init__(self, sink: Output, on_exit: Callable[[str, int], None], options: SSHOptions):
         import paramiko  # noqa: F401  (fail here, not in a worker thread, if it is missing)
 
         # paramiko logs its own view of every failure we report with the host and the cause.
@@ -582,16 +330,16 @@ class SSHLauncher:
         self._sink = sink
         self._on_exit = on_exit
         self.opts = options
-        self._hosts: dict[str, _HostConnections] = {}
+        self._hosts: dict[str, HostConnections] = {}
         self._remotes: dict[str, _Remote] = {}
         self._lock = threading.Lock()
         self._stopping = False
 
-    def connections(self, host: str) -> _HostConnections:
+    def connections(self, host: str) -> HostConnections:
         with self._lock:
             conns = self._hosts.get(host)
             if conns is None:
-                conns = self._hosts[host] = _HostConnections(host, self.opts)
+                conns = self._hosts[host] = HostConnections(host, self.opts)
             return conns
 
     # --- launching ------------------------------------------------------------------------
@@ -799,80 +547,3 @@ class SSHLauncher:
             threads = [t for r in self._remotes.values() for t in r.threads]
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
-
-
-# --- choosing the launcher per host ------------------------------------------------------------
-class Launchers:
-    """Routes each worker to the local or the SSH launcher, by host and ``--launcher``.
-
-    ``auto``: hosts that are this machine launch locally, others (and any ``user@host``) over
-    SSH; ``local``: never SSH (a host that is not this machine fails to launch); ``ssh``:
-    always SSH, even for names of this machine.
-    """
-
-    def __init__(self, settings: "JobSettings", sink: OutputSink, on_exit: Callable[[str, int], None]):
-        self.settings = settings
-        self.mode = getattr(settings, "launcher", "auto")
-        self._sink, self._on_exit = sink, on_exit
-        self.local = LocalLauncher(sink, on_exit)
-        self._ssh: SSHLauncher | None = None
-        self._where: dict[str, Any] = {}
-
-    @property
-    def ssh(self) -> SSHLauncher:
-        if self._ssh is None:
-            self._ssh = SSHLauncher(self._sink, self._on_exit, SSHOptions.from_settings(self.settings))
-        return self._ssh
-
-    def is_remote(self, host: str) -> bool:
-        if self.mode == "ssh":
-            return True
-        if self.mode == "local":
-            return False
-        return "@" in host or not is_local_host(host)
-
-    def launch(self, worker_id: str, command: list[str], env: dict[str, str], host: str | None = None,
-               keys: bytes | None = None) -> None:
-        """``keys``: the job's key blob; the worker gets it through a pipe, never its environment."""
-        if host is not None and self.is_remote(host):
-            self._where[worker_id] = self.ssh
-            self.ssh.launch(worker_id, command, env, host=host, keys=keys)
-            return
-        if host is not None and self.mode == "local" and not is_local_host(host):
-            raise OSError(f"host {host} is not this machine, and --launcher local never uses SSH")
-        self._where[worker_id] = self.local
-        self.local.launch(worker_id, command, env, keys=keys)
-
-    def signal(self, worker_id: str, sig: int) -> None:
-        launcher = self._where.get(worker_id)
-        if launcher is not None:
-            launcher.signal(worker_id, sig)
-
-    def pid(self, worker_id: str) -> int | None:
-        launcher = self._where.get(worker_id)
-        return launcher.pid(worker_id) if launcher is not None else None
-
-    def stop_all(self, grace: float) -> None:
-        """Stop local and remote workers at the same time (one grace period, not two)."""
-        if self._ssh is None:
-            self.local.stop_all(grace)
-            return
-        t = threading.Thread(target=self.local.stop_all, args=(grace,), name="elasticrun-stop-local", daemon=True)
-        t.start()
-        self._ssh.stop_all(grace)
-        t.join(grace + 10)
-
-    def drain(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        self.local.drain(timeout)
-        if self._ssh is not None:
-            self._ssh.drain(max(0.0, deadline - time.monotonic()))
-
-
-def driver_bind_address(settings: "JobSettings") -> str | None:
-    """The address forced by --driver-address / --network-interface, if any."""
-    if getattr(settings, "driver_address", None):
-        return settings.driver_address
-    nic = getattr(settings, "network_interface", None)
-    return interface_address(nic) if nic else None
-

@@ -1,27 +1,17 @@
-"""The SSH launcher's pure parts and its remote bootstrap, run here without sshd.
+"""The SSH launcher's pure parts and its command line flags, without sshd.
 
 The command line a remote shell runs is checked for quoting and for what it must never hold
-(the environment, the keys, the user's command). The bootstrap is then run exactly as a
-remote login shell would run it (``sh -c COMMAND`` with the payload on stdin), to check how the
-environment and the keys arrive (the keys through a pipe, not the environment), what it
-reports, and that it stops the worker's whole process group when its stdin closes (what
-happens when the driver's SSH connection drops).
+(the environment, the keys, the user's command), and the payload sent over the channel for
+its encoding. The bootstrap that payload carries is tested in ``test_remote_bootstrap.py``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 
-from elasticrun.common.settings import JobSettings
 from elasticrun.driver import cli, ssh
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,7 +26,7 @@ MARK = "@@elasticrun:test@@ "
 def test_remote_command_quotes_every_word(python):
     line = ssh.remote_command(python, "job1", "w7")
     words = shlex.split(line)
-    assert words == ["exec", python, "-c", ssh._LOADER, "elasticrun-worker", "job1", "w7"]
+    assert words == ["exec", python, "-c", ssh.LOADER, "elasticrun-worker", "job1", "w7"]
 
 
 def test_remote_command_holds_no_environment_secret_or_user_command():
@@ -58,7 +48,7 @@ def test_payload_is_ascii_json_lines_and_keeps_odd_values_exact():
     payload.decode("ascii")  # the remote locale cannot garble it
     lines = payload.split(b"\n")
     assert len(lines) == 3 and lines[2] == b""  # exactly two lines, newline-terminated
-    assert json.loads(lines[0]) == ssh._BOOTSTRAP
+    assert json.loads(lines[0]) == ssh.bootstrap_source()
     assert json.loads(lines[1])["env"] == odd
 
 
@@ -68,95 +58,10 @@ def test_split_user():
     assert ssh.split_user("node1")[0]  # the current user
 
 
-def test_forwarded_environment_drops_session_variables():
-    environ = {"PATH": "/bin", "HOME": "/root", "PWD": "/here", "OLDPWD": "/", "SHLVL": "2", "_": "/usr/bin/x",
-               "BASH_FUNC_module%%": "() { :; }", "SSH_AUTH_SOCK": "/tmp/agent", "LD_LIBRARY_PATH": "/lib",
-               "ELASTICRUN_TEST_TAG": "t"}
-    assert ssh.forwarded_environment(environ, True) == {
-        "PATH": "/bin", "HOME": "/root", "LD_LIBRARY_PATH": "/lib", "ELASTICRUN_TEST_TAG": "t"}
-    assert ssh.forwarded_environment(environ, False) == {}
-
-
 @pytest.mark.parametrize("status,code", [(0, 0), (3, 3), (127, 127), (128, 128), (137, -9), (143, -15),
                                          (255, 255)])
 def test_decode_exit_status(status, code):
     assert ssh.decode_exit_status(status) == code
-
-
-# --- address selection -----------------------------------------------------------------------------
-def test_route_source_address_for_loopback_hosts():
-    for host in ("127.0.0.2", "someone@127.0.0.3", "localhost"):
-        assert ssh.route_source_address(host).startswith("127.")
-
-
-def test_route_source_address_unknown_name():
-    with pytest.raises(OSError):
-        ssh.route_source_address("no-such-host.invalid")
-
-
-def test_interface_address():
-    assert ssh.interface_address("lo") == "127.0.0.1"
-    with pytest.raises(OSError, match="no network interface 'nosuch0' .*lo"):
-        ssh.interface_address("nosuch0")
-
-
-class _FakeSocket:
-    def __init__(self):
-        self.binds: list[str] = []
-        self.options: dict = {}
-
-    def bind_to_random_port(self, base: str) -> int:
-        self.binds.append(base)
-        return 40000 + len(self.binds)
-
-    def setsockopt(self, opt, value):
-        self.options[opt] = value
-
-
-def test_driver_endpoints_bind_the_routed_address_once_per_address():
-    router, pub = _FakeSocket(), _FakeSocket()
-    routes = {"a": "10.0.0.5", "b": "10.0.0.5", "c": "192.168.1.2"}
-    ep = ssh.DriverEndpoints(router, pub, None, route=routes.__getitem__)
-    assert ep.local() == ("tcp://127.0.0.1:40001", "tcp://127.0.0.1:40001")
-    assert ep.for_host("a")[0].startswith("tcp://10.0.0.5:")
-    assert ep.for_host("b") == ep.for_host("a")
-    assert ep.for_host("c")[1].startswith("tcp://192.168.1.2:")
-    assert router.binds == ["tcp://127.0.0.1", "tcp://10.0.0.5", "tcp://192.168.1.2"]
-
-
-def test_driver_endpoints_forced_address_for_everyone():
-    router, pub = _FakeSocket(), _FakeSocket()
-    ep = ssh.DriverEndpoints(router, pub, "10.1.2.3", route=lambda h: pytest.fail("must not route"))
-    assert ep.local() == ep.for_host("anything")
-    assert router.binds == ["tcp://10.1.2.3"]
-
-
-def test_driver_endpoints_ipv6():
-    import zmq
-
-    router, pub = _FakeSocket(), _FakeSocket()
-    ep = ssh.DriverEndpoints(router, pub, "::1")
-    assert ep.local()[0].startswith("tcp://[::1]:")
-    assert router.options[zmq.IPV6] == 1 and pub.options[zmq.IPV6] == 1
-
-
-def _settings(**kw) -> JobSettings:
-    return JobSettings(command=["true"], np=1, min_np=1, max_np=1, **kw)
-
-
-@pytest.mark.parametrize("mode,host,remote", [
-    ("auto", "localhost", False), ("auto", "127.0.0.2", False), ("auto", "me@localhost", True),
-    ("auto", "no-such-host.invalid", True), ("ssh", "localhost", True), ("local", "127.0.0.2", False),
-])
-def test_launcher_choice(mode, host, remote):
-    launchers = ssh.Launchers(_settings(launcher=mode), sink=None, on_exit=lambda w, c: None)
-    assert launchers.is_remote(host) is remote
-
-
-def test_local_mode_refuses_a_remote_host():
-    launchers = ssh.Launchers(_settings(launcher="local"), sink=None, on_exit=lambda w, c: None)
-    with pytest.raises(OSError, match="not this machine"):
-        launchers.launch("w1", ["true"], {}, host="no-such-host.invalid")
 
 
 # --- command line flags ------------------------------------------------------------------------------
@@ -197,132 +102,3 @@ def test_cli_ssh_errors(args, expected, capsys):
         cli.parse_settings([*args, *BASE])
     assert exc.value.code == 2
     assert expected in capsys.readouterr().err
-
-
-# --- the bootstrap, run as a remote shell would run it ---------------------------------------------
-def _start(command: list[str], env: dict[str, str], cwd: str = "/", grace: float = 2.0,
-           keys: bytes | None = None) -> subprocess.Popen:
-    line = ssh.remote_command(sys.executable, "job1", "w1")
-    proc = subprocess.Popen(["sh", "-c", line], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    proc.stdin.write(ssh.launch_payload(command, env, cwd, grace, MARK, keys))
-    proc.stdin.flush()
-    return proc
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 30) -> tuple[bytes, bytes]:
-    """Read everything without closing stdin (closing it is the driver-is-gone signal)."""
-    try:
-        out = proc.stdout.read()
-        err = proc.stderr.read()
-        proc.wait(timeout)
-    finally:
-        if proc.stdin and not proc.stdin.closed:
-            proc.stdin.close()
-    return out, err
-
-
-def _reports(stdout: bytes) -> tuple[list[dict], list[str]]:
-    reports, lines = [], []
-    for line in stdout.decode().splitlines():
-        if MARK in line:
-            before, _, rest = line.partition(MARK)
-            if before:
-                lines.append(before)
-            reports.append(json.loads(rest))
-        else:
-            lines.append(line)
-    return reports, lines
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
-def test_bootstrap_delivers_env_and_cwd_without_command_line(tmp_path):
-    code = ("import os,sys;"
-            "from elasticrun.common import secretpipe;"
-            "environ = open('/proc/%d/environ' % os.getpid(), 'rb').read();"
-            "print(secretpipe.receive().decode(), os.environ['ODD'], os.getcwd(), os.environ['PWD'], sep='|');"
-            f"print({SECRET!r}.encode() in environ, 'ELASTICRUN_SECRET_FD' in os.environ);"
-            "sys.stdout.flush();"
-            "print(repr(open('/proc/%d/cmdline' % os.getppid(), 'rb').read()));"
-            "print(os.getpgrp() == os.getpid(), os.getpgrp() != os.getpgid(os.getppid()));"
-            "sys.exit(3)")
-    env = {"ODD": "a b'c\"$(x)", "PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = _start([sys.executable, "-c", code], env, cwd=str(tmp_path), keys=KEYS)
-    out, err = _finish(proc)
-    reports, lines = _reports(out)
-    assert proc.returncode == 3, err
-    assert lines[0] == f"{KEYS.decode()}|a b'c\"$(x)|{tmp_path}|{tmp_path}"  # the keys came through the pipe
-    assert lines[1] == "False False"  # not in the worker's environment, and the pipe's number is gone once read
-    assert SECRET not in lines[2] and "elasticrun-worker" in lines[2]  # the watchdog's command line
-    assert lines[3] == "True True"  # the worker leads its own process group, apart from the watchdog
-    assert "pid" in reports[0] and reports[0]["pgid"] == reports[0]["pid"]
-    assert reports[-1] == {"exit": 3}
-
-
-def test_bootstrap_reports_a_signal_death():
-    proc = _start(["sh", "-c", "kill -9 $$"], {"PATH": os.environ["PATH"]})
-    out, _ = _finish(proc)
-    assert _reports(out)[0][-1] == {"exit": -9}
-    assert ssh.decode_exit_status(proc.returncode) == -9
-
-
-def test_bootstrap_command_not_found():
-    proc = _start(["no-such-command-xyz", "--flag"], {"PATH": "/usr/bin:/bin"})
-    out, _ = _finish(proc)
-    (report,), _ = _reports(out)
-    assert proc.returncode == 127
-    assert report["error"] == "not_found"
-    assert "command not found: no-such-command-xyz" in report["detail"] and "/usr/bin:/bin" in report["detail"]
-
-
-def test_bootstrap_missing_working_directory():
-    proc = _start(["true"], {}, cwd="/nonexistent/dir")
-    out, _ = _finish(proc)
-    (report,), _ = _reports(out)
-    assert proc.returncode == 126 and report["error"] == "cwd"
-    assert "cannot change to directory /nonexistent/dir: No such file or directory" in report["detail"]
-
-
-def test_missing_python_is_the_shells_127():
-    line = ssh.remote_command("/nonexistent/python3", "job1", "w1")
-    r = subprocess.run(["sh", "-c", line], input=b"", capture_output=True, timeout=30)
-    assert r.returncode == 127 and r.stdout == b""
-
-
-@pytest.mark.parametrize("how", ["stdin EOF", "SIGTERM to the watchdog"])
-def test_bootstrap_kills_the_whole_group_when_the_driver_goes(how, tmp_path):
-    """EOF on stdin is what the watchdog sees when the driver's connection drops."""
-    pids = tmp_path / "pids"
-    script = f"sleep 300 & echo $! > {pids}.tmp; sh -c 'sleep 300' & echo $! >> {pids}.tmp; mv {pids}.tmp {pids}; wait"
-    proc = _start(["sh", "-c", script], {"PATH": os.environ["PATH"]}, grace=2.0)
-    deadline = time.monotonic() + 20
-    while not pids.exists():
-        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
-        time.sleep(0.02)
-    children = [int(p) for p in pids.read_text().split()]
-    assert all(_alive(p) for p in children)
-    started = time.monotonic()
-    if how == "stdin EOF":
-        proc.stdin.close()
-    else:
-        os.kill(proc.pid, signal.SIGTERM)
-    out, _ = _finish(proc, 20)
-    elapsed = time.monotonic() - started
-    assert not any(_alive(p) for p in children)
-    assert elapsed < 2.0, elapsed  # SIGTERM is enough for these; SIGKILL only after the grace
-    assert _reports(out)[0][-1] == {"exit": -15}
-    assert proc.returncode == 128 + 15
-
-
-def test_check_bindable():
-    ssh.check_bindable("127.0.0.1")
-    with pytest.raises(OSError):
-        ssh.check_bindable("203.0.113.7")
-    socket.inet_aton(ssh.interface_address("lo"))

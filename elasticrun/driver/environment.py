@@ -1,0 +1,68 @@
+"""What environment a worker starts with (pure: the driver only passes it to its launcher).
+
+A worker on this machine inherits the driver's whole environment, as any child process would.
+A remote worker gets the driver's environment minus what describes the driver's own shell or
+session (as horovodrun forwards it), or, with ``--no-forward-env``, nothing of it: it then
+keeps its remote login environment, which the bootstrap lays under this one. On top come the
+``-x`` variables and the job's own ``ELASTICRUN_*`` variables (``elasticrun.common.env``),
+which nothing can override.
+
+The job's keys are never part of it: they reach the worker through an inherited pipe
+(``elasticrun.common.secretpipe``), whose number the launcher adds.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from elasticrun.common import env
+from elasticrun.common.settings import JobSettings
+from elasticrun.driver.assignment import SlotInfo
+
+# Variables of the driver's environment that describe the driver's own shell or session and
+# must not be imposed on a remote worker (horovodrun skips the first ones too).
+_NOT_FORWARDED = frozenset({
+    "OLDPWD", "PWD", "SHLVL", "_", "HOSTNAME", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_AUTH_SOCK",
+    "SSH_AGENT_PID", "DISPLAY", "XAUTHORITY", "TMUX", "TMUX_PANE", "STY", "WINDOWID", "TERMCAP",
+})
+_NOT_FORWARDED_PREFIXES = ("BASH_FUNC_",)
+
+
+def forwarded_environment(environ: Mapping[str, str], forward: bool) -> dict[str, str]:
+    """The part of the driver's environment a remote worker gets (before -x and the job's own).
+
+    ``forward=False`` (``--no-forward-env``): nothing; the worker keeps the remote login
+    environment plus what ``-x`` names.
+    """
+    if not forward:
+        return {}
+    return {k: v for k, v in environ.items()
+            if k not in _NOT_FORWARDED and not k.startswith(_NOT_FORWARDED_PREFIXES)}
+
+
+def worker_environment(settings: JobSettings, info: SlotInfo, *, job_id: str, worker_id: str,
+                       control_addr: str, notify_addr: str, base_env: Mapping[str, str],
+                       remote: bool) -> dict[str, str]:
+    """The environment of worker ``worker_id``, started for ``info`` (its place in the round).
+
+    ``base_env`` is the driver's environment (``os.environ``); ``remote``: the worker runs on
+    another machine; ``control_addr``/``notify_addr``: the driver's endpoints that machine
+    reaches. ``--network-interface`` also sets ``GLOO_SOCKET_IFNAME`` unless the driver's
+    environment has it.
+    """
+    s = settings
+    worker_env = forwarded_environment(base_env, s.forward_env) if remote else dict(base_env)
+    if s.network_interface and "GLOO_SOCKET_IFNAME" not in base_env:
+        worker_env["GLOO_SOCKET_IFNAME"] = s.network_interface
+    worker_env.update(s.extra_env)
+    worker_env.update({
+        env.HOSTNAME: info.host, env.RANK: str(info.rank), env.SIZE: str(info.size),
+        env.LOCAL_RANK: str(info.local_rank), env.LOCAL_SIZE: str(info.local_size),
+        env.CROSS_RANK: str(info.cross_rank), env.CROSS_SIZE: str(info.cross_size),
+        env.SLOT: str(info.slot), env.WORKER_ID: worker_id, env.JOB_ID: job_id,
+        env.CONTROL_ADDR: control_addr, env.NOTIFY_ADDR: notify_addr,
+        env.COLLECTIVE_TIMEOUT: str(s.collective_timeout), env.RENDEZVOUS_TIMEOUT: str(s.elastic_wait_limit),
+        env.HEARTBEAT_INTERVAL: str(s.heartbeat_interval), env.DRIVER_TIMEOUT: str(s.driver_timeout),
+        env.LOG_LEVEL: s.worker_log_level, "PYTHONUNBUFFERED": "1",
+    })
+    return worker_env

@@ -1,0 +1,157 @@
+"""What the driver needs from whatever starts its workers, and the launcher it uses by default.
+
+The driver decides *which* worker runs *where* (the registry's ``Launch`` actions) and
+*what* it gets (``environment.worker_environment``); a :class:`Launcher` only carries that out
+and reports back. :class:`Launchers` is the one the command line and ``elasticrun.run()``
+pass: child processes on this machine (``launcher.py``), SSH to other hosts (``ssh.py``).
+Another kind (an agent per node that starts and watches processes, e.g. on Ray) plugs in
+the same way: ``ElasticDriver(settings, source, launcher)``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Protocol, runtime_checkable
+
+from elasticrun.common.settings import JobSettings
+from elasticrun.driver.launcher import LocalLauncher, is_local_host
+from elasticrun.driver.output import Output
+from elasticrun.driver.ssh import SSHLauncher, SSHOptions
+
+#: What ``--launcher`` accepts (see :class:`Launchers`).
+LAUNCHER_MODES = ("auto", "local", "ssh")
+
+#: ``on_exit(worker_id, code)``: a worker ended; ``code`` as ``subprocess`` gives it (-N: signal N).
+OnExit = Callable[[str, int], None]
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    """Starts, signals and stops the job's worker processes, wherever they run.
+
+    Every method may be called from the driver's loop and must not block it: ``launch`` and
+    ``signal`` return at once (slow work, such as connecting to a host, happens on the
+    launcher's own threads); ``stop_all`` and ``drain`` are bounded by their arguments.
+    """
+
+    def bind(self, on_exit: OnExit, output: Output) -> None:
+        """Called once by the driver, before any launch: where to report exits and output.
+
+        ``on_exit`` and ``output.write`` may be called from any thread.
+        """
+
+    def is_remote(self, host: str) -> bool:
+        """Whether workers for ``host`` run on another machine: the driver then gives them its
+        forwarded environment and the address of this machine that ``host`` reaches."""
+
+    def launch(self, worker_id: str, command: list[str], env: dict[str, str], host: str,
+               keys: bytes | None = None) -> None:
+        """Start ``command`` with exactly ``env`` on ``host``.
+
+        ``keys``: the job's key blob, for the worker to read from the pipe named by
+        ``ELASTICRUN_SECRET_FD``; it must never be put in an environment or on a command line.
+        Raises OSError when the worker cannot be started at all (then no ``on_exit`` follows);
+        otherwise it ends in exactly one ``on_exit(worker_id, code)``, however it ends (a failed
+        remote start is a worker exiting with a code, logged with the host and the cause).
+        The worker and everything it starts are one unit for ``signal`` and ``stop_all``.
+        """
+
+    def signal(self, worker_id: str, sig: int) -> None:
+        """Send ``sig`` to the worker and everything it started; nothing if it is gone."""
+
+    def stop_all(self, grace: float) -> None:
+        """Stop every worker: SIGTERM, SIGKILL what is left after ``grace`` seconds."""
+
+    def drain(self, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for the output of ended workers to be written."""
+
+
+class Launchers:
+    """Routes each worker to the local or the SSH launcher, by host and ``--launcher``.
+
+    ``auto``: hosts that are this machine launch locally, others (and any ``user@host``) over
+    SSH; ``local``: never SSH (a host that is not this machine fails to launch); ``ssh``:
+    always SSH, even for names of this machine. The SSH launcher (and paramiko) is set up
+    only when a first worker needs it.
+    """
+
+    def __init__(self, settings: JobSettings):
+        self.settings = settings
+        self.mode = getattr(settings, "launcher", "auto")
+        self._on_exit: OnExit | None = None
+        self._output: Output | None = None
+        self._local: LocalLauncher | None = None
+        self._ssh: SSHLauncher | None = None
+        self._where: dict[str, LocalLauncher | SSHLauncher] = {}
+
+    def bind(self, on_exit: OnExit, output: Output) -> None:
+        if self._on_exit is not None:
+            raise RuntimeError("this Launchers is bound to a driver already: give each driver its own")
+        self._on_exit, self._output = on_exit, output
+        self._local = LocalLauncher(output, on_exit)
+
+    @property
+    def local(self) -> LocalLauncher:
+        if self._local is None:
+            raise RuntimeError("Launchers.bind() must be called before launching")
+        return self._local
+
+    @property
+    def ssh(self) -> SSHLauncher:
+        if self._ssh is None:
+            if self._on_exit is None or self._output is None:
+                raise RuntimeError("Launchers.bind() must be called before launching")
+            self._ssh = SSHLauncher(self._output, self._on_exit, SSHOptions.from_settings(self.settings))
+        return self._ssh
+
+    def is_remote(self, host: str) -> bool:
+        if self.mode == "ssh":
+            return True
+        if self.mode == "local":
+            return False
+        return "@" in host or not is_local_host(host)
+
+    def launch(self, worker_id: str, command: list[str], env: dict[str, str], host: str | None = None,
+               keys: bytes | None = None) -> None:
+        """``keys``: the job's key blob; the worker gets it through a pipe, never its environment."""
+        if host is not None and self.is_remote(host):
+            self._where[worker_id] = self.ssh
+            self.ssh.launch(worker_id, command, env, host=host, keys=keys)
+            return
+        if host is not None and self.mode == "local" and not is_local_host(host):
+            raise OSError(f"host {host} is not this machine, and --launcher local never uses SSH")
+        self._where[worker_id] = self.local
+        self.local.launch(worker_id, command, env, keys=keys)
+
+    def signal(self, worker_id: str, sig: int) -> None:
+        launcher = self._where.get(worker_id)
+        if launcher is not None:
+            launcher.signal(worker_id, sig)
+
+    def pid(self, worker_id: str) -> int | None:
+        """The worker's process (local) or process group (remote) id, once known."""
+        launcher = self._where.get(worker_id)
+        return launcher.pid(worker_id) if launcher is not None else None
+
+    def stop_all(self, grace: float) -> None:
+        """Stop local and remote workers at the same time (one grace period, not two)."""
+        if self._ssh is None:
+            if self._local is not None:
+                self._local.stop_all(grace)
+            return
+        t = None
+        if self._local is not None:
+            t = threading.Thread(target=self._local.stop_all, args=(grace,), name="elasticrun-stop-local",
+                                 daemon=True)
+            t.start()
+        self._ssh.stop_all(grace)
+        if t is not None:
+            t.join(grace + 10)
+
+    def drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        if self._local is not None:
+            self._local.drain(timeout)
+        if self._ssh is not None:
+            self._ssh.drain(max(0.0, deadline - time.monotonic()))

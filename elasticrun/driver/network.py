@@ -1,0 +1,112 @@
+"""Which address of this machine workers reach the driver on, and listening there.
+
+The driver cannot listen on every interface (that would expose its sockets to networks no
+worker is on) nor guess one address for all hosts (a machine with several networks reaches
+each host through a different one). So local workers get 127.0.0.1, and each remote host the
+address the kernel would use to reach it, bound the first time a host needs it; or one
+address for everyone, named with ``--driver-address`` or ``--network-interface``.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import socket
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from elasticrun.common.settings import JobSettings
+
+
+def route_source_address(host: str) -> str:
+    """The address of this machine that the kernel uses to reach ``host`` (no packet is sent)."""
+    name = host.rpartition("@")[2]  # user@name: the name
+    try:
+        infos = socket.getaddrinfo(name, 9, type=socket.SOCK_DGRAM)
+    except socket.gaierror as exc:
+        raise OSError(f"cannot resolve host name {name!r}: {exc.strerror}") from None
+    infos.sort(key=lambda i: i[0] != socket.AF_INET)  # IPv4 first
+    last: OSError | None = None
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect(sockaddr)
+                return s.getsockname()[0]
+            except OSError as exc:
+                last = exc
+    raise OSError(f"no route from this machine to {name}" + (f": {last.strerror or last}" if last else ""))
+
+
+def interface_address(nic: str) -> str:
+    """The IPv4 address of network interface ``nic``; OSError naming the problem otherwise."""
+    import fcntl
+    import struct
+
+    names = [n for _, n in socket.if_nameindex()]
+    if nic not in names:
+        raise OSError(errno.ENODEV, f"no network interface {nic!r} (this machine has: {', '.join(names)})")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", nic.encode()[:15]))  # SIOCGIFADDR
+        except OSError:
+            raise OSError(errno.EADDRNOTAVAIL, f"network interface {nic!r} has no IPv4 address") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def check_bindable(address: str) -> None:
+    """Raise OSError if this machine cannot listen on ``address``."""
+    ip = ipaddress.ip_address(address)
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+
+
+def zmq_endpoint(address: str) -> str:
+    """``tcp://ADDRESS`` as ZeroMQ spells it (IPv6 addresses in brackets), without the port."""
+    return f"tcp://[{address}]" if ipaddress.ip_address(address).version == 6 else f"tcp://{address}"
+
+
+def driver_bind_address(settings: "JobSettings") -> str | None:
+    """The address forced by --driver-address / --network-interface, if any."""
+    if getattr(settings, "driver_address", None):
+        return settings.driver_address
+    nic = getattr(settings, "network_interface", None)
+    return interface_address(nic) if nic else None
+
+
+class DriverEndpoints:
+    """Where remote workers reach the driver: the address each host routes to, bound on demand.
+
+    With ``--driver-address`` (or ``--network-interface``) every worker gets that one address.
+    Otherwise the driver listens on 127.0.0.1 for local workers and, the first time a host
+    needs it, also on the address of this machine that the kernel would use to reach that host
+    (so no interface that nobody needs is exposed, and each host gets one it can route back to).
+    """
+
+    def __init__(self, router: Any, pub: Any, forced: str | None = None,
+                 route: Callable[[str], str] = route_source_address):
+        self._router, self._pub = router, pub
+        self._forced = forced
+        self._route = route
+        self._bound: dict[str, tuple[str, str]] = {}
+
+    def bind(self, address: str) -> tuple[str, str]:
+        """The (control, notify) endpoints on ``address``, binding both sockets there once."""
+        if address not in self._bound:
+            import zmq
+
+            base = zmq_endpoint(address)
+            if ipaddress.ip_address(address).version == 6:
+                for sock in (self._router, self._pub):
+                    sock.setsockopt(zmq.IPV6, 1)
+            self._bound[address] = (f"{base}:{self._router.bind_to_random_port(base)}",
+                                    f"{base}:{self._pub.bind_to_random_port(base)}")
+        return self._bound[address]
+
+    def local(self) -> tuple[str, str]:
+        """The endpoints of workers on this machine."""
+        return self.bind(self._forced or "127.0.0.1")
+
+    def for_host(self, host: str) -> tuple[str, str]:
+        """The endpoints of workers on ``host``; OSError when no address of ours reaches it."""
+        return self.bind(self._forced or self._route(host))

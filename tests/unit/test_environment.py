@@ -1,0 +1,89 @@
+"""What environment a worker starts with (elasticrun/driver/environment.py, pure)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from elasticrun.common import env
+from elasticrun.common.auth import JobKeys
+from elasticrun.common.settings import JobSettings
+from elasticrun.driver.assignment import SlotInfo
+from elasticrun.driver.environment import forwarded_environment, worker_environment
+
+INFO = SlotInfo(host="node2", slot=1, rank=3, size=4, local_rank=1, local_size=2, cross_rank=1, cross_size=2)
+DRIVER_ENV = {"PATH": "/bin", "HOME": "/root", "PWD": "/here", "OLDPWD": "/", "SHLVL": "2", "_": "/usr/bin/x",
+              "BASH_FUNC_module%%": "() { :; }", "SSH_AUTH_SOCK": "/tmp/agent", "LD_LIBRARY_PATH": "/lib",
+              "ELASTICRUN_TEST_TAG": "t"}
+SETTINGS = JobSettings(command=["python", "train.py"], np=4, min_np=2, max_np=8, collective_timeout=42.0,
+                       worker_log_level="INFO")
+
+
+def _env(settings: JobSettings = SETTINGS, base: dict[str, str] = DRIVER_ENV, remote: bool = False) -> dict[str, str]:
+    return worker_environment(settings, INFO, job_id="job1", worker_id="w7", control_addr="tcp://10.0.0.1:5000",
+                              notify_addr="tcp://10.0.0.1:5001", base_env=base, remote=remote)
+
+
+def _job_part(settings: JobSettings = SETTINGS) -> dict[str, str]:
+    """What every worker gets from the job itself, whatever else it inherits."""
+    return {
+        env.HOSTNAME: "node2", env.RANK: "3", env.SIZE: "4", env.LOCAL_RANK: "1", env.LOCAL_SIZE: "2",
+        env.CROSS_RANK: "1", env.CROSS_SIZE: "2", env.SLOT: "1", env.WORKER_ID: "w7", env.JOB_ID: "job1",
+        env.CONTROL_ADDR: "tcp://10.0.0.1:5000", env.NOTIFY_ADDR: "tcp://10.0.0.1:5001",
+        env.COLLECTIVE_TIMEOUT: "42.0", env.RENDEZVOUS_TIMEOUT: str(settings.elastic_wait_limit),
+        env.HEARTBEAT_INTERVAL: "0.5", env.DRIVER_TIMEOUT: "5.0", env.LOG_LEVEL: "INFO", "PYTHONUNBUFFERED": "1",
+    }
+
+
+def test_forwarded_environment_drops_session_variables():
+    assert forwarded_environment(DRIVER_ENV, True) == {
+        "PATH": "/bin", "HOME": "/root", "LD_LIBRARY_PATH": "/lib", "ELASTICRUN_TEST_TAG": "t"}
+    assert forwarded_environment(DRIVER_ENV, False) == {}
+
+
+def test_a_local_worker_inherits_the_whole_driver_environment():
+    assert _env() == {**DRIVER_ENV, **_job_part()}
+
+
+def test_a_remote_worker_gets_the_forwarded_part():
+    assert _env(remote=True) == {**forwarded_environment(DRIVER_ENV, True), **_job_part()}
+
+
+def test_no_forward_env_gives_a_remote_worker_only_the_x_variables_and_the_jobs_own():
+    s = dataclasses.replace(SETTINGS, forward_env=False, extra_env={"GREETING": "hi", "PATH": "/opt/bin"})
+    assert _env(s, remote=True) == {"GREETING": "hi", "PATH": "/opt/bin", **_job_part(s)}
+    # A local worker is a child process: it inherits everything whatever the flag says.
+    assert _env(s) == {**DRIVER_ENV, "GREETING": "hi", "PATH": "/opt/bin", **_job_part(s)}
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_x_variables_override_the_driver_environment_and_never_the_jobs_own(remote):
+    s = dataclasses.replace(SETTINGS, extra_env={"HOME": "/data", "NEW": "1", env.RANK: "99", env.JOB_ID: "x"})
+    worker = _env(s, remote=remote)
+    assert worker["HOME"] == "/data" and worker["NEW"] == "1"
+    assert worker[env.RANK] == "3" and worker[env.JOB_ID] == "job1"
+
+
+def test_network_interface_sets_gloo_socket_ifname_unless_the_driver_has_it():
+    s = dataclasses.replace(SETTINGS, network_interface="eth1", driver_address="10.0.0.1")
+    assert _env(s)["GLOO_SOCKET_IFNAME"] == "eth1"
+    assert _env(s, remote=True)["GLOO_SOCKET_IFNAME"] == "eth1"
+    assert _env(dataclasses.replace(s, forward_env=False), remote=True)["GLOO_SOCKET_IFNAME"] == "eth1"
+    mine = {**DRIVER_ENV, "GLOO_SOCKET_IFNAME": "ib0"}
+    assert _env(s, base=mine)["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert _env(s, base=mine, remote=True)["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert _env(dataclasses.replace(s, extra_env={"GLOO_SOCKET_IFNAME": "eth9"}))["GLOO_SOCKET_IFNAME"] == "eth9"
+    assert "GLOO_SOCKET_IFNAME" not in _env()  # without --network-interface: only what the driver has
+
+
+def test_the_environment_holds_no_key_material():
+    """The keys travel through a pipe: the environment is built without them, local or remote."""
+    keys = JobKeys.generate()
+    secrets = [keys.secret.hex(), keys.worker.encode().decode(), keys.worker.client_secret.decode(),
+               keys.server_secret.decode()]
+    for remote in (False, True):
+        worker = _env(remote=remote)
+        assert env.SECRET_FD not in worker
+        text = "\n".join(f"{k}={v}" for k, v in worker.items())
+        assert not any(s in text for s in secrets)

@@ -1,0 +1,90 @@
+"""Which address of this machine workers reach the driver on (elasticrun/driver/network.py)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from elasticrun.driver import network
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_route_source_address_for_loopback_hosts():
+    for host in ("127.0.0.2", "someone@127.0.0.3", "localhost"):
+        assert network.route_source_address(host).startswith("127.")
+
+
+def test_route_source_address_unknown_name():
+    with pytest.raises(OSError):
+        network.route_source_address("no-such-host.invalid")
+
+
+def test_interface_address():
+    assert network.interface_address("lo") == "127.0.0.1"
+    with pytest.raises(OSError, match="no network interface 'nosuch0' .*lo"):
+        network.interface_address("nosuch0")
+
+
+class _FakeSocket:
+    def __init__(self):
+        self.binds: list[str] = []
+        self.options: dict = {}
+
+    def bind_to_random_port(self, base: str) -> int:
+        self.binds.append(base)
+        return 40000 + len(self.binds)
+
+    def setsockopt(self, opt, value):
+        self.options[opt] = value
+
+
+def test_driver_endpoints_bind_the_routed_address_once_per_address():
+    router, pub = _FakeSocket(), _FakeSocket()
+    routes = {"a": "10.0.0.5", "b": "10.0.0.5", "c": "192.168.1.2"}
+    ep = network.DriverEndpoints(router, pub, None, route=routes.__getitem__)
+    assert ep.local() == ("tcp://127.0.0.1:40001", "tcp://127.0.0.1:40001")
+    assert ep.for_host("a")[0].startswith("tcp://10.0.0.5:")
+    assert ep.for_host("b") == ep.for_host("a")
+    assert ep.for_host("c")[1].startswith("tcp://192.168.1.2:")
+    assert router.binds == ["tcp://127.0.0.1", "tcp://10.0.0.5", "tcp://192.168.1.2"]
+
+
+def test_driver_endpoints_forced_address_for_everyone():
+    router, pub = _FakeSocket(), _FakeSocket()
+    ep = network.DriverEndpoints(router, pub, "10.1.2.3", route=lambda h: pytest.fail("must not route"))
+    assert ep.local() == ep.for_host("anything")
+    assert router.binds == ["tcp://10.1.2.3"]
+
+
+def test_driver_endpoints_ipv6():
+    import zmq
+
+    router, pub = _FakeSocket(), _FakeSocket()
+    ep = network.DriverEndpoints(router, pub, "::1")
+    assert ep.local()[0].startswith("tcp://[::1]:")
+    assert router.options[zmq.IPV6] == 1 and pub.options[zmq.IPV6] == 1
+
+
+def test_check_bindable():
+    network.check_bindable("127.0.0.1")
+    with pytest.raises(OSError):
+        network.check_bindable("203.0.113.7")
+    socket.inet_aton(network.interface_address("lo"))
+
+
+def test_zmq_endpoint():
+    assert network.zmq_endpoint("10.0.0.1") == "tcp://10.0.0.1"
+    assert network.zmq_endpoint("fe80::1") == "tcp://[fe80::1]"
+
+
+def test_driver_bind_address_from_the_flags():
+    from elasticrun.common.settings import JobSettings
+
+    def settings(**kw) -> JobSettings:
+        return JobSettings(command=["true"], np=1, min_np=1, max_np=1, **kw)
+
+    assert network.driver_bind_address(settings()) is None  # per host, routed
+    assert network.driver_bind_address(settings(driver_address="10.1.2.3")) == "10.1.2.3"
+    assert network.driver_bind_address(settings(network_interface="lo")) == "127.0.0.1"
