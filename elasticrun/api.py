@@ -12,7 +12,6 @@ the same bad input with the same message (``run`` raises it as ValueError).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -31,8 +30,7 @@ from elasticrun.driver.registry import WorkerRecord
 __all__ = ["run", "RunError"]
 
 WORKER_COMMAND = [sys.executable, "-m", "elasticrun.worker.entry"]
-_ALIASES = {"discovery_script": "host_discovery_script", "events": "events_file"}
-_NOT_OPTIONS = {"help", "version", "check", "command"}
+_ALIASES = {"discovery_script": "host_discovery_script"}
 
 
 class RunError(JobFailed):
@@ -90,11 +88,12 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
     if discovery is not None and len(given) > 1:
         raise ValueError(f"discovery= cannot be combined with {given[0]}=: give one host source")
 
-    from elasticrun.driver.cli import parse_settings
+    from elasticrun.driver.cli import settings_from_keywords
 
-    argv = _argv(dict(options, np=np, min_np=min_np, max_np=max_np, hosts=hosts, hostfile=hostfile,
-                      discovery_script=discovery_script))
-    settings = parse_settings(argv + ["--", *WORKER_COMMAND], api=True, callable_discovery=discovery is not None)
+    keywords = {_ALIASES.get(k, k): v for k, v in options.items()}
+    keywords.update(np=np, min_np=min_np, max_np=max_np, hosts=hosts, hostfile=hostfile,
+                    host_discovery_script=discovery_script)
+    settings = settings_from_keywords(keywords, WORKER_COMMAND, callable_discovery=discovery is not None)
     try:
         payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
     except Exception as exc:
@@ -132,48 +131,6 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
             signal.raise_signal(code - 128)
         raise RunError(f"The job was stopped by {name}.", code)
     return _final_values(driver.registry.final_round(), functions)
-
-
-# --- options -------------------------------------------------------------------------------
-def _argv(options: dict[str, Any]) -> list[str]:
-    """Keyword options -> the command line's flags (its parser validates them)."""
-    from elasticrun.driver.cli import build_parser
-
-    actions: dict[str, argparse.Action] = {}
-    for action in build_parser()._actions:
-        if not action.option_strings or action.dest in _NOT_OPTIONS:
-            continue
-        actions[action.dest] = action
-        for opt in action.option_strings:
-            if opt.startswith("--"):
-                actions.setdefault(opt[2:].replace("-", "_"), action)
-    argv: list[str] = []
-    for name, value in options.items():
-        action = actions.get(_ALIASES.get(name, name))
-        if action is None:
-            raise TypeError(f"run() got an unexpected keyword argument {name!r}")
-        if value is None:
-            continue
-        flag = next(o for o in action.option_strings if o.startswith("--"))
-        if action.nargs == 0:  # on/off flags: --verbose, --no-forward-env, ...
-            if not isinstance(value, bool):
-                raise ValueError(f"{name}= must be True or False, got {value!r}")
-            if (value != action.default) if _ALIASES.get(name, name) == action.dest else value:
-                argv.append(flag)
-        elif isinstance(action, argparse._AppendAction):  # -x NAME[=VALUE], repeatable
-            items = ([f"{k}={v}" for k, v in value.items()] if isinstance(value, Mapping)
-                     else [value] if isinstance(value, str) else list(value))
-            argv += [f"{flag}={item}" for item in items]
-        elif action.nargs == 2:
-            if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != 2:
-                raise ValueError(f"{name}= must be a pair (LOW, HIGH), got {value!r}")
-            argv += [flag, *map(str, value)]
-        else:
-            if action.dest == "hosts" and not isinstance(value, str):
-                value = ",".join(f"{h}:{s}" for h, s in value.items()) if isinstance(value, Mapping) \
-                    else ",".join(map(str, value))
-            argv.append(f"{flag}={value}")
-    return argv
 
 
 # --- results -------------------------------------------------------------------------------

@@ -185,8 +185,8 @@ def _fixed_hosts(parser: argparse.ArgumentParser, a: argparse.Namespace) -> dict
         if a.hosts is not None:
             return parse_hosts_arg(a.hosts, a.slots_per_host)
         if a.hostfile is not None:
-            return parse_hostfile(read_hostfile(parser, a.hostfile), a.slots_per_host, a.hostfile)
-    except HostSpecError as exc:
+            return parse_hostfile(read_hostfile(a.hostfile), a.slots_per_host, a.hostfile)
+    except (HostSpecError, ValueError) as exc:
         parser.error(str(exc))
     return None
 

@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import sys
+from typing import Any, Callable, Mapping, NoReturn
 
 from elasticrun.common.hosts import MAX_SLOTS_PER_HOST, HostSpecError, parse_hostfile, parse_hosts_arg
 from elasticrun.common.paths import check_writable_dir, check_writable_file
@@ -22,127 +23,203 @@ from elasticrun.driver import check, config, network
 from elasticrun.driver.parser import ExitingParser, RaisingParser, build_parser, read_hostfile
 
 
-def _remote_settings(parser: argparse.ArgumentParser, a: argparse.Namespace) -> dict:
+Fail = Callable[[str], NoReturn]
+
+
+def _remote_settings(o: Mapping[str, Any], fail: Fail) -> dict:
     extra_env: dict[str, str] = {}
-    for item in a.env:
+    for item in o["env"]:
         name, eq, value = item.partition("=")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            parser.error(f"-x {item}: {name!r} is not a valid environment variable name")
+            fail(f"-x {item}: {name!r} is not a valid environment variable name")
         if not eq:
             if name not in os.environ:
-                parser.error(f"-x {name}: {name} is not set here (use -x {name}=VALUE to set it)")
+                fail(f"-x {name}: {name} is not set here (use -x {name}=VALUE to set it)")
             value = os.environ[name]
         extra_env[name] = value
-    identity = a.ssh_identity_file
+    identity = o["ssh_identity_file"]
     if identity is not None:
         if not os.access(identity, os.R_OK):
-            parser.error(f"-i {identity}: no such readable file")
+            fail(f"-i {identity}: no such readable file")
         identity = os.path.abspath(identity)
-    known = a.ssh_known_hosts
+    known = o["ssh_known_hosts"]
     if known is not None:
         if not os.access(known, os.R_OK):
-            parser.error(f"--ssh-known-hosts {known}: no such readable file")
+            fail(f"--ssh-known-hosts {known}: no such readable file")
         known = os.path.abspath(known)
-    address = a.driver_address
-    if a.network_interface is not None:
+    address, nic = o["driver_address"], o["network_interface"]
+    if nic is not None:
         try:
-            address = network.interface_address(a.network_interface)
+            address = network.interface_address(nic)
         except OSError as exc:
-            parser.error(f"--network-interface {a.network_interface}: {exc.strerror or exc}")
+            fail(f"--network-interface {nic}: {exc.strerror or exc}")
     elif address is not None:
         try:
             infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
             address = sorted(infos, key=lambda i: i[0] != socket.AF_INET)[0][4][0]
         except socket.gaierror as exc:
-            parser.error(f"--driver-address {a.driver_address}: {exc.strerror}")
+            fail(f"--driver-address {o['driver_address']}: {exc.strerror}")
     if address is not None:
         try:
             network.check_bindable(address)
         except OSError as exc:
-            flag = f"--network-interface {a.network_interface}" if a.network_interface else f"--driver-address {address}"
-            parser.error(f"{flag}: cannot listen on {address} here ({exc.strerror or exc})")
+            flag = f"--network-interface {nic}" if nic else f"--driver-address {address}"
+            fail(f"{flag}: cannot listen on {address} here ({exc.strerror or exc})")
     return dict(
-        extra_env=extra_env, launcher=a.launcher, ssh_port=a.ssh_port, ssh_user=a.ssh_user,
-        ssh_identity_file=identity, ssh_known_hosts=known, ssh_accept_unknown_hosts=a.ssh_accept_unknown_hosts,
-        remote_cwd=a.remote_cwd, remote_python=a.remote_python, forward_env=a.forward_env,
-        driver_address=address, network_interface=a.network_interface)
+        extra_env=extra_env, launcher=o["launcher"], ssh_port=o["ssh_port"], ssh_user=o["ssh_user"],
+        ssh_identity_file=identity, ssh_known_hosts=known, ssh_accept_unknown_hosts=o["ssh_accept_unknown_hosts"],
+        remote_cwd=o["remote_cwd"], remote_python=o["remote_python"], forward_env=o["forward_env"],
+        driver_address=address, network_interface=nic)
 
 
-def parse_settings(argv: list[str], *, api: bool = False, callable_discovery: bool = False) -> JobSettings:
-    """Validate ``argv`` into JobSettings; errors exit 2 (``api=True``: raise ValueError).
+def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, *,
+                          callable_discovery: bool = False) -> JobSettings:
+    """Check options (argparse dests -> values, each already through its flag's validator) as
+    a whole and make the job's settings; ``fail(message)`` does not return. The command line
+    and ``elasticrun.run()`` both come here, so they accept and refuse the same things.
 
     With no host source, the job runs on ``localhost:NP`` as horovodrun's does.
     ``callable_discovery``: hosts come from ``elasticrun.run(discovery=callable)`` instead.
     """
-    kind = RaisingParser if api else ExitingParser
-    parser = build_parser(kind, False)
-    a = config.parse_args(parser, argv, probe_parser=build_parser(kind, False))
-    command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
-        parser.error("missing the training command, e.g. `elasticrun -np 2 -H localhost:2 python train.py`")
-    min_np = a.min_np if a.min_np is not None else a.np
-    if min_np > a.np:
-        parser.error(f"--min-np {min_np} is more than -np {a.np}")
-    if a.max_np is not None and a.max_np < a.np:
-        parser.error(f"--max-np {a.max_np} is less than -np {a.np}")
-    if a.blacklist_cooldown_range and a.blacklist_cooldown_range[0] > a.blacklist_cooldown_range[1]:
-        low, high = a.blacklist_cooldown_range
-        parser.error(f"--blacklist-cooldown-range {low:g} {high:g}: LOW is more than HIGH")
-    if a.slots_per_host > MAX_SLOTS_PER_HOST:
-        parser.error(f"--slots-per-host {a.slots_per_host}: a host has at most {MAX_SLOTS_PER_HOST} slots")
+        fail("missing the training command, e.g. `elasticrun -np 2 -H localhost:2 python train.py`")
+    np = o["np"]
+    if np is None:
+        fail("the number of processes is required (-np N)")
+    min_np = o["min_np"] if o["min_np"] is not None else np
+    if min_np > np:
+        fail(f"--min-np {min_np} is more than -np {np}")
+    if o["max_np"] is not None and o["max_np"] < np:
+        fail(f"--max-np {o['max_np']} is less than -np {np}")
+    cooldown = o["blacklist_cooldown_range"]
+    if cooldown and cooldown[0] > cooldown[1]:
+        fail(f"--blacklist-cooldown-range {cooldown[0]:g} {cooldown[1]:g}: LOW is more than HIGH")
+    slots = o["slots_per_host"]
+    if slots > MAX_SLOTS_PER_HOST:
+        fail(f"--slots-per-host {slots}: a host has at most {MAX_SLOTS_PER_HOST} slots")
+    given = [f for f, d in (("-H", "hosts"), ("--hostfile", "hostfile"),
+                            ("--host-discovery-script", "host_discovery_script")) if o[d] is not None]
+    if len(given) > 1:
+        fail(f"{given[0]} and {given[1]} cannot be used together: give one host source")
     fixed = None
     try:
-        if a.hosts is not None:
-            fixed = parse_hosts_arg(a.hosts, a.slots_per_host)
-        elif a.hostfile is not None:
-            fixed = parse_hostfile(read_hostfile(parser, a.hostfile), a.slots_per_host, a.hostfile)
-    except HostSpecError as exc:
-        parser.error(str(exc))
-    script = a.host_discovery_script
+        if o["hosts"] is not None:
+            fixed = parse_hosts_arg(o["hosts"], slots)
+        elif o["hostfile"] is not None:
+            fixed = parse_hostfile(read_hostfile(o["hostfile"]), slots, o["hostfile"])
+    except (HostSpecError, ValueError) as exc:
+        fail(str(exc))
+    script = o["host_discovery_script"]
     if script is not None:
         try:
             argv = discovery_command(script)
         except ValueError as exc:
-            parser.error(f"--host-discovery-script {exc}")
+            fail(f"--host-discovery-script {exc}")
         script = argv[0] if len(argv) == 1 else script  # a file: by its absolute path
     if fixed is None and script is None and not callable_discovery:
-        fixed = {"localhost": a.np}  # horovodrun -np N python train.py: N processes here
-    if fixed is not None and sum(fixed.values()) < a.np:
-        parser.error(f"-np {a.np} needs {a.np} slots but the host list has {sum(fixed.values())}")
+        fixed = {"localhost": np}  # horovodrun -np N python train.py: N processes here
+    if fixed is not None and sum(fixed.values()) < np:
+        fail(f"-np {np} needs {np} slots but the host list has {sum(fixed.values())}")
     # As with horovodrun: an elastic job (--min-np, --max-np or a discovery script) uses every
     # usable slot up to --max-np (unbounded by default), and -np is what it starts with and
     # waits for; otherwise the job is -np processes, fault tolerant but never larger.
-    elastic = a.min_np is not None or a.max_np is not None or script is not None or callable_discovery
-    max_np = a.max_np if elastic else a.np
-    level = "DEBUG" if a.verbose else (a.log_level or "INFO")
+    elastic = o["min_np"] is not None or o["max_np"] is not None or script is not None or callable_discovery
+    max_np = o["max_np"] if elastic else np
+    level = "DEBUG" if o["verbose"] else (o["log_level"] or "INFO")
     # Workers stay quiet (WARNING) unless the user asked for a level: their lines interleave
     # with the training output on the console.
-    worker_level = "DEBUG" if a.verbose else (a.log_level or "WARNING")
-    _check_output_paths(parser, a)
+    worker_level = "DEBUG" if o["verbose"] else (o["log_level"] or "WARNING")
+    _check_output_paths(o, fail)
     return JobSettings(
-        command=command, np=a.np, min_np=min_np, max_np=max_np, hosts=fixed, discovery_script=script,
-        slots_per_host=a.slots_per_host, discovery_interval=a.discovery_interval,
-        discovery_timeout=a.discovery_timeout, reset_limit=a.reset_limit,
-        cooldown_range=tuple(a.blacklist_cooldown_range) if a.blacklist_cooldown_range else None,
-        elastic_timeout=a.elastic_timeout, start_timeout=a.start_timeout, collective_timeout=a.collective_timeout,
-        heartbeat_timeout=a.heartbeat_timeout,
-        output_filename=a.output_filename, events_file=a.events_file, log_level=level,
+        command=list(command), np=np, min_np=min_np, max_np=max_np, hosts=fixed, discovery_script=script,
+        slots_per_host=slots, discovery_interval=o["discovery_interval"],
+        discovery_timeout=o["discovery_timeout"], reset_limit=o["reset_limit"],
+        cooldown_range=tuple(cooldown) if cooldown else None,
+        elastic_timeout=o["elastic_timeout"], start_timeout=o["start_timeout"],
+        collective_timeout=o["collective_timeout"], heartbeat_timeout=o["heartbeat_timeout"],
+        output_filename=o["output_filename"], events_file=o["events_file"], log_level=level,
         worker_log_level=worker_level,
-        **_remote_settings(parser, a))
+        **_remote_settings(o, fail))
 
 
-def _check_output_paths(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+def parse_settings(argv: list[str]) -> JobSettings:
+    """The command line's settings; bad input exits 2 with one line."""
+    parser = build_parser(ExitingParser, False)
+    a = config.parse_args(parser, argv, probe_parser=build_parser(ExitingParser, False))
+    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    return settings_from_options(vars(a), command, parser.error)
+
+
+def option_actions() -> dict[str, argparse.Action]:
+    """Every option by its dest and by its long flag's name with underscores (``min_np``,
+    ``elastic_timeout``, ``env``, ...): the keywords ``elasticrun.run`` accepts."""
+    actions: dict[str, argparse.Action] = {}
+    for action in build_parser(RaisingParser, False)._actions:
+        if not action.option_strings or action.dest in ("help", "version", "check"):
+            continue
+        actions.setdefault(action.dest, action)
+        for opt in action.option_strings:
+            if opt.startswith("--"):
+                actions.setdefault(opt[2:].replace("-", "_"), action)
+    return actions
+
+
+def settings_from_keywords(options: Mapping[str, Any], command: list[str], *,
+                           callable_discovery: bool = False) -> JobSettings:
+    """``elasticrun.run``'s settings from its keywords (named like the long flags, values of
+    their Python types), each checked by its flag's validator, then as a whole exactly as the
+    command line's; the config file and ``ELASTICRUN_*`` variables lie under them, as under
+    flags. ValueError for a bad value, TypeError for an unknown keyword."""
+    actions = option_actions()
+    given: dict[str, Any] = {}
+    for name, value in options.items():
+        action = actions.get(name)
+        if action is None:
+            raise TypeError(f"run() got an unexpected keyword argument {name!r}")
+        if value is None:
+            continue
+        given[action.dest] = _keyword_value(name, action, value)
+    parser = build_parser(RaisingParser, False)
+    values = {a.dest: a.default for a in parser._actions if a.option_strings}
+    values.update(config.layered_defaults(parser, given))
+    values.update(given)
+
+    def fail(message: str) -> NoReturn:
+        raise ValueError(message)
+    return settings_from_options(values, command, fail, callable_discovery=callable_discovery)
+
+
+def _keyword_value(name: str, action: argparse.Action, value: Any) -> Any:
+    """A keyword's value as its option's, through the flag's validator."""
+    if action.dest == "hosts" and not isinstance(value, str):  # {"h1": 2} or ["h1:2", "h2"]
+        value = (",".join(f"{h}:{s}" for h, s in value.items()) if isinstance(value, Mapping)
+                 else ",".join(map(str, value)))
+    elif isinstance(action, argparse._AppendAction):  # -x NAME[=VALUE]: a dict, a list or one string
+        value = ([f"{k}={v}" for k, v in value.items()] if isinstance(value, Mapping)
+                 else [value] if isinstance(value, str) else [str(v) for v in value])
+    elif action.nargs == 2 and isinstance(value, tuple):
+        value = list(value)
+    named_by_flag = action.dest != name and isinstance(action, argparse._StoreFalseAction)
+    try:
+        return config.convert_value(action, value, named_by_flag)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"{name}={value!r}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{name}= must be {exc}, got {value!r}") from None
+
+
+def _check_output_paths(o: Mapping[str, Any], fail: Fail) -> None:
     """Every path the job will write, checked before anything starts (creating missing
     directories as the job would): one line naming the flag, not a traceback mid-job."""
     try:
-        if a.output_filename is not None:
-            check_writable_dir(a.output_filename, "--output-filename")
-            if a.events_file is None:  # the job's event log goes there too
-                check_writable_file(os.path.join(a.output_filename, "events.jsonl"), "--output-filename")
-        if a.events_file is not None:
-            check_writable_file(a.events_file, "--events")
+        if o["output_filename"] is not None:
+            check_writable_dir(o["output_filename"], "--output-filename")
+            if o["events_file"] is None:  # the job's event log goes there too
+                check_writable_file(os.path.join(o["output_filename"], "events.jsonl"), "--output-filename")
+        if o["events_file"] is not None:
+            check_writable_file(o["events_file"], "--events")
     except ValueError as exc:
-        parser.error(str(exc))
+        fail(str(exc))
 
 
 def main(argv: list[str] | None = None) -> int:

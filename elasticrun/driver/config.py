@@ -79,8 +79,9 @@ def _type_name(action: argparse.Action) -> str:
     return "a string"
 
 
-def _convert(action: argparse.Action, value: Any, named_by_flag: bool) -> Any:
-    """A TOML value as the dest's value; ValueError(expected type) or ArgumentTypeError(range)."""
+def convert_value(action: argparse.Action, value: Any, named_by_flag: bool = False) -> Any:
+    """A Python value (from TOML, or an ``elasticrun.run`` keyword) as the option's value, with
+    the flag's own validator: ValueError(the expected type) or ArgumentTypeError(the range)."""
     expected = _type_name(action)
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         if not isinstance(value, bool):
@@ -144,7 +145,7 @@ def read_config_file(parser: argparse.ArgumentParser, path: str) -> dict[str, An
             _fail(parser, f"--config-file {path}: keys {seen[action.dest]!r} and {key!r} set the same option")
         seen[action.dest] = key
         try:
-            values[action.dest] = _convert(action, value, by_flag)
+            values[action.dest] = convert_value(action, value, by_flag)
         except ValueError as exc:
             _fail(parser, f"--config-file {path}: key {key!r} must be {exc}, not {_toml_kind(value)} ({value!r})")
         except argparse.ArgumentTypeError as exc:
@@ -214,6 +215,28 @@ def split_command(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[lis
     return argv, []
 
 
+def layered_defaults(parser: argparse.ArgumentParser, given: Mapping[str, Any],
+                     environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The options the config file and the environment set, under those ``given`` (dests the
+    caller sets itself: flags, or ``elasticrun.run`` keywords)."""
+    environ = os.environ if environ is None else environ
+    from_env = read_environment(parser, environ)
+    path = given.get("config_file") or from_env.get("config_file")
+    from_file = read_config_file(parser, path) if path else {}
+    layered = dict(from_file)
+    # Within a group of mutually exclusive options (-H / --hostfile / --host-discovery-script),
+    # a higher layer replaces the whole choice of a lower one.
+    for higher in (from_env, given):
+        for group in _exclusive_groups(parser):
+            dests = {a.dest for a in group._group_actions}
+            if dests & set(higher):
+                for d in dests - set(higher):
+                    layered.pop(d, None)
+        if higher is from_env:
+            layered.update(from_env)
+    return layered
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: list[str],
                environ: Mapping[str, str] | None = None,
                probe_parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
@@ -234,21 +257,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str],
         group.required = False
     given = vars(probe.parse_args(argv))
     given.pop("command", None)
-
-    from_env = read_environment(parser, environ)
-    path = given.get("config_file") or from_env.get("config_file")
-    from_file = read_config_file(parser, path) if path else {}
-    layered = dict(from_file)
-    # Within a group of mutually exclusive options (-H / --hostfile / --host-discovery-script),
-    # a higher layer replaces the whole choice of a lower one.
-    for higher, lower in ((from_env, layered), (given, layered)):
-        for group in _exclusive_groups(parser):
-            dests = {a.dest for a in group._group_actions}
-            if dests & set(higher):
-                for d in dests - set(higher):
-                    lower.pop(d, None)
-        if higher is from_env:
-            layered.update(from_env)
+    layered = layered_defaults(parser, given, environ)
     parser.set_defaults(**layered)
     for action in parser._actions:
         if action.dest in layered:

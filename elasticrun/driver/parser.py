@@ -194,13 +194,14 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
                             "GLOO_SOCKET_IFNAME=NIC for the workers unless it is set")
 
 
-def read_hostfile(parser: argparse.ArgumentParser, path: str) -> str:
-    """The text of a hostfile, read with a limit (``--hostfile /dev/zero`` is one line, not a hang)."""
+def read_hostfile(path: str) -> str:
+    """The text of a hostfile, read with a limit (``--hostfile /dev/zero`` is one line, not a
+    hang); ValueError naming the flag and the reason."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read(MAX_HOSTFILE_BYTES + 1)
     except OSError as exc:
-        parser.error(f"--hostfile {path}: {exc.strerror}")
+        raise ValueError(f"--hostfile {path}: {exc.strerror}") from None
     if len(text) > MAX_HOSTFILE_BYTES:
-        parser.error(f"--hostfile {path}: more than 1 MiB, not a list of hosts")
+        raise ValueError(f"--hostfile {path}: more than 1 MiB, not a list of hosts")
     return text
