@@ -357,3 +357,54 @@ def test_aws_spot_without_ssh_fails_clearly(env):
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr == ('aws_spot.sh: ssh not found ("no-such-ssh" is not on PATH; set SSH to its path, '
                         'or NOTICES=0 to list instances without their spot notices)\n')
+
+
+# --- Compute Engine: gce_notice.sh, gce.sh ---------------------------------------------------
+
+def gce(env: dict, name: str) -> dict:
+    return dict(env, METADATA_URL=f"{env['FAKE_METADATA']}/{name}")
+
+
+@pytest.mark.parametrize("preempted, maintenance, expected", [
+    ("FALSE", "NONE", ""),
+    ("FALSE", "MIGRATE_ON_HOST_MAINTENANCE", ""),  # a live migration keeps the VM
+    ("TRUE", "NONE", "draining  # preempted: the VM stops within about 30 s\n"),
+    ("FALSE", "TERMINATE_ON_HOST_MAINTENANCE",
+     "draining  # maintenance-event TERMINATE_ON_HOST_MAINTENANCE: the VM will be stopped for host maintenance\n"),
+])
+def test_gce_notice(metadata, env, preempted, maintenance, expected):
+    metadata.instances["vm-a"] = Instance(preempted=preempted, maintenance=maintenance)
+    r = run("gce_notice.sh", env=gce(env, "vm-a"))
+    assert (r.returncode, r.stdout, r.stderr) == (0, expected, "")
+    assert all(headers.get("Metadata-Flavor") == "Google" for _, _, _, headers in metadata.requests)
+
+
+def test_gce_notice_maintenance_can_be_ignored_and_odd_answers_fail(metadata, env):
+    metadata.instances["vm-a"] = Instance(maintenance="TERMINATE_ON_HOST_MAINTENANCE")
+    r = run("gce_notice.sh", env=dict(gce(env, "vm-a"), MAINTENANCE="ignore"))
+    assert (r.returncode, r.stdout) == (0, "")
+    metadata.instances["vm-a"] = Instance(preempted="maybe")
+    r = run("gce_notice.sh", env=gce(env, "vm-a"))
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr == (f"gce_notice.sh: this VM: unexpected answer from {env['FAKE_METADATA']}/vm-a"
+                        "/computeMetadata/v1/instance/preempted: HTTP 200 maybe\n")
+    r = run("gce_notice.sh", env=gce(env, "no-such-vm"))
+    assert r.returncode == 1 and "HTTP 404" in r.stderr
+
+
+def test_gce_lists_vms_and_marks_those_with_notices(metadata, env):
+    metadata.instances.update({
+        "10.2.0.21": Instance(),
+        "10.2.0.22": Instance(preempted="TRUE"),
+        "10.2.0.23": Instance(maintenance="TERMINATE_ON_HOST_MAINTENANCE"),
+    })
+    e = dict(env, LABEL="role=trainer", SLOTS="4", ZONES="us-central1-a,us-central1-b")
+    r = run("gce.sh", env=e)
+    assert r.returncode == 0 and r.stderr == "", r
+    assert r.listing == ({"10.2.0.21": 4, "10.2.0.22": 4, "10.2.0.23": 4}, {"10.2.0.22", "10.2.0.23"})
+    (call,) = log(e, "gcloud")
+    assert "--filter=labels.role=trainer AND status=RUNNING" in call and "--zones=us-central1-a,us-central1-b" in call
+    r = run("gce.sh", env=dict(e, MAINTENANCE="ignore"))
+    assert r.listing[1] == {"10.2.0.22"}
+    r = run("gce.sh", env=dict(e, LABEL="Role"))
+    assert r.returncode == 1 and r.stderr.startswith("gce.sh: set LABEL to KEY=VALUE")
