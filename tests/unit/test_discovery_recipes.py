@@ -408,3 +408,54 @@ def test_gce_lists_vms_and_marks_those_with_notices(metadata, env):
     assert r.listing[1] == {"10.2.0.22"}
     r = run("gce.sh", env=dict(e, LABEL="Role"))
     assert r.returncode == 1 and r.stderr.startswith("gce.sh: set LABEL to KEY=VALUE")
+
+
+# --- Kubernetes: kubernetes.sh ---------------------------------------------------------------
+
+def test_kubernetes_marks_pods_on_leaving_nodes_and_deleted_pods(env):
+    e = dict(env, SELECTOR="app=trainer", NAMESPACE="ml", SLOTS="1")
+    r = run("kubernetes.sh", env=e)
+    assert r.returncode == 0 and r.stderr == "", r
+    hosts, draining = r.listing
+    # trainer-4 is Pending, trainer-8 Succeeded: not listed
+    assert hosts == {ip: 1 for ip in ("10.0.1.5", "10.0.2.6", "10.0.3.7", "10.0.1.8", "10.0.4.9", "10.0.5.10", "10.0.6.11")}
+    assert draining == {
+        "10.0.2.6",   # its node is cordoned
+        "10.0.3.7",   # the cluster autoscaler is removing its node
+        "10.0.1.8",   # the pod is being deleted
+        "10.0.5.10",  # aws-node-termination-handler saw a spot interruption notice for its node
+        "10.0.6.11",  # its node is unreachable
+    }  # 10.0.1.5 (a PreferNoSchedule soft taint) and 10.0.4.9 (the GPU taint) stay
+    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
+    assert lines["10.0.2.6:1"] == "draining  # node ip-10-0-2-20.ec2.internal cordoned, taint node.kubernetes.io/unschedulable:NoSchedule"
+    assert lines["10.0.1.8:1"] == "draining  # pod trainer-3 deleted at 2026-11-23T14:02:11Z"
+    assert log(e, "kubectl") == ["get pods -l app=trainer --request-timeout=5s -o json -n ml",
+                                 "get nodes --request-timeout=5s -o json"]
+
+
+def test_kubernetes_names_taints_and_node_selector(env):
+    e = dict(env, SELECTOR="app=trainer", HOST_FIELD="name", SLOTS="2",
+             DRAIN_TAINTS="ToBeDeletedByClusterAutoscaler", NODE_SELECTOR="eks.amazonaws.com/nodegroup=gpu")
+    r = run("kubernetes.sh", env=e)
+    assert r.returncode == 0, r
+    hosts, draining = r.listing
+    assert set(hosts) == {f"trainer-{i}" for i in (0, 1, 2, 3, 5, 6, 7)} and set(hosts.values()) == {2}
+    # only the listed taint counts now; cordoned nodes and deleted pods always do
+    assert draining == {"trainer-1", "trainer-2", "trainer-3", "trainer-6"}
+    assert log(e, "kubectl")[1] == "get nodes --request-timeout=5s -o json -l eks.amazonaws.com/nodegroup=gpu"
+
+
+def test_kubernetes_without_node_access(env):
+    e = dict(env, SELECTOR="app=trainer", FAKE_NODES_FORBIDDEN="1")
+    r = run("kubernetes.sh", env=e)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.splitlines() == [
+        'Error from server (Forbidden): nodes is forbidden: User "system:serviceaccount:ml:trainer" cannot list '
+        'resource "nodes" in API group "" at the cluster scope',
+        "kubernetes.sh: kubectl get nodes failed (see above); it needs list on nodes (a ClusterRole), or set "
+        "NOTICES=0 to skip node notices"]
+    r = run("kubernetes.sh", env=dict(e, NOTICES="0"))
+    assert r.returncode == 0 and r.listing[1] == {"10.0.1.8"}  # the deleted pod still is
+    r = run("kubernetes.sh", env=dict(e, NOTICES="0", PYTHON="no-such-python"))
+    assert r.returncode == 1
+    assert r.stderr == "kubernetes.sh: no-such-python not found (it reads kubectl's JSON; set PYTHON to a Python 3)\n"
