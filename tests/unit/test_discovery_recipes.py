@@ -459,3 +459,62 @@ def test_kubernetes_without_node_access(env):
     r = run("kubernetes.sh", env=dict(e, NOTICES="0", PYTHON="no-such-python"))
     assert r.returncode == 1
     assert r.stderr == "kubernetes.sh: no-such-python not found (it reads kubectl's JSON; set PYTHON to a Python 3)\n"
+
+
+# --- Slurm: slurm.sh -------------------------------------------------------------------------
+
+def test_slurm_marks_draining_nodes(env):
+    e = dict(env, SLURM_JOB_NODELIST="gpu-node[01-06]", SLURM_NTASKS_PER_NODE="8(x6)")
+    r = run("slurm.sh", env=e)
+    assert r.returncode == 0 and r.stderr == "", r
+    hosts, draining = r.listing
+    assert hosts == {f"gpu-node0{i}": 8 for i in range(1, 7)}
+    assert draining == {"gpu-node02", "gpu-node03", "gpu-node05"}
+    assert r.stdout.splitlines()[1:3] == [
+        "gpu-node02:8 draining  # MIXED+DRAIN: ECC errors on GPU 3 [root@2026-11-23T13:55:12]",
+        "gpu-node03:8 draining  # ALLOCATED+DRAIN: maintenance: replace PSU, State=DOWN after [admin@2026-11-23T13:58:40]",
+    ]
+    assert log(e, "scontrol") == ["show hostnames gpu-node[01-06]", "show node gpu-node[01-06]"]
+
+
+def test_slurm_exclude_file_notices_off_and_controller_down(env, tmp_path):
+    (tmp_path / "exclude").write_text("gpu-node02\n")
+    e = dict(env, SLURM_JOB_NODELIST="gpu-node[01-06]", EXCLUDE_FILE=str(tmp_path / "exclude"))
+    r = run("slurm.sh", env=e)
+    assert r.returncode == 0 and r.listing == ({f"gpu-node0{i}": 1 for i in (1, 3, 4, 5, 6)}, {"gpu-node03", "gpu-node05"})
+    r = run("slurm.sh", env=dict(e, FAKE_SLURMCTLD_DOWN="1"))
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.splitlines() == [
+        "slurm_load_node error: Unable to contact slurm controller (connect failure)",
+        "slurm.sh: 'scontrol show node gpu-node[01-06]' failed (see above); NOTICES=0 skips the drain check"]
+    r = run("slurm.sh", env=dict(e, FAKE_SLURMCTLD_DOWN="1", NOTICES="0"))
+    assert r.returncode == 0 and r.listing == ({f"gpu-node0{i}": 1 for i in (1, 3, 4, 5, 6)}, set())
+
+
+@pytest.mark.parametrize("state, leaving", [
+    ("IDLE", False), ("MIXED", False), ("ALLOCATED+COMPLETING", False), ("IDLE+DRAIN", True),
+    ("MIXED+DRAIN", True), ("DRAINING", True), ("DRAINED", True), ("DOWN*+DRAIN", True),
+    ("ALLOCATED+DRAIN+REBOOT_REQUESTED", True), ("MIXED+FAIL", True), ("IDLE+POWERED_DOWN", False),
+])
+def test_slurm_states(env, tmp_path, state, leaving):
+    """Every spelling of a drain: scontrol's BASE+FLAGS and sinfo-style long names."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(
+        "#!/bin/sh\n"
+        'if [ "$2" = hostnames ]; then echo n1; exit; fi\n'
+        f"echo 'NodeName=n1 Arch=x86_64 CoresPerSocket=4 CPUAlloc=4 CPUEfctv=8 CPUTot=8 CPULoad=3.9 "
+        f"State={state} ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A Partitions=debug'\n")
+    (fake / "scontrol").chmod(0o755)
+    r = run("slurm.sh", env=dict(env, SLURM_JOB_NODELIST="n1", SCONTROL=str(fake / "scontrol")))
+    assert r.returncode == 0 and r.listing == ({"n1": 1}, {"n1"} if leaving else set())
+
+
+def test_recorded_outputs_are_what_the_tools_print():
+    """Guard the recordings against edits that would make the tests pass for the wrong reason."""
+    for name in ("kubectl_get_pods.json", "kubectl_get_nodes.json"):
+        listing = json.loads((DATA / name).read_text())
+        assert listing["kind"] == "List" and listing["apiVersion"] == "v1"
+        assert {item["kind"] for item in listing["items"]} == {"Pod" if "pods" in name else "Node"}
+    records = (DATA / "scontrol_show_node.txt").read_text().split("\n\n")
+    assert all(re.match(r"NodeName=\S+ Arch=", r) and re.search(r"^   State=\S+ ", r, re.M) for r in records if r.strip())
