@@ -6,7 +6,8 @@
 #
 # The file holds one `host` or `host:slots` per line; `#` comments and blank lines are
 # ignored. Add a line and the host joins at the next commit; remove it and its workers leave
-# gracefully at the next commit. A missing or unreadable file is a failed run (exit 1, reason
+# gracefully at the next commit. Write `host:slots draining` to move the training off a host
+# that is still up (maintenance ahead): nothing new starts there until you remove the word. A missing or unreadable file is a failed run (exit 1, reason
 # on stderr): elasticrun keeps the last hosts, or refuses to start on its first run.
 # Contract: docs/discovery.md.
 set -euo pipefail

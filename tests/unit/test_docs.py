@@ -107,9 +107,10 @@ def test_links_and_paths_exist():
 
 def test_discovery_recipes_are_executable_and_fail_clearly_without_their_tool(tmp_path):
     recipes = sorted((REPO / "examples" / "discovery").glob("*.sh"))
-    assert {p.name for p in recipes} >= {"static_file.sh", "slurm.sh", "kubernetes.sh", "aws_spot.sh"}
+    assert {p.name for p in recipes} >= {"static_file.sh", "slurm.sh", "kubernetes.sh", "aws_spot.sh",
+                                         "aws_spot_notice.sh", "gce.sh", "gce_notice.sh"}
     env = dict(_env(), SCONTROL="no-such-scontrol", KUBECTL="no-such-kubectl", AWS="no-such-aws", SELECTOR="app=x", TAG="Name=x", SLURM_JOB_NODELIST="n[1-2]",
-               HOSTS_FILE=str(tmp_path / "missing.txt"))
+               HOSTS_FILE=str(tmp_path / "missing.txt"), GCLOUD="no-such-gcloud", LABEL="role=x", CURL="no-such-curl")
     for recipe in recipes:
         assert os.access(recipe, os.X_OK), f"{recipe} is not executable"
         r = subprocess.run([str(recipe)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=20)
