@@ -66,7 +66,7 @@ class Kind(str, enum.Enum):
 
 #: The fields of each kind, besides ``t``, ``kind`` and ``source`` (``round`` is on most).
 FIELDS: dict[Kind, tuple[str, ...]] = {
-    Kind.DISCOVERY: ("hosts",),
+    Kind.DISCOVERY: ("hosts", "draining"),
     Kind.DISCOVERY_EMPTY: ("round", "message"),
     Kind.HOST_ADDED: ("round", "message", "host"),
     Kind.HOST_REMOVED: ("round", "message", "host"),

@@ -129,7 +129,7 @@ class ElasticDriver:
             os.makedirs(os.path.dirname(events_path), exist_ok=True)
         self._journal = EventLog(events_path)
         self._resets = ResetTracker()
-        self._last_hosts: dict[str, int] | None = None
+        self._last_hosts: tuple[dict[str, int], list[str]] | None = None
         self._started = time.monotonic()
         # Request types served by others (elasticrun.run(): driver/functions.py).
         self._services: dict[str, Service] = {t: svc for svc in services for t in svc.types}
@@ -180,7 +180,7 @@ class ElasticDriver:
         previous = ({s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
                     if threading.current_thread() is threading.main_thread() else {})
         try:
-            self.registry.discovered(first.hosts, time.monotonic())
+            self.registry.discovered(first.hosts, time.monotonic(), first.draining)
             self._execute(self.registry.decide(time.monotonic()))
             if self.settings.hosts is None:  # a discovery script or callable: poll it
                 threading.Thread(target=self._discovery_loop, name="elasticrun-discovery", daemon=True).start()
@@ -304,10 +304,11 @@ class ElasticDriver:
         now = time.monotonic()
         if kind == "discovered":
             self._report_discovery_problems(payload)
-            if payload.hosts != self._last_hosts:
-                self._last_hosts = dict(payload.hosts)
-                self._journal.write(Kind.DISCOVERY, hosts=payload.hosts)
-            self.registry.discovered(payload.hosts, now)
+            listing = (dict(payload.hosts), sorted(payload.draining))
+            if listing != self._last_hosts:
+                self._last_hosts = listing
+                self._journal.write(Kind.DISCOVERY, hosts=payload.hosts, draining=listing[1] or None)
+            self.registry.discovered(payload.hosts, now, payload.draining)
         elif kind == "discovery_failed":
             self._warn_once(f"discovery failed, keeping the last known hosts: {payload}", "failed discovery runs")
         elif kind == "exit":
