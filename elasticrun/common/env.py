@@ -22,6 +22,7 @@ SECRET_FD = "ELASTICRUN_SECRET_FD"  # read end of the pipe holding the keys; rea
 CONTROL_ADDR = "ELASTICRUN_CONTROL_ADDR"  # driver ROUTER: rendezvous, store, heartbeats
 NOTIFY_ADDR = "ELASTICRUN_NOTIFY_ADDR"  # driver PUB: host updates, round aborts
 WORKER_ID = "ELASTICRUN_WORKER_ID"
+DURABLE_ADDR = "ELASTICRUN_DURABLE_ADDR"  # driver ROUTER for durable copies (only with --checkpoint-dir)
 SLOT = "ELASTICRUN_SLOT"
 
 # Timeouts (seconds) the worker must respect.
@@ -30,5 +31,6 @@ RENDEZVOUS_TIMEOUT = "ELASTICRUN_RENDEZVOUS_TIMEOUT"
 HEARTBEAT_INTERVAL = "ELASTICRUN_HEARTBEAT_INTERVAL"
 DRIVER_TIMEOUT = "ELASTICRUN_DRIVER_TIMEOUT"
 LOG_LEVEL = "ELASTICRUN_LOG_LEVEL"
+SIGTERM_GRACE = "ELASTICRUN_SIGTERM_GRACE"  # a worker told to stop leaves gracefully within this
 
 ASSIGNMENT_VARS = (HOSTNAME, RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE)

@@ -46,6 +46,7 @@ class Kind(str, enum.Enum):
     STATE_LOST = "state_lost"                # a round formed without any holder of the state
     WORKERS_LOST = "workers_lost"            # every worker lost to the infrastructure; resuming from disk
     RESUMED = "resumed"                      # a round starts from the newest durable copy
+    DURABLE_WRITTEN = "durable_written"      # a durable copy of a commit is whole on disk
     ROUND_ABORTED = "round_aborted"
     ROUND_FORMED = "round_formed"
     RESET = "reset"                          # a reset closed: cause, sizes and cost
@@ -87,6 +88,7 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.STATE_LOST: ("round", "message"),
     Kind.WORKERS_LOST: ("round", "message"),
     Kind.RESUMED: ("round", "message", "checkpoint", "commit", "saved_at", "steps_back"),
+    Kind.DURABLE_WRITTEN: ("round", "number", "commit", "bytes", "seconds"),
     Kind.ROUND_ABORTED: ("round", "reason"),
     Kind.ROUND_FORMED: ("round", "message", "size", "hosts"),
     Kind.RESET: ("cause", "trigger", "round", "from_size", "to_size", "seconds"),

@@ -27,6 +27,10 @@ class JobSettings:
     stop_grace: float = 5.0  # SIGTERM -> SIGKILL delay when stopping workers
     output_filename: str | None = None
     events_file: str | None = None  # JSON-lines event log (default: OUTPUT_FILENAME/events.jsonl)
+    checkpoint_dir: str | None = None  # durable copies of the newest commit (driver's disk)
+    checkpoint_interval: float = 60.0  # how old the durable copy may get
+    fresh: bool = False  # ignore durable copies already in checkpoint_dir
+    sigterm_grace: float = 20.0  # a worker told to stop leaves gracefully, at most this long
     log_level: str = "INFO"
     worker_log_level: str = "WARNING"
     extra_env: dict[str, str] = field(default_factory=dict)  # -x NAME[=VALUE], for every worker

@@ -330,3 +330,25 @@ def clean_stale(directory: str) -> None:
 def age(durable: Durable, now: float | None = None) -> float:
     """Seconds since the copy's commit was handed off."""
     return (time.time() if now is None else now) - durable.manifest.saved_at
+
+
+def save_progress(directory: str, steps: int, commit: int) -> None:
+    """How far the workers have got (for "N steps back" when a later run resumes): small,
+    replaced atomically, never fsynced (a lost update only shortens that number)."""
+    tmp = os.path.join(directory, ".progress.json.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"steps": steps, "commit": commit, "at": time.time()}, f)
+        os.replace(tmp, os.path.join(directory, "progress.json"))
+    except OSError:
+        pass
+
+
+def load_progress(directory: str) -> tuple[int, int]:
+    """(steps, commit) from :func:`save_progress`, or (0, 0)."""
+    try:
+        with open(os.path.join(directory, "progress.json"), encoding="utf-8") as f:
+            obj = json.load(f)
+        return int(obj["steps"]), int(obj["commit"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0, 0

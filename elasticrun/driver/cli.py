@@ -137,7 +137,10 @@ def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, 
         cooldown_range=tuple(cooldown) if cooldown else None,
         elastic_timeout=o["elastic_timeout"], start_timeout=o["start_timeout"],
         collective_timeout=o["collective_timeout"], heartbeat_timeout=o["heartbeat_timeout"],
-        output_filename=o["output_filename"], events_file=o["events_file"], log_level=level,
+        output_filename=o["output_filename"], events_file=o["events_file"],
+        checkpoint_dir=os.path.abspath(o["checkpoint_dir"]) if o["checkpoint_dir"] else None,
+        checkpoint_interval=o["checkpoint_interval"], fresh=o["fresh"], sigterm_grace=o["sigterm_grace"],
+        log_level=level,
         worker_log_level=worker_level,
         **_remote_settings(o, fail))
 
@@ -218,6 +221,8 @@ def _check_output_paths(o: Mapping[str, Any], fail: Fail) -> None:
                 check_writable_file(os.path.join(o["output_filename"], "events.jsonl"), "--output-filename")
         if o["events_file"] is not None:
             check_writable_file(o["events_file"], "--events")
+        if o["checkpoint_dir"] is not None:
+            check_writable_dir(o["checkpoint_dir"], "--checkpoint-dir")
     except ValueError as exc:
         fail(str(exc))
 

@@ -35,6 +35,8 @@ ENV_VARS: dict[str, str] = {
     "ELASTICRUN_SSH_KNOWN_HOSTS": "ssh_known_hosts",
     "ELASTICRUN_REMOTE_PYTHON": "remote_python",
     "ELASTICRUN_NETWORK_INTERFACE": "network_interface",
+    "ELASTICRUN_CHECKPOINT_DIR": "checkpoint_dir",
+    "ELASTICRUN_CHECKPOINT_INTERVAL": "checkpoint_interval",
 }
 
 # Flags that are not options a file can hold.

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import zmq
 
@@ -29,11 +29,13 @@ from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.host_manager import HostManager
 from elasticrun.discovery.sources import DiscoveryError
 from elasticrun.driver import registry as reg
+from elasticrun.driver import checkpoints
+from elasticrun.driver.durable import CopySchedule, DurableService
 from elasticrun.driver.environment import worker_environment
 from elasticrun.driver.functions import Service
 from elasticrun.driver.kvstore import KVStore
 from elasticrun.driver.launchers import Launcher, Launchers
-from elasticrun.driver.network import DriverEndpoints, driver_bind_address
+from elasticrun.driver.network import DriverEndpoints, driver_bind_address, zmq_endpoint
 from elasticrun.driver.notifications import Notifications
 from elasticrun.driver.output import OutputSink
 from elasticrun.driver.resets import ResetTracker
@@ -45,6 +47,10 @@ class Source(Protocol):
     def describe(self) -> str: ...
     def discover(self) -> HostList: ...
     def close(self) -> None: ...
+
+
+def _when(wall: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall))
 
 
 class JobFailed(Exception):
@@ -176,6 +182,7 @@ class ElasticDriver:
         self._rx = Codec(self._keys.secret, self.job_id, new_sender_id("driver-rx"))
         self._pub_codec = Codec(self._keys.secret, self.job_id, new_sender_id("driver-pub"))
         self._store = KVStore()
+        self._durable = self._start_durable(ctx)
         # Signal handlers can only be set in the main thread (elasticrun.run() may be called elsewhere).
         previous = ({s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
                     if threading.current_thread() is threading.main_thread() else {})
@@ -188,6 +195,7 @@ class ElasticDriver:
             return self._conclude(finished)
         except _Interrupted as exc:
             self._stopping = True  # a second Ctrl-C must not interrupt the stop itself
+            self._final_copy(exc.signum)
             log.warning("received %s: stopping %d worker(s)", exc, len(self.registry.live()))
             self._shutdown()
             self._summarize()
@@ -201,6 +209,8 @@ class ElasticDriver:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self._stop_discovery.set()
+            if self._durable is not None:
+                self._durable.stop()
             self._router.close(0)
             self._pub.close(0)
             self._zap.stop()
@@ -210,8 +220,11 @@ class ElasticDriver:
             self._sink.close()
 
     _stopping = False
+    _hurry = False  # a second signal while stopping: no final durable copy
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._stopping:
+            self._hurry = True
         if not self._stopping:  # while stopping, the (bounded) stop goes on
             raise _Interrupted(signum)
 
@@ -259,7 +272,8 @@ class ElasticDriver:
         self._limited.count("discovery warnings", found.more_warnings, f"from {where}")
         self._limited.flush()
 
-    def _loop(self) -> reg.Finish:
+    def _loop(self, until: Callable[[], bool] | None = None, deadline: float | None = None) -> reg.Finish | None:
+        """Serve until the job finishes (or, for the final durable copy, ``until()`` or ``deadline``)."""
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -297,8 +311,11 @@ class ElasticDriver:
                 deadline = self.registry.next_deadline()
                 next_tick = min(deadline, now + 1.0) if deadline is not None else now + 1.0
             self._send_store_replies(self._store.expire(now))
+            self._ask_for_copy(now)
             if self.registry.finished is not None:
                 return self.registry.finished
+            if until is not None and (until() or self._hurry or (deadline is not None and now >= deadline)):
+                return None
 
     def _on_event(self, kind: str, payload: Any) -> None:
         now = time.monotonic()
@@ -311,6 +328,16 @@ class ElasticDriver:
             self.registry.discovered(payload.hosts, now, payload.draining)
         elif kind == "discovery_failed":
             self._warn_once(f"discovery failed, keeping the last known hosts: {payload}", "failed discovery runs")
+        elif kind == "durable_written":
+            durable, seconds = payload
+            m = durable.manifest
+            self.registry.durable(m.commit)
+            log.info("durable copy %d of commit %d written in %.1f s (%.1f MB): %s", m.number, m.commit, seconds,
+                     (m.data_bytes + m.meta_bytes) / 1e6, durable.path)
+            self._journal.write(Kind.DURABLE_WRITTEN, round=self.registry.round, number=m.number, commit=m.commit,
+                                bytes=m.data_bytes + m.meta_bytes, seconds=round(seconds, 3))
+        elif kind == "durable_warning":
+            self._limited.warn("durable copies", str(payload), "failed")
         elif kind == "exit":
             worker_id, code = payload
             self._journal.write(Kind.WORKER_EXITED, worker=worker_id, code=code, **self._where(worker_id))
@@ -339,9 +366,14 @@ class ElasticDriver:
         body = msg.body
         if msg.type == "heartbeat":
             self.registry.heartbeat(str(body.get("worker")), time.monotonic())
+            self._progress(body)
             self._reply(identity, msg, "heartbeat_ack", {
                 "round": self.registry.round, "aborted": self.registry.aborted,
-                "reason": self.registry.abort_reason, "updates": self._notifications.recent()})
+                "reason": self.registry.abort_reason, "updates": self._notifications.recent(),
+                "durable": self._copies.last_id if self._copies is not None else 0})
+        elif msg.type == "leaving":  # the worker got SIGTERM: its host is going
+            self._reply(identity, msg, "ack", {})
+            self.registry.leaving(str(body.get("worker")), str(body.get("why", "SIGTERM"))[:100], time.monotonic())
         elif msg.type == "store":
             pending = _Pending(identity, msg.sender, body.get("req"))
             self._send_store_replies(self._store.handle(pending, body, time.monotonic()))
@@ -396,7 +428,9 @@ class ElasticDriver:
                 if pending is not None:
                     self._reply(pending.identity, pending, "assignment", dict(
                         act.info.as_dict(), round=act.round, notify_ts=self._notifications.last_ts,
-                        must_sync=act.must_sync))
+                        must_sync=act.must_sync, restore=act.restore))
+                if act.restore:
+                    self._say_resumed(act.round)
             elif isinstance(act, reg.ForgetRounds):
                 self._store.keep_only(f"round{act.round}/")
             elif isinstance(act, reg.Dismiss):
@@ -447,23 +481,104 @@ class ElasticDriver:
         info, s = act.info, self.settings
         remote = self._launcher.is_remote(info.host)
         control_addr, notify_addr = self._control_addr, self._notify_addr
-        if remote:
-            try:
+        durable_addr = None
+        try:
+            if remote:
                 control_addr, notify_addr = self._endpoints.for_host(info.host)
-            except OSError as exc:
-                log.error("%s: cannot tell which address of this machine its workers could reach (%s); "
-                          "set --driver-address or --network-interface", info.host, exc.strerror or exc)
-                self._post("exit", (act.worker_id, 255))
-                return
+            if self._durable is not None:
+                durable_addr = self._durable.endpoint(zmq_endpoint(self._endpoints.address(info.host if remote else None)))
+        except OSError as exc:
+            log.error("%s: cannot tell which address of this machine its workers could reach (%s); "
+                      "set --driver-address or --network-interface", info.host, exc.strerror or exc)
+            self._post("exit", (act.worker_id, 255))
+            return
         worker_env = worker_environment(s, info, job_id=self.job_id, worker_id=act.worker_id,
                                         control_addr=control_addr, notify_addr=notify_addr,
-                                        base_env=os.environ, remote=remote)
+                                        base_env=os.environ, remote=remote, durable_addr=durable_addr)
         try:
             # The keys go through a pipe (locally) or the SSH channel, never the environment.
             self._launcher.launch(act.worker_id, s.command, worker_env, host=info.host, keys=self._worker_keys)
         except OSError as exc:
             log.error("could not start %r on %s: %s", s.command[0], info.host, exc.strerror or exc)
             self._post("exit", (act.worker_id, 127))
+
+    # --- durable copies (--checkpoint-dir) -------------------------------------------------------
+    def _start_durable(self, ctx: zmq.Context) -> DurableService | None:
+        """Find the newest durable copy to resume from, and serve the next ones."""
+        directory = self.settings.checkpoint_dir
+        if directory is None:
+            return None
+        checkpoints.clean_stale(directory)
+        found = None if self.settings.fresh else checkpoints.newest(directory, warn=log.warning)
+        if found is not None:
+            self._resume_from = found
+            self.registry.durable(found.manifest.commit)
+            log.info("%s holds a durable copy of commit %d (%s): the job resumes from it (--fresh starts over)",
+                     directory, found.manifest.commit, _when(found.manifest.saved_at))
+        service = DurableService(ctx, self._keys, self.job_id, directory,
+                                 on_written=lambda d, seconds: self._post("durable_written", (d, seconds)),
+                                 warn=lambda line: self._post("durable_warning", line), newest=found,
+                                 stale_after=max(60.0, 2 * self.settings.checkpoint_interval))
+        service.endpoint(zmq_endpoint(self._endpoints.address()))
+        service.start()
+        self._copies = CopySchedule(self.settings.checkpoint_interval)
+        return service
+
+    _durable: DurableService | None = None
+    _copies: CopySchedule | None = None
+    _resume_from: checkpoints.Durable | None = None
+    _latest: tuple[int, int] = (0, 0)  # (steps, commit): the furthest any worker has reported
+    _progress_saved = 0.0
+
+    def _ask_for_copy(self, now: float, force: bool = False) -> int | None:
+        """Every --checkpoint-interval while a round trains, ask the workers for a durable copy:
+        at their next commit they agree to hand it off (see worker/durable.py)."""
+        c = self._copies
+        if c is None or self.registry.round < 0 or self.registry.aborted or not (force or c.due(now)):
+            return None
+        request = c.request(now)
+        self._publish("durable_request", {"id": request})
+        return request
+
+    def _progress(self, heartbeat: dict[str, Any]) -> None:
+        """Workers report their steps and commits: how far a resume from disk goes back."""
+        steps, commit = heartbeat.get("steps"), heartbeat.get("commit")
+        if not (isinstance(steps, int) and isinstance(commit, int)) or (steps, commit) <= self._latest:
+            return
+        self._latest = (steps, commit)
+        now = time.monotonic()
+        if self._durable is not None and now - self._progress_saved > 2.0:
+            self._progress_saved = now
+            checkpoints.save_progress(self._durable.directory, steps, commit)
+
+    def _say_resumed(self, round_: int) -> None:
+        durable = self._durable.newest if self._durable is not None else None
+        if durable is None:
+            return
+        m = durable.manifest
+        latest = max(self._latest[0], checkpoints.load_progress(self._durable.directory)[0])
+        back = max(0, latest - m.steps)
+        log.warning("resumed from checkpoint of %s, %d steps back (commit %d, %s)", _when(m.saved_at), back,
+                    m.commit, durable.path)
+        self._journal.write(Kind.RESUMED, round=round_, checkpoint=durable.path, commit=m.commit,
+                            saved_at=m.saved_at, steps_back=back)
+
+    def _final_copy(self, signum: int) -> None:
+        """Stopped by a signal: a last durable copy of the newest commit first (bounded; a
+        second signal skips it), so that a resumed job redoes nothing."""
+        if self._durable is None or self.registry.round < 0 or not self.registry.live():
+            return
+        request = self._ask_for_copy(time.monotonic(), force=True)
+        if request is None:
+            return
+        limit = max(30.0, self.settings.checkpoint_interval)
+        log.warning("received %s: writing a last durable copy before stopping (at most %.0f s; again to skip)",
+                    signal.Signals(signum).name, limit)
+        before = self._durable.newest
+        self._loop(until=lambda: self._durable.newest is not before, deadline=time.monotonic() + limit)
+        if self._durable.newest is before:
+            log.warning("no last durable copy: the newest on disk stays %s",
+                        before.path if before is not None else "none")
 
     # --- the end -----------------------------------------------------------------------------
     def _conclude(self, finished: reg.Finish) -> int:

@@ -64,13 +64,46 @@ class DurableService(threading.Thread):
         self._writing: tuple[int, float] | None = None  # (request id, when its first shard came)
         self._stopping = threading.Event()
         self._lock = threading.Lock()
+        self._endpoints: dict[str, str] = {}
+        self._to_bind: list[tuple[str, threading.Event]] = []
         self._dropped = LimitedLog(log)
 
     # --- the driver's side ---------------------------------------------------------------------
     def bind(self, endpoint_base: str) -> str:
-        """Listen on ``tcp://ADDR`` (a random port); return the endpoint workers connect to."""
+        """Listen on ``tcp://ADDR`` (a random port); return the endpoint workers connect to.
+        Before :meth:`start` only; afterwards use :meth:`endpoint` (the socket is this thread's)."""
         port = self._sock.bind_to_random_port(endpoint_base)
         return f"{endpoint_base}:{port}"
+
+    def endpoint(self, endpoint_base: str, timeout: float = 5.0) -> str:
+        """The endpoint on ``tcp://ADDR``, bound on first use by the service's own thread."""
+        with self._lock:
+            known = self._endpoints.get(endpoint_base)
+            if known is not None:
+                return known
+            if not self.is_alive():
+                self._endpoints[endpoint_base] = self.bind(endpoint_base)
+                return self._endpoints[endpoint_base]
+            done = threading.Event()
+            self._to_bind.append((endpoint_base, done))
+        if not done.wait(timeout):
+            raise OSError(f"the durable-copy service did not listen on {endpoint_base} within {timeout:g} s")
+        with self._lock:
+            if endpoint_base not in self._endpoints:
+                raise OSError(f"the durable-copy service cannot listen on {endpoint_base}")
+            return self._endpoints[endpoint_base]
+
+    def _bind_requested(self) -> None:
+        with self._lock:
+            todo, self._to_bind = self._to_bind, []
+        for base, done in todo:
+            try:
+                endpoint = self.bind(base)
+                with self._lock:
+                    self._endpoints[base] = endpoint
+            except zmq.ZMQError as exc:
+                log.error("the durable-copy service cannot listen on %s: %s", base, exc)
+            done.set()
 
     @property
     def newest(self) -> ck.Durable | None:
@@ -90,7 +123,8 @@ class DurableService(threading.Thread):
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stopping.is_set():
-            if poller.poll(200):
+            self._bind_requested()
+            if poller.poll(50):
                 for _ in range(64):
                     try:
                         parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -200,3 +234,33 @@ class DurableService(threading.Thread):
         if self._writing is not None and time.monotonic() - self._writing[1] > self._stale_after:
             self._fail(f"not all ranks sent their shards within {self._stale_after:g} s")
         self._dropped.flush()
+
+
+class CopySchedule:
+    """When to ask the workers for a durable copy (pure; the driver's clock is passed in).
+
+    The first copy is asked for as soon as a round trains (a job that dies early still leaves
+    one); then every ``interval`` seconds after the last request, so that the copy on disk is
+    never older than ``interval`` plus the time to the next commit and its transfer. A request
+    that is not whole within ``interval`` is replaced by the next one.
+    """
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.last_id = 0
+        self._last_at: float | None = None
+        self.completed: set[int] = set()
+
+    def due(self, now: float) -> bool:
+        return self._last_at is None or now - self._last_at >= self.interval
+
+    def next_deadline(self) -> float | None:
+        return None if self._last_at is None else self._last_at + self.interval
+
+    def request(self, now: float) -> int:
+        self.last_id += 1
+        self._last_at = now
+        return self.last_id
+
+    def written(self, request: int) -> None:
+        self.completed.add(request)

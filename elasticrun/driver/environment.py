@@ -42,12 +42,12 @@ def forwarded_environment(environ: Mapping[str, str], forward: bool) -> dict[str
 
 def worker_environment(settings: JobSettings, info: SlotInfo, *, job_id: str, worker_id: str,
                        control_addr: str, notify_addr: str, base_env: Mapping[str, str],
-                       remote: bool) -> dict[str, str]:
+                       remote: bool, durable_addr: str | None = None) -> dict[str, str]:
     """The environment of worker ``worker_id``, started for ``info`` (its place in the round).
 
     ``base_env`` is the driver's environment (``os.environ``); ``remote``: the worker runs on
     another machine; ``control_addr``/``notify_addr``: the driver's endpoints that machine
-    reaches. ``--network-interface`` also sets ``GLOO_SOCKET_IFNAME`` unless the driver's
+    reaches (``durable_addr``: the durable-copy socket, with ``--checkpoint-dir``). ``--network-interface`` also sets ``GLOO_SOCKET_IFNAME`` unless the driver's
     environment has it.
     """
     s = settings
@@ -63,6 +63,8 @@ def worker_environment(settings: JobSettings, info: SlotInfo, *, job_id: str, wo
         env.CONTROL_ADDR: control_addr, env.NOTIFY_ADDR: notify_addr,
         env.COLLECTIVE_TIMEOUT: str(s.collective_timeout), env.RENDEZVOUS_TIMEOUT: str(s.elastic_wait_limit),
         env.HEARTBEAT_INTERVAL: str(s.heartbeat_interval), env.DRIVER_TIMEOUT: str(s.driver_timeout),
-        env.LOG_LEVEL: s.worker_log_level, "PYTHONUNBUFFERED": "1",
+        env.LOG_LEVEL: s.worker_log_level, env.SIGTERM_GRACE: str(s.sigterm_grace), "PYTHONUNBUFFERED": "1",
     })
+    if durable_addr is not None:  # --checkpoint-dir: where this worker sends its shards
+        worker_env[env.DURABLE_ADDR] = durable_addr
     return worker_env

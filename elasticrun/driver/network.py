@@ -103,10 +103,15 @@ class DriverEndpoints:
                                     f"{base}:{self._pub.bind_to_random_port(base)}")
         return self._bound[address]
 
+    def address(self, host: str | None = None) -> str:
+        """The address of ours that workers on ``host`` (None: this machine) connect to;
+        OSError when none reaches it."""
+        return self._forced or ("127.0.0.1" if host is None else self._route(host))
+
     def local(self) -> tuple[str, str]:
         """The endpoints of workers on this machine."""
-        return self.bind(self._forced or "127.0.0.1")
+        return self.bind(self.address())
 
     def for_host(self, host: str) -> tuple[str, str]:
         """The endpoints of workers on ``host``; OSError when no address of ours reaches it."""
-        return self.bind(self._forced or self._route(host))
+        return self.bind(self.address(host))

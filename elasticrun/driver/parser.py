@@ -145,6 +145,18 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
     p.add_argument("--events", metavar="FILE", dest="events_file",
                    help="append the job's event log (JSON lines: discovery, failures, rounds, each "
                         "worker's reset phases) to FILE (default: DIR/events.jsonl with --output-filename)")
+    d = p.add_argument_group("durable copies", "Keep the newest commit on this machine's disk, so that the job "
+                             "survives losing every worker, or this driver (run the same command again).")
+    d.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="write a durable copy of the newest commit to DIR (on this machine) every "
+                        "--checkpoint-interval; a job started with DIR holding one resumes from it")
+    d.add_argument("--checkpoint-interval", type=positive_seconds, default=60.0, metavar="SECONDS",
+                   help="how old the durable copy may get, at most (default 60)")
+    d.add_argument("--fresh", action="store_true",
+                   help="start from the script's own state even if --checkpoint-dir holds a durable copy")
+    d.add_argument("--sigterm-grace", type=positive_seconds, default=20.0, metavar="SECONDS",
+                   help="a worker that receives SIGTERM leaves gracefully (its host is moved out at the next "
+                        "step); it is stopped anyway after this long, or at a second SIGTERM (default 20)")
     p.add_argument("--log-level", default=None, type=log_level_name,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    help="driver and worker log level (default INFO for the driver's job messages; "

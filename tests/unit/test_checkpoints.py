@@ -125,3 +125,13 @@ def test_numbers_continue_after_copies_of_earlier_jobs(tmp_path):
     ck.clean_stale(str(tmp_path))
     assert ck.next_number(str(tmp_path)) == 3
     assert sorted(os.listdir(tmp_path)) == ["ckpt-000001", "ckpt-000002"]
+
+
+def test_copies_are_asked_for_at_once_then_every_interval():
+    from elasticrun.driver.durable import CopySchedule
+
+    s = CopySchedule(60.0)
+    assert s.due(0.0) and s.next_deadline() is None
+    assert s.request(5.0) == 1
+    assert not s.due(64.9) and s.next_deadline() == 65.0
+    assert s.due(65.0) and s.request(65.0) == 2
