@@ -32,7 +32,7 @@ def _job_part(settings: JobSettings = SETTINGS) -> dict[str, str]:
         env.CROSS_RANK: "1", env.CROSS_SIZE: "2", env.SLOT: "1", env.WORKER_ID: "w7", env.JOB_ID: "job1",
         env.CONTROL_ADDR: "tcp://10.0.0.1:5000", env.NOTIFY_ADDR: "tcp://10.0.0.1:5001",
         env.COLLECTIVE_TIMEOUT: "42.0", env.RENDEZVOUS_TIMEOUT: str(settings.elastic_wait_limit),
-        env.HEARTBEAT_INTERVAL: "0.5", env.DRIVER_TIMEOUT: "5.0", env.LOG_LEVEL: "INFO", "PYTHONUNBUFFERED": "1",
+        env.HEARTBEAT_INTERVAL: "0.5", env.DRIVER_TIMEOUT: "5.0", env.LOG_LEVEL: "INFO", env.SIGTERM_GRACE: "20.0", "PYTHONUNBUFFERED": "1",
     }
 
 
