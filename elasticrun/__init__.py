@@ -4,7 +4,7 @@ The driver (``elasticrun`` command) discovers hosts, assigns ranks and launches 
 workers use :mod:`elasticrun.torch`, a ``horovod.torch``-compatible API.
 """
 
-__version__ = "0.1.0"
+from elasticrun.common.version import VERSION as __version__
 
 __all__ = ["run", "RunError", "__version__"]
 

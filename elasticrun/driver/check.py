@@ -22,6 +22,7 @@ from typing import Callable
 
 from elasticrun.common.hosts import HostSpecError, parse_hostfile, parse_hosts_arg
 from elasticrun.discovery.sources import DiscoveryError, ScriptDiscovery, discovery_command
+from elasticrun.common.version import VERSION
 from elasticrun.driver import config
 from elasticrun.driver.launcher import is_local_host
 from elasticrun.driver.parser import build_parser, read_hostfile
@@ -59,28 +60,45 @@ def wants_check(argv: list[str]) -> bool:
 
 
 # --- this installation -----------------------------------------------------------------------
-def _installation() -> list[tuple[bool, str]]:
-    from elasticrun import __version__
+# Run by this machine's Python in a process of its own: the driver never imports torch.
+_TORCH_PROBE = r'''
+import json
+r = {}
+try:
+    import torch
+    import torch.distributed as dist
+    r["torch"] = torch.__version__
+    r["distributed"] = dist.is_available()
+    if r["distributed"]:
+        r["gloo"] = dist.is_gloo_available()
+        r["nccl"] = dist.is_nccl_available()
+    r["gpus"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+except Exception as e:
+    r["error"] = "%s: %s" % (type(e).__name__, e)
+print("ELASTICRUN-CHECK " + json.dumps(r))
+'''
 
-    lines: list[tuple[bool, str]] = [(True, f"elasticrun {__version__}, python {sys.version.split()[0]} "
+
+def _installation(timeout: float = 120.0) -> list[tuple[bool, str]]:
+    lines: list[tuple[bool, str]] = [(True, f"elasticrun {VERSION}, python {sys.version.split()[0]} "
                                             f"({sys.executable})")]
     try:
-        import torch
-        import torch.distributed as dist
-
-        lines.append((True, f"torch {torch.__version__}"))
-        if not dist.is_available():
+        proc = subprocess.run([sys.executable, "-c", _TORCH_PROBE], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+        r = _parse_probe(proc.stdout) or {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"}
+    except subprocess.TimeoutExpired:
+        r = {"error": f"`import torch` did not finish within {timeout:g} s"}
+    if "error" in r:
+        lines.append((False, f"torch: cannot import ({r['error']})"))
+    else:
+        lines.append((True, f"torch {r['torch']}"))
+        if not r["distributed"]:
             lines.append((False, "torch.distributed: not available in this torch build"))
         else:
-            gloo = dist.is_gloo_available()
-            lines.append((gloo, "gloo: available" if gloo else "gloo: not available (elasticrun's collectives "
-                                                               "need it)"))
-            nccl = dist.is_nccl_available()
-            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            lines.append((True, f"nccl: {'available' if nccl else 'not available'} ({gpus} CUDA device(s); "
-                                f"not required)"))
-    except Exception as exc:  # noqa: BLE001 - any import failure is the answer
-        lines.append((False, f"torch: cannot import ({type(exc).__name__}: {exc})"))
+            lines.append((r["gloo"], "gloo: available" if r["gloo"] else "gloo: not available (elasticrun's "
+                                                                         "collectives need it)"))
+            lines.append((True, f"nccl: {'available' if r['nccl'] else 'not available'} ({r['gpus']} CUDA "
+                                f"device(s); not required)"))
     try:
         import zmq
 

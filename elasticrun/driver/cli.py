@@ -229,10 +229,6 @@ def _check_output_paths(o: Mapping[str, Any], fail: Fail) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "timeline":
-        from elasticrun import timeline
-
-        return timeline.main(argv[1:])
     if check.wants_check(argv):
         return check.main(argv)
     settings = parse_settings(argv)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from elasticrun import __version__
+from elasticrun.common.version import VERSION
 
 DESCRIPTION = """\
 Run COMMAND as an elastic, fault-tolerant data-parallel job.
@@ -97,7 +97,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
     without -H/--hostfile/--host-discovery-script (localhost:NP, or a callable's hosts)."""
     p = parser_class(prog="elasticrun", description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="version", version=f"elasticrun {__version__}")
+    p.add_argument("--version", action="version", version=f"elasticrun {VERSION}")
     p.add_argument("--check", action="store_true",
                    help="check this installation (torch, gloo/NCCL, pyzmq, paramiko, cloudpickle) and that "
                         "each host of -H/--hostfile/--host-discovery-script is reachable (SSH, python, torch); "

@@ -214,10 +214,10 @@ def test_command_writes_each_format_and_prints_the_summary(tmp_path, capsys):
     lines = [json.dumps(e) for e in hand_written()]
     log.write_text("\n".join(lines) + '\n{"t": 1006.5, "kind": "wor')  # a job killed mid-write
     outs = [tmp_path / f"t{ext}" for ext in (".json", ".svg", ".html")]
-    from elasticrun.driver import cli
+    from elasticrun.__main__ import main  # the `elasticrun` command
 
     args = ["timeline", str(log)] + [x for o in outs for x in ("-o", str(o))]
-    assert cli.main(args) == 0
+    assert main(args) == 0
     out = capsys.readouterr().out
     assert "3 round(s), 2 reset(s)" in out and "resets by cause:" in out
     _check_trace(json.loads(outs[0].read_text()))
