@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from elasticrun.common import env
+from elasticrun.common import env, settings
 from elasticrun.common.protocol import Message
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
@@ -61,6 +61,11 @@ def _drop_in_background(obj: Any, delay: float = _DROP_DELAY) -> None:
     timer.start()
 
 
+def _seconds(name: str, default: float) -> float:
+    """A timeout the driver passes in the environment; the job's default when it does not."""
+    return float(os.environ.get(name, default))
+
+
 class Runtime:
     """A worker's view of the elastic job. Use :func:`init` / :func:`get`."""
 
@@ -74,8 +79,8 @@ class Runtime:
         self.local_size = int(os.environ.get(env.LOCAL_SIZE, "1"))
         self.cross_rank = int(os.environ.get(env.CROSS_RANK, "0"))
         self.cross_size = int(os.environ.get(env.CROSS_SIZE, "1"))
-        self.collective_timeout = float(os.environ.get(env.COLLECTIVE_TIMEOUT, "60"))
-        self.rendezvous_timeout = float(os.environ.get(env.RENDEZVOUS_TIMEOUT, "900"))
+        self.collective_timeout = _seconds(env.COLLECTIVE_TIMEOUT, settings.DEFAULT_COLLECTIVE_TIMEOUT)
+        self.rendezvous_timeout = _seconds(env.RENDEZVOUS_TIMEOUT, settings.DEFAULT_RENDEZVOUS_TIMEOUT)
         self.round = -1
         self.rendezvous_count = 0
         self.must_sync = True  # the driver's word for this round: sync() even after removals only
@@ -112,8 +117,8 @@ class Runtime:
             self._ctx, os.environ[env.CONTROL_ADDR], os.environ[env.NOTIFY_ADDR], keys, job_id,
             heartbeat_body=lambda: {"worker": self.worker_id, "round": self.round},
             on_message=self._on_message, on_driver_lost=self._on_driver_lost,
-            interval=float(os.environ.get(env.HEARTBEAT_INTERVAL, "1")),
-            driver_timeout=float(os.environ.get(env.DRIVER_TIMEOUT, "15")),
+            interval=_seconds(env.HEARTBEAT_INTERVAL, settings.DEFAULT_HEARTBEAT_INTERVAL),
+            driver_timeout=_seconds(env.DRIVER_TIMEOUT, settings.DEFAULT_DRIVER_TIMEOUT),
             take_events=self._take_events)
         self._control.start()
 
