@@ -306,7 +306,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         assert b.buffer is not None
         with torch.no_grad():
             if _carries_flags(b):
-                pending, added = runtime.get().local_update_flags()
+                pending, added = runtime.get().host_updates.local_flags()
                 b.buffer[b.numel] = 1.0 if pending else 0.0
                 b.buffer[b.numel + 1] = 1.0 if added else 0.0
             tensor, b.ctx = self._dist_compression.compress(b.buffer)
@@ -326,7 +326,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 return
             out = self._dist_compression.decompress(collectives.synchronize(b.handle), b.ctx)
             if _carries_flags(b):  # any positive sum (or average) means "some rank"
-                runtime.get().note_agreed_updates(bool(out[b.numel] > 0), bool(out[b.numel + 1] > 0))
+                rt = runtime.get()
+                rt.host_updates.agreed(rt.round, bool(out[b.numel] > 0), bool(out[b.numel + 1] > 0))
             for p, off in zip(b.params, b.offsets):
                 src = out[off:off + p.numel()].view(p.shape)
                 g = p.grad

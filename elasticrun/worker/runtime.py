@@ -5,8 +5,10 @@ current round, owns the round's gloo process group (formed on a fresh namespace 
 driver-hosted store for every round), and hears from the driver on a control thread:
 
 * ``hosts_updated`` notifications, each with a strictly increasing timestamp. They are only
-  *recorded* here; ``check_host_updates()`` turns them into ``HostsUpdatedInterrupt`` on every
-  rank at the same call, by agreeing on the newest timestamp with one tiny allreduce.
+  *recorded* here (in :class:`~elasticrun.worker.host_updates.HostUpdates`, which decides);
+  ``check_host_updates()`` turns them into ``HostsUpdatedInterrupt`` on every rank at the same
+  call, by agreeing on them with one tiny allreduce or through flags the gradient allreduce
+  carried.
 * ``round_aborted``: a member of the round failed. Collectives poll this and give up at once,
   because ranks that were not talking to the dead peer would otherwise sit in their
   collective until its timeout.
@@ -36,6 +38,7 @@ from elasticrun.common import env, settings
 from elasticrun.common.protocol import Message
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from elasticrun.worker.host_updates import HostUpdates
 
 log = logging.getLogger("elasticrun.worker")
 
@@ -89,16 +92,12 @@ class Runtime:
         self.has_state = False
         self.pg: dist.ProcessGroup | None = None
         self._store: Any = None
-        self._lock = threading.Lock()
-        self._updates: dict[float, tuple[bool, bool]] = {}
-        self._handled_ts = 0.0
+        self._lock = threading.Lock()  # what the control thread writes: host updates, aborts
+        self.host_updates = HostUpdates()
         self._aborted: dict[int, str] = {}
         # Events for the driver's event log: appended here, shipped by the control thread.
         self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=10_000)
         self.awaiting_first_step = False  # set after a reset; the next completed collective clears it
-        # (round, some rank has an update pending, some update added hosts), agreed through the
-        # gradient allreduce since the last check_host_updates() (see worker/optimizer.py).
-        self._agreed: tuple[int, bool, bool] | None = None
         self._ctx: zmq.Context | None = None
         self._client: DriverClient | None = None
         self._control: ControlChannel | None = None
@@ -138,14 +137,14 @@ class Runtime:
         body = msg.body
         with self._lock:
             if msg.type == "hosts_updated":
-                if float(body["ts"]) not in self._updates:
-                    self.emit("notification_received", ts=float(body["ts"]))
-                self._updates[float(body["ts"])] = (bool(body["added"]), bool(body["removed"]))
+                ts = float(body["ts"])
+                if self.host_updates.record(ts, bool(body["added"])):
+                    self.emit("notification_received", ts=ts)
             elif msg.type == "round_aborted":
                 self._abort(int(body["round"]), str(body.get("reason", "round aborted")))
             elif msg.type == "heartbeat_ack":
-                for ts, added, removed in body.get("updates", []):
-                    self._updates[float(ts)] = (bool(added), bool(removed))
+                for ts, added, _removed in body.get("updates", []):
+                    self.host_updates.record(float(ts), bool(added))
                 if body.get("aborted") and int(body["round"]) not in self._aborted:
                     self._abort(int(body["round"]), str(body.get("reason", "round aborted")))
 
@@ -205,8 +204,7 @@ class Runtime:
             self.must_sync = bool(a.get("must_sync", True))
             self.rendezvous_count += 1
             self.emit("rendezvous_complete", size=self.size, waited_ms=round((time.monotonic() - asked) * 1000, 2))
-            with self._lock:
-                self._handled_ts = max(self._handled_ts, float(a.get("notify_ts", 0.0)))
+            self.host_updates.handled(float(a.get("notify_ts", 0.0)))
             error = None  # a retry after an aborted formation is not this worker's error
             try:
                 started = time.monotonic()
@@ -249,47 +247,32 @@ class Runtime:
         except Exception as exc:  # the exit code still tells the driver
             log.debug("could not report the failure: %s", exc)
 
-    def local_update_flags(self) -> tuple[bool, bool]:
-        """(this rank has an update newer than the last handled one, one of them added hosts)."""
-        with self._lock:
-            newer = [flags for ts, flags in self._updates.items() if ts > self._handled_ts]
-        return bool(newer), any(added for added, _ in newer)
-
-    def note_agreed_updates(self, pending: bool, added: bool) -> None:
-        """Flags every rank agreed on inside a gradient allreduce of the current round."""
-        self._agreed = (self.round, pending, added)
-
     def check_host_updates(self) -> None:
         """Collective: raise HostsUpdatedInterrupt on every rank if any rank saw a newer update.
 
         When the optimizer's gradient allreduce already carried the flags since the last
         check, their agreed value is used and no extra collective runs. Every rank takes the
-        same path: they all ran the same steps.
+        same path: they all ran the same steps. See worker/host_updates.py.
         """
         if self.standalone:
             return
-        agreed, self._agreed = self._agreed, None
-        if agreed is not None and agreed[0] == self.round:
-            _, pending, added = agreed
-            if pending:
-                with self._lock:  # the rendezvous will bring every rank to the driver's latest
-                    self._handled_ts = max([self._handled_ts, *self._updates])
+        updates = self.host_updates
+        verdict = updates.take_agreed(self.round)
+        if verdict is not None:
+            interrupt, added = verdict
+            if interrupt:
                 self.emit("interrupt", skip_sync=not added, agreed_in="gradient allreduce")
                 raise HostsUpdatedInterrupt(skip_sync=not added)
             return
-        with self._lock:
-            newer = {ts: flags for ts, flags in self._updates.items() if ts > self._handled_ts}
-        latest = max(newer, default=self._handled_ts)
-        added = any(a for a, _ in newer.values())
+        latest, added = updates.proposal()
         from elasticrun.worker import collectives
 
         agreed = torch.tensor([latest, 1.0 if added else 0.0], dtype=torch.float64)
         collectives.allreduce_inplace(agreed, dist.ReduceOp.MAX, "check_host_updates")
-        if agreed[0].item() > self._handled_ts:
-            with self._lock:
-                self._handled_ts = agreed[0].item()
+        ts = agreed[0].item()
+        if updates.settle(ts):
             skip_sync = agreed[1].item() == 0.0
-            self.emit("interrupt", ts=agreed[0].item(), skip_sync=skip_sync)
+            self.emit("interrupt", ts=ts, skip_sync=skip_sync)
             raise HostsUpdatedInterrupt(skip_sync=skip_sync)
 
     def shutdown(self) -> None:
