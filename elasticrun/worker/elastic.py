@@ -136,7 +136,7 @@ def run(func: F) -> F:
                     rt.emit("sync_done", ms=round((time.monotonic() - synced) * 1000, 2))
                 rt.has_state = True
                 if resetting:
-                    rt.awaiting_first_step = True
+                    rt.current_round.mark_reset()
                     log.info("rank %d/%d: reset to round %d took %.1f ms", rt.rank, rt.size, rt.round,
                              (time.monotonic() - started) * 1000)
                 return func(state, *args, **kwargs)

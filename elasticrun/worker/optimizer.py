@@ -9,8 +9,8 @@ and then steps the wrapped optimizer.
 
 Elasticity shapes the design:
 
-* Nothing about the world is cached. The size is read from the runtime at every
-  allreduce and the process group is looked up by ``collectives`` at every launch, so
+* Nothing about the world is cached. Every gradient hook and ``step()`` look up the
+  current round (size, process group), and a step begun in another round is dropped, so
   the same optimizer object keeps working after ``elastic.run`` formed a new group.
 * A failed collective (``HorovodInternalError``) may surface inside ``backward()`` or in
   ``step()``. Either way all pending state is dropped before the error propagates, and the
@@ -34,8 +34,9 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from elasticrun.worker import collectives, runtime
+from elasticrun.worker import collectives, rounds
 from elasticrun.worker.collectives import Average, Handle, Sum
+from elasticrun.worker.rounds import Round
 
 __all__ = ["Compression", "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"]
 
@@ -163,7 +164,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._dist_slots: dict[torch.Tensor, tuple[_Bucket, int]] = {}
         self._dist_hooks: dict[torch.Tensor, Any] = {}
         self._dist_next = 0  # first bucket not launched yet (launch order = bucket order)
-        self._dist_cycle_pg: weakref.ref | None = None  # group of the step in progress
+        # The round of the step in progress, held weakly: the old round's group must be
+        # released off the training thread (see runtime._drop_in_background).
+        self._dist_cycle_round: weakref.ref[Round] | None = None
         self._should_synchronize = True
         self._synchronized = False
         self._dist_build()
@@ -238,19 +241,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if discard:
                 b.buffer = None
         self._dist_next = 0
-        self._dist_cycle_pg = None
+        self._dist_cycle_round = None
 
     def _dist_has_handles(self) -> bool:
         return any(b.handle is not None and not b.handle.done for b in self._dist_buckets)
 
-    def _dist_begin(self) -> None:
-        """Start (or continue) a step; state from another process group is stale."""
-        pg = runtime.get().pg
-        if self._dist_cycle_pg is not None and self._dist_cycle_pg() is not pg:
+    def _dist_begin(self) -> Round:
+        """Start (or continue) a step in the current round; state from another round is stale."""
+        r = rounds.current()
+        cycle = self._dist_cycle_round
+        if cycle is not None and cycle() is not r:
             self._dist_clear(discard=True)
-        if self._dist_cycle_pg is None:
-            self._dist_cycle_pg = weakref.ref(pg) if pg is not None else None
+            cycle = None
+        if cycle is None:
+            self._dist_cycle_round = weakref.ref(r)
             self._synchronized = False
+        return r
 
     def _dist_on_grad(self, p: torch.Tensor) -> None:
         slot = self._dist_slots.get(p)
@@ -258,7 +264,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         bucket, i = slot
         try:
-            self._dist_begin()
+            r = self._dist_begin()
             if bucket.launched or bucket.passes[i] >= self.backward_passes_per_step:
                 raise AssertionError(
                     "Gradients were computed more than backward_passes_per_step times before call to "
@@ -267,22 +273,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if bucket.passes[i] == self.backward_passes_per_step:
                 # Copy now, while backward still computes other layers (as DDP does): at the
                 # last gradient only that one is left to copy before the allreduce starts.
-                self._dist_stage(bucket, i)
+                self._dist_stage(bucket, i, r)
                 bucket.ready += 1
-                self._dist_launch_ready()
+                self._dist_launch_ready(r)
         except BaseException:
             self._dist_clear(discard=True)
             raise
 
-    def _dist_launch_ready(self) -> None:
+    def _dist_launch_ready(self, r: Round) -> None:
         buckets = self._dist_buckets
         while self._dist_next < len(buckets) and buckets[self._dist_next].ready == len(buckets[self._dist_next].params):
-            self._dist_launch(buckets[self._dist_next])
+            self._dist_launch(buckets[self._dist_next], r)
             self._dist_next += 1
 
-    def _dist_stage(self, b: _Bucket, i: int) -> None:
+    def _dist_stage(self, b: _Bucket, i: int, r: Round) -> None:
         """Copy parameter ``i``'s gradient into the bucket's flat buffer (zeros if it has none)."""
-        if runtime.get().size == 1:
+        if r.size == 1:
             return  # Average and Sum over one rank are the identity: skip the copies
         if b.buffer is None:
             b.buffer = torch.empty(b.numel + (_FLAGS if _carries_flags(b) else 0), dtype=b.dtype, device=b.device)
@@ -296,28 +302,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 dst.copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
         b.staged[i] = True
 
-    def _dist_launch(self, b: _Bucket) -> None:
+    def _dist_launch(self, b: _Bucket, r: Round) -> None:
         b.launched = True
-        if runtime.get().size == 1:
+        if r.size == 1:
             return
         for i, staged in enumerate(b.staged):  # gradients whose hook never fired this step
             if not staged:
-                self._dist_stage(b, i)
+                self._dist_stage(b, i, r)
         assert b.buffer is not None
         with torch.no_grad():
             if _carries_flags(b):
-                pending, added = runtime.get().host_updates.local_flags()
+                pending, added = r.host_updates.local_flags()
                 b.buffer[b.numel] = 1.0 if pending else 0.0
                 b.buffer[b.numel + 1] = 1.0 if added else 0.0
             tensor, b.ctx = self._dist_compression.compress(b.buffer)
             # Reduce sums and scale while copying back: one pass over the gradients fewer
             # than scaling the whole buffer and then copying it.
-            size = runtime.get().size
-            b.scale = self._dist_postscale / size if self._dist_op == Average else self._dist_postscale
+            b.scale = self._dist_postscale / r.size if self._dist_op == Average else self._dist_postscale
             b.handle = collectives.allreduce_async_(tensor, name=b.name, op=Sum,
                                                     prescale_factor=self._dist_prescale)
 
-    def _dist_finish(self, b: _Bucket) -> None:
+    def _dist_finish(self, b: _Bucket, r: Round) -> None:
         with torch.no_grad():
             if b.handle is None:  # reduced over a world of one: only fill missing grads
                 for p in b.params:
@@ -326,8 +331,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 return
             out = self._dist_compression.decompress(collectives.synchronize(b.handle), b.ctx)
             if _carries_flags(b):  # any positive sum (or average) means "some rank"
-                rt = runtime.get()
-                rt.host_updates.agreed(rt.round, bool(out[b.numel] > 0), bool(out[b.numel + 1] > 0))
+                r.host_updates.agreed(r.number, bool(out[b.numel] > 0), bool(out[b.numel + 1] > 0))
             for p, off in zip(b.params, b.offsets):
                 src = out[off:off + p.numel()].view(p.shape)
                 g = p.grad
@@ -343,12 +347,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Wait for every gradient's allreduce; reduce those whose hook never fired
         (unused parameters, fewer backward passes than expected) with what they hold."""
         try:
-            self._dist_begin()
+            r = self._dist_begin()
             while self._dist_next < len(self._dist_buckets):
-                self._dist_launch(self._dist_buckets[self._dist_next])
+                self._dist_launch(self._dist_buckets[self._dist_next], r)
                 self._dist_next += 1
             for b in self._dist_buckets:
-                self._dist_finish(b)
+                self._dist_finish(b, r)
         except BaseException:
             self._dist_clear(discard=True)
             raise
@@ -389,7 +393,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         launched = self._dist_has_handles()
-        stale = launched and self._dist_cycle_pg is not None and self._dist_cycle_pg() is not runtime.get().pg
+        stale = (launched and self._dist_cycle_round is not None
+                 and self._dist_cycle_round() is not rounds.current())
         self._dist_clear(discard=launched)
         if launched and not stale:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
@@ -495,7 +500,7 @@ def _plan(sizes: list[int]) -> list[list[tuple[int, int, int]]]:
 def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, name: str) -> None:
     """Overwrite ``tensors`` in place with root's, packed as raw bytes into few broadcasts
     (so any dtype, bool included, goes through, and a model costs a handful of messages)."""
-    rt = runtime.get()
+    rt = rounds.current()
     if rt.size == 1:
         return
     is_root = rt.rank == root_rank
@@ -572,7 +577,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     the result with ``load_state_dict``, so a rank that never stepped (a newcomer with
     empty state) gets complete state without a dummy step.
     """
-    rt = runtime.get()
+    rt = rounds.current()
     if rt.size == 1:
         return
     tensors: list[torch.Tensor] = []

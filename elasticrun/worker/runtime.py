@@ -36,9 +36,12 @@ import zmq
 
 from elasticrun.common import env, settings
 from elasticrun.common.protocol import Message
+from elasticrun.worker import collectives, rounds
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from elasticrun.worker.host_updates import HostUpdates
+from elasticrun.worker.rounds import Round
+from elasticrun.worker.store import DriverStore
 
 log = logging.getLogger("elasticrun.worker")
 
@@ -77,27 +80,25 @@ class Runtime:
         self.hostname = os.environ.get(env.HOSTNAME, socket.gethostname())
         self.slot = int(os.environ.get(env.SLOT, "0"))
         self.worker_id = os.environ.get(env.WORKER_ID, "standalone")
-        self.rank, self.size = int(os.environ.get(env.RANK, "0")), int(os.environ.get(env.SIZE, "1"))
         self.local_rank = int(os.environ.get(env.LOCAL_RANK, "0"))
         self.local_size = int(os.environ.get(env.LOCAL_SIZE, "1"))
         self.cross_rank = int(os.environ.get(env.CROSS_RANK, "0"))
         self.cross_size = int(os.environ.get(env.CROSS_SIZE, "1"))
         self.collective_timeout = _seconds(env.COLLECTIVE_TIMEOUT, settings.DEFAULT_COLLECTIVE_TIMEOUT)
         self.rendezvous_timeout = _seconds(env.RENDEZVOUS_TIMEOUT, settings.DEFAULT_RENDEZVOUS_TIMEOUT)
-        self.round = -1
         self.rendezvous_count = 0
         self.must_sync = True  # the driver's word for this round: sync() even after removals only
         # This process has synced in some round (elastic.run entered the training function), so
         # it holds the job's state; the driver keeps such workers until the state is handed over.
         self.has_state = False
-        self.pg: dist.ProcessGroup | None = None
         self._store: Any = None
         self._lock = threading.Lock()  # what the control thread writes: host updates, aborts
         self.host_updates = HostUpdates()
         self._aborted: dict[int, str] = {}
         # Events for the driver's event log: appended here, shipped by the control thread.
         self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=10_000)
-        self.awaiting_first_step = False  # set after a reset; the next completed collective clears it
+        # Round -1: the place the launcher gave, until the first rendezvous (not installed).
+        self._round = self._new_round(-1, int(os.environ.get(env.RANK, "0")), int(os.environ.get(env.SIZE, "1")))
         self._ctx: zmq.Context | None = None
         self._client: DriverClient | None = None
         self._control: ControlChannel | None = None
@@ -121,10 +122,48 @@ class Runtime:
             take_events=self._take_events)
         self._control.start()
 
+    # --- the current round ------------------------------------------------------------------
+    @property
+    def current_round(self) -> Round:
+        """The round this worker is in (replaced at every rendezvous)."""
+        return self._round
+
+    @property
+    def round(self) -> int:
+        return self._round.number
+
+    @property
+    def rank(self) -> int:
+        return self._round.rank
+
+    @property
+    def size(self) -> int:
+        return self._round.size
+
+    @property
+    def pg(self) -> dist.ProcessGroup | None:
+        return self._round.pg
+
+    def _new_round(self, number: int, rank: int, size: int, pg: dist.ProcessGroup | None = None) -> Round:
+        return Round(number, rank, size, collective_timeout=self.collective_timeout, host_updates=self.host_updates,
+                     aborted=self._aborted, emit=self.emit, pg=pg)
+
+    def enter_round(self, number: int, rank: int, size: int, pg: dist.ProcessGroup | None = None) -> Round:
+        """Make round ``number`` (this worker: ``rank`` of ``size``) the current one, for this
+        runtime and for the collectives. The rendezvous calls it with the driver's assignment
+        and then forms the group; tests that form their own group pass it as ``pg``."""
+        old = self._round
+        if old.pg is not None:
+            _drop_in_background(old.pg)
+        self._round = self._new_round(number, rank, size, pg)
+        rounds.install(self._round)
+        return self._round
+
     def emit(self, kind: str, **fields: Any) -> None:
         """Record an event for the job's event log (cheap: an append; the control thread ships it)."""
         if not self.standalone:
-            self._events.append(dict(fields, t=time.time(), kind=kind, round=self.round, rank=self.rank,
+            r = self._round
+            self._events.append(dict(fields, t=time.time(), kind=kind, round=r.number, rank=r.rank,
                                      host=self.hostname, slot=self.slot))
 
     def _take_events(self, most: int = 200) -> list[dict[str, Any]]:
@@ -153,6 +192,7 @@ class Runtime:
         self._aborted[round_] = reason
 
     def aborted_reason(self, round_: int) -> str | None:
+        """Why round ``round_`` was aborted, or None."""
         return self._aborted.get(round_)
 
     def _on_driver_lost(self, silence: float) -> None:
@@ -166,7 +206,7 @@ class Runtime:
     # --- rounds -----------------------------------------------------------------------------
     def abort_reason(self) -> str | None:
         """Why the current round was aborted, or None while it is healthy."""
-        return self.aborted_reason(self.round)
+        return self._round.abort_reason()
 
     def rendezvous(self, error: str | None = None, restored: bool = False) -> None:
         """Get this worker's place in the next round and form that round's process group.
@@ -178,8 +218,8 @@ class Runtime:
         """
         if self.standalone:
             if self.pg is None:
-                self.round = 0
-                self.pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=self.collective_timeout))
+                self.enter_round(0, self.rank, self.size, dist.ProcessGroupGloo(
+                    dist.HashStore(), 0, 1, timedelta(seconds=self.collective_timeout)))
             return
         assert self._client is not None
         while True:
@@ -198,7 +238,7 @@ class Runtime:
                 self.shutdown()
                 raise SystemExit(0)
             a = msg.body
-            self.round, self.rank, self.size = int(a["round"]), int(a["rank"]), int(a["size"])
+            self.enter_round(int(a["round"]), int(a["rank"]), int(a["size"]))
             self.local_rank, self.local_size = int(a["local_rank"]), int(a["local_size"])
             self.cross_rank, self.cross_size = int(a["cross_rank"]), int(a["cross_size"])
             self.must_sync = bool(a.get("must_sync", True))
@@ -221,17 +261,14 @@ class Runtime:
                             self.round, reason)
 
     def _form_group(self) -> None:
-        from elasticrun.worker.store import DriverStore
-
-        old, self.pg = self.pg, None
-        if old is not None:
-            _drop_in_background(old)
+        """Form the current round's gloo group on its own namespace of the driver's store."""
+        r = self._round
         assert self._client is not None
         # Keep the Python store alive here: the C++ side holds only the trampoline, and once
         # the Python object is collected its methods are gone ("Not implemented").
-        self._store = DriverStore(self._client, self.collective_timeout, self.abort_reason)
-        store = dist.PrefixStore(f"round{self.round}", self._store)
-        self.pg = dist.ProcessGroupGloo(store, self.rank, self.size, timedelta(seconds=self.collective_timeout))
+        self._store = DriverStore(self._client, self.collective_timeout, r.abort_reason)
+        store = dist.PrefixStore(f"round{r.number}", self._store)
+        r.pg = dist.ProcessGroupGloo(store, r.rank, r.size, timedelta(seconds=self.collective_timeout))
 
     def report_failure(self, error: str) -> None:
         """Tell the driver this worker is failing, before the slow interpreter teardown.
@@ -265,8 +302,6 @@ class Runtime:
                 raise HostsUpdatedInterrupt(skip_sync=not added)
             return
         latest, added = updates.proposal()
-        from elasticrun.worker import collectives
-
         agreed = torch.tensor([latest, 1.0 if added else 0.0], dtype=torch.float64)
         collectives.allreduce_inplace(agreed, dist.ReduceOp.MAX, "check_host_updates")
         ts = agreed[0].item()
@@ -286,7 +321,8 @@ class Runtime:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        self.pg = None
+        rounds.uninstall(self._round)
+        self._round.pg = None
 
 
 _runtime: Runtime | None = None
@@ -304,7 +340,11 @@ def init() -> Runtime:
             rt = Runtime()
             if not rt.standalone:
                 _warm_up()
-            rt.rendezvous()
+            try:
+                rt.rendezvous()
+            except BaseException:
+                rounds.uninstall(rt.current_round)  # collectives: "not initialized", as before
+                raise
             _runtime = rt
             atexit.register(shutdown)
             if not rt.standalone:

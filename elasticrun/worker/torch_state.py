@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed
 
-from elasticrun.worker import collectives, runtime
+from elasticrun.worker import collectives, rounds, runtime
 from elasticrun.worker.copier import CopyPlan
 from elasticrun.worker.elastic import ObjectState
 from elasticrun.worker.optimizer import _DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
@@ -553,7 +553,7 @@ class TorchState(ObjectState):
         # a commit completed on some ranks while others abandoned it (a peer died at the end
         # of its merge and they saw the abort first). Syncing from rank 0 then would mix
         # rank 0's older model with the newer, merged sampler set: samples lost.
-        newest = torch.tensor([self._commit_seq * 65536 + 65535 - runtime.get().rank], dtype=torch.int64)
+        newest = torch.tensor([self._commit_seq * 65536 + 65535 - rounds.current().rank], dtype=torch.int64)
         collectives.allreduce_inplace(newest, torch.distributed.ReduceOp.MAX, "state.newest_commit")
         self._sync_root = 65535 - int(newest.item()) % 65536
         self._commit_seq = int(newest.item()) // 65536
