@@ -30,14 +30,10 @@ from elasticrun.worker.collectives import (  # noqa: F401  (re-exported API)
     poll,
     synchronize,
 )
+from elasticrun.worker.broadcast import broadcast_optimizer_state, broadcast_parameters
 from elasticrun.worker.elastic import ObjectState, State, run
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from elasticrun.worker.optimizer import (  # noqa: F401
-    Compression,
-    DistributedOptimizer,
-    broadcast_optimizer_state,
-    broadcast_parameters,
-)
+from elasticrun.worker.optimizer import Compression, DistributedOptimizer
 from elasticrun.worker.sampler import ElasticSampler
 from elasticrun.worker.torch_state import TorchState
 

@@ -26,7 +26,8 @@ import torch.distributed
 from elasticrun.worker import collectives, rounds, runtime
 from elasticrun.worker.copier import CopyPlan
 from elasticrun.worker.elastic import ObjectState
-from elasticrun.worker.optimizer import _DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from elasticrun.worker.broadcast import broadcast_optimizer_state, broadcast_parameters
+from elasticrun.worker.optimizer import _DistributedOptimizer
 from elasticrun.worker.sampler import ElasticSampler
 
 __all__ = ["StateHandler", "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler",
