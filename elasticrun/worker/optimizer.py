@@ -38,7 +38,7 @@ from elasticrun.worker import collectives, rounds
 from elasticrun.worker.collectives import Average, Handle, Sum
 from elasticrun.worker.rounds import Round
 
-__all__ = ["Compression", "Compressor", "DistributedOptimizer"]
+__all__ = ["Compression", "Compressor", "DistributedOptimizer", "abandon_step"]
 
 
 # --------------------------------------------------------------------------- compression
@@ -418,6 +418,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("backward_passes_per_step must be >= 1")
         self._dist_clear(discard=False)
         self.backward_passes_per_step = int(passes)
+
+
+def abandon_step(optimizer: torch.optim.Optimizer) -> None:
+    """Forget the step in progress of a DistributedOptimizer (other optimizers have none).
+
+    For a rollback: gradients reduced or launched in the failed round must be neither
+    waited for nor applied, and the fused buffers an abandoned collective may still write
+    into are dropped.
+    """
+    if isinstance(optimizer, _DistributedOptimizer):
+        optimizer._dist_clear(discard=True)
 
 
 _classes: dict[type, type] = {}

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 from typing import Any, Iterator
 
 import pytest
@@ -10,9 +13,10 @@ import torch
 from torch import nn
 
 import elasticrun.torch as hvd
-from elasticrun.worker import torch_state
+from elasticrun.worker import state_handlers
 from elasticrun.worker.sampler import ElasticSampler
-from elasticrun.worker.torch_state import StateHandler, TorchState, register_handler
+from elasticrun.worker.state_handlers import StateHandler, register_handler
+from elasticrun.worker.torch_state import TorchState
 from standalone_torch import make_model, rt, snapshot, train_step  # noqa: F401 (rt: autouse fixture)
 
 pytestmark = pytest.mark.timeout(60)
@@ -219,11 +223,11 @@ class CounterHandler(StateHandler):
 
 @pytest.fixture
 def counter_handler() -> Iterator[None]:
-    before = list(torch_state._registry)
+    before = list(state_handlers._registry)
     CounterHandler.calls = []
     register_handler(Counter, CounterHandler)
     yield
-    torch_state._registry[:] = before
+    state_handlers._registry[:] = before
 
 
 def test_custom_handler_registry(counter_handler: None) -> None:
@@ -287,7 +291,7 @@ def test_lr_scheduler_handler() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     state = TorchState(model, opt, scheduler=sched)
-    assert isinstance(state._handlers["scheduler"], torch_state.LRSchedulerStateHandler)
+    assert isinstance(state._handlers["scheduler"], state_handlers.LRSchedulerStateHandler)
     train_step(model, opt, 1)
     sched.step()
     state.commit()
@@ -350,3 +354,32 @@ def test_distributed_optimizer_argument_checks() -> None:
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError):
         hvd.DistributedOptimizer(opt)
+
+
+# --------------------------------------------------------------------------- module hooks
+
+
+def test_module_registration_hooks_come_with_the_first_model_handler() -> None:
+    """Importing elasticrun hooks no torch.nn.Module; the first model handler does, once."""
+    code = """
+import torch
+import torch.nn.modules.module as m
+import elasticrun.torch as hvd
+from elasticrun.worker import state_handlers
+
+def ours():
+    return [sum(h is state_handlers._structure_changed for h in d.values())
+            for d in (m._global_parameter_registration_hooks, m._global_buffer_registration_hooks,
+                      m._global_module_registration_hooks)]
+
+assert ours() == [0, 0, 0], ours()
+hvd.elastic.TorchState(epoch=0)  # no model: still nothing
+assert ours() == [0, 0, 0], ours()
+hvd.elastic.TorchState(torch.nn.Linear(2, 2))
+hvd.elastic.TorchState(torch.nn.Linear(2, 2))
+assert ours() == [1, 1, 1], ours()
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICRUN_")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

@@ -94,7 +94,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import elasticrun.torch as hvd  # noqa: E402
 from elasticrun.worker import collectives, runtime  # noqa: E402
-from elasticrun.worker.torch_state import SamplerStateHandler  # noqa: E402
+from elasticrun.worker.state_handlers import SamplerStateHandler  # noqa: E402
 
 # --- fault hooks (inside this script only: the library is untouched) -------------------------
 _form_group = runtime.Runtime._form_group
