@@ -13,8 +13,10 @@ tensors). ``merge`` and ``sync(root)`` are collectives.
 from __future__ import annotations
 
 import copy
+import inspect
 import operator
 import threading
+import warnings
 from itertools import chain
 from typing import Any, Callable
 
@@ -27,7 +29,7 @@ from elasticrun.worker.optimizer import abandon_step
 from elasticrun.worker.sampler import ElasticSampler
 
 __all__ = ["StateHandler", "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler",
-           "LRSchedulerStateHandler", "HandlerFactory", "register_handler", "get_handler_factory"]
+           "LRSchedulerStateHandler", "HandlerFactory", "register_handler", "get_handler_factory", "sync_handler"]
 
 
 class StateHandler:
@@ -36,8 +38,8 @@ class StateHandler:
     ``save``/``restore`` are local (no collectives: they also run at construction and on
     assignment, which not every rank does at the same time). ``merge`` and ``sync`` are
     collectives that every rank calls in the same order: ``merge`` before each commit's save,
-    ``sync`` after a reset (bring every rank to rank 0's live value). ``on_reset`` runs
-    locally after every reset, before any sync.
+    ``sync(root)`` after a reset (bring every rank to rank ``root``'s live value). ``on_reset``
+    runs locally after every reset, before any sync.
     """
 
     def __init__(self, value: Any) -> None:
@@ -49,7 +51,12 @@ class StateHandler:
     def restore(self) -> None:
         raise NotImplementedError
 
-    def sync(self) -> None:
+    def sync(self, root: int) -> None:
+        """Collective: make the value on every rank equal to rank ``root``'s.
+
+        ``root`` holds the job's newest commit: rank 0, the longest-lived worker, unless a
+        commit completed on some ranks only (a peer died at the end of its merge and the
+        others saw the abort first); then the lowest rank that completed it."""
         raise NotImplementedError
 
     def merge(self) -> None:
@@ -195,8 +202,8 @@ class ModelStateHandler(StateHandler):
             for name, buf in self._buffers.items():
                 live[name].copy_(buf)
 
-    def sync(self) -> None:
-        broadcast_parameters(self.value.state_dict(), root_rank=getattr(self, "sync_root", 0))
+    def sync(self, root: int) -> None:
+        broadcast_parameters(self.value.state_dict(), root_rank=root)
 
 
 class OptimizerStateHandler(StateHandler):
@@ -325,8 +332,8 @@ class OptimizerStateHandler(StateHandler):
                     else:
                         live[k] = v.to(device, copy=True)
 
-    def sync(self) -> None:
-        broadcast_optimizer_state(self.value, root_rank=getattr(self, "sync_root", 0))
+    def sync(self, root: int) -> None:
+        broadcast_optimizer_state(self.value, root_rank=root)
 
 
 class LRSchedulerStateHandler(StateHandler):
@@ -343,9 +350,8 @@ class LRSchedulerStateHandler(StateHandler):
     def restore(self) -> None:
         self.value.load_state_dict(copy.deepcopy(self._saved))
 
-    def sync(self) -> None:
-        self.value.load_state_dict(collectives.broadcast_object(self.value.state_dict(), getattr(self, "sync_root", 0),
-                                                                "lr_scheduler"))
+    def sync(self, root: int) -> None:
+        self.value.load_state_dict(collectives.broadcast_object(self.value.state_dict(), root, "lr_scheduler"))
 
 
 class SamplerStateHandler(StateHandler):
@@ -356,7 +362,7 @@ class SamplerStateHandler(StateHandler):
     without repartitioning: a pass in progress continues. ``restore`` loads the committed
     state (which repartitions); ``on_reset`` repartitions for the new world (enough after a
     removals-only reset, where sync is skipped and all ranks hold the merged set of the
-    interrupted commit); ``sync`` unions every rank's live set and takes rank 0's epoch.
+    interrupted commit); ``sync`` unions every rank's live set and takes the root's epoch.
     """
 
     def __init__(self, sampler: ElasticSampler) -> None:
@@ -384,15 +390,65 @@ class SamplerStateHandler(StateHandler):
     def on_reset(self) -> None:
         self.value.reset()
 
-    def sync(self) -> None:
+    def sync(self, root: int) -> None:
         s = self.value
         gathered = collectives.allgather_object((s.epoch, sorted(s.processed_indices)), "sampler.sync")
-        epoch = gathered[getattr(self, "sync_root", 0)][0]  # the sync root's (rank 0's unless told)
+        epoch = gathered[root][0]
         merged: set[int] = set()
         for e, part in gathered:
             if e == epoch:  # a newcomer's empty epoch-0 set must not mix into another epoch
                 merged.update(part)
         s.load_state_dict({"epoch": epoch, "processed_indices": sorted(merged)})
+
+
+# --- handlers written before sync() took the root ---------------------------------------
+
+#: Handler class -> whether its sync() takes the root (checked once per class).
+_takes_root: dict[type, bool] = {}
+
+
+def _sync_takes_root(sync: Callable[..., None], bound: bool = True) -> bool:
+    """Whether ``sync`` accepts the root (with ``bound=False``: besides ``self``)."""
+    try:
+        signature = inspect.signature(sync)
+    except (TypeError, ValueError):  # no signature to read (a builtin): assume the new one
+        return True
+    try:
+        signature.bind(0) if bound else signature.bind(None, 0)
+    except TypeError:
+        return False
+    return True
+
+
+def _check_sync(cls: type, takes_root: Callable[[], bool], stacklevel: int) -> bool:
+    """Whether handlers of ``cls`` take the root; warns once per class if not (``stacklevel``
+    as in the caller's own ``warnings.warn``)."""
+    takes = _takes_root.get(cls)
+    if takes is None:
+        takes = _takes_root[cls] = takes_root()
+        if not takes:
+            warnings.warn(f"{cls.__module__}.{cls.__qualname__}.sync() takes no root: a state handler's "
+                          f"sync(self, root) now makes every rank equal to rank `root`, the one holding the "
+                          f"newest commit. A sync() without it is still called, without the root, but it "
+                          f"cannot follow a root other than rank 0; define sync(self, root).",
+                          DeprecationWarning, stacklevel=stacklevel + 1)
+    return takes
+
+
+def _class_sync_takes_root(cls: type) -> bool:
+    if isinstance(inspect.getattr_static(cls, "sync", None), (staticmethod, classmethod)):
+        return _sync_takes_root(cls.sync)  # type: ignore[attr-defined]
+    return _sync_takes_root(cls.sync, bound=False)  # type: ignore[attr-defined]
+
+
+def sync_handler(handler: StateHandler, root: int) -> None:
+    """``handler.sync(root)``; a handler whose ``sync()`` takes no root (written for earlier
+    versions of elasticrun, or for horovod) is called as it expects, with a
+    DeprecationWarning once per class (at its registration when the factory is the class)."""
+    if _check_sync(type(handler), lambda: _sync_takes_root(handler.sync), stacklevel=2):
+        handler.sync(root)
+    else:
+        handler.sync()  # type: ignore[call-arg]
 
 
 HandlerFactory = Callable[[Any], StateHandler]
@@ -404,6 +460,8 @@ _registry: list[tuple[type, HandlerFactory]] = []
 def register_handler(type_: type, factory: HandlerFactory) -> None:
     """Handle attributes of ``type_`` (and subclasses) with ``factory(value)``. Later
     registrations take precedence, so users can override the defaults."""
+    if isinstance(factory, type):  # warn where the handler is registered, in the user's code
+        _check_sync(factory, lambda: _class_sync_takes_root(factory), stacklevel=2)
     _registry[:] = [(t, f) for t, f in _registry if t is not type_]
     _registry.insert(0, (type_, factory))
 

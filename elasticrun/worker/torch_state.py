@@ -28,6 +28,7 @@ from elasticrun.worker.state_handlers import (
     StateHandler,
     get_handler_factory,
     register_handler,
+    sync_handler,
 )
 
 __all__ = ["StateHandler", "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler",
@@ -75,13 +76,11 @@ class TorchState(ObjectState):
         object.__setattr__(self, "_handlers", handlers)
         object.__setattr__(self, "_constructed", False)
         object.__setattr__(self, "_commit_seq", 0)  # saves by commit(); the newest commit wins a sync
-        object.__setattr__(self, "_sync_root", 0)
         object.__setattr__(self, "_background", bool(background_commit))
         object.__setattr__(self, "_pending", None)  # the background copy in flight (a Future)
         object.__setattr__(self, "_copy_thread", None)  # ThreadPoolExecutor, created at first use
         object.__setattr__(self, "_guarded", weakref.WeakKeyDictionary())  # optimizer -> its step hook
-        super().__init__(bcast_object=lambda obj: collectives.broadcast_object(obj, root_rank=self._sync_root),
-                         get_rank=runtime.rank, **plain)
+        super().__init__(get_rank=runtime.rank, **plain)
         self._constructed = True
 
     def wait_for_commit(self) -> None:
@@ -172,21 +171,26 @@ class TorchState(ObjectState):
 
     def sync(self) -> None:
         self.wait_for_commit()
-        # Sync from the rank holding the newest commit (the lowest such rank): rank 0 unless
-        # a commit completed on some ranks while others abandoned it (a peer died at the end
-        # of its merge and they saw the abort first). Syncing from rank 0 then would mix
-        # rank 0's older model with the newer, merged sampler set: samples lost.
-        newest = torch.tensor([self._commit_seq * 65536 + 65535 - rounds.current().rank], dtype=torch.int64)
-        collectives.allreduce_inplace(newest, torch.distributed.ReduceOp.MAX, "state.newest_commit")
-        self._sync_root = 65535 - int(newest.item()) % 65536
-        self._commit_seq = int(newest.item()) // 65536
+        root = self._newest_commit_root()
         for handler in self._handlers_in_order():
-            handler.sync_root = self._sync_root  # type: ignore[attr-defined]
-            handler.sync()
+            sync_handler(handler, root)
         if self._object_keys:
-            for name, value in self._bcast_object(self._live()).items():
+            for name, value in collectives.broadcast_object(self._live(), root_rank=root).items():
                 setattr(self, name, value)
         self._save_local()  # just synced: nothing to merge
+
+    def _newest_commit_root(self) -> int:
+        """Collective: the lowest rank holding the newest commit, which every rank adopts.
+
+        Rank 0 unless a commit completed on some ranks while others abandoned it (a peer
+        died at the end of its merge and they saw the abort first). Syncing from rank 0
+        then would mix rank 0's older model with the newer, merged sampler set: samples
+        lost.
+        """
+        newest = torch.tensor([self._commit_seq * 65536 + 65535 - rounds.current().rank], dtype=torch.int64)
+        collectives.allreduce_inplace(newest, torch.distributed.ReduceOp.MAX, "state.newest_commit")
+        self._commit_seq = int(newest.item()) // 65536
+        return 65535 - int(newest.item()) % 65536
 
     def on_reset(self) -> None:
         for handler in self._handlers.values():

@@ -6,6 +6,7 @@ import copy
 import os
 import subprocess
 import sys
+import warnings
 from typing import Any, Iterator
 
 import pytest
@@ -216,9 +217,9 @@ class CounterHandler(StateHandler):
         self.calls.append("restore")
         self.value.n = self.saved
 
-    def sync(self) -> None:
-        self.calls.append("sync")
-        self.value.n = hvd.broadcast_object(self.value.n, 0)
+    def sync(self, root: int) -> None:
+        self.calls.append(f"sync from {root}")
+        self.value.n = hvd.broadcast_object(self.value.n, root)
 
 
 @pytest.fixture
@@ -240,18 +241,70 @@ def test_custom_handler_registry(counter_handler: None) -> None:
     state.restore()
     assert counter.n == 3
     state.sync()
-    assert CounterHandler.calls == ["save", "save", "restore", "sync", "save"]
+    assert CounterHandler.calls == ["save", "save", "restore", "sync from 0", "save"]
 
 
 def test_user_handler_overrides_a_default(counter_handler: None) -> None:
     class Quiet(StateHandler):
         def save(self) -> None: ...
         def restore(self) -> None: ...
-        def sync(self) -> None: ...
+        def sync(self, root: int) -> None: ...
 
     register_handler(nn.Module, Quiet)
     state = TorchState(make_model())
     assert isinstance(state._handlers["model"], Quiet)
+
+
+class LegacyHandler(StateHandler):
+    """Written for the sync() of earlier versions (and of horovod): no root."""
+
+    calls: list[str] = []
+
+    def __init__(self, value: Counter) -> None:
+        super().__init__(value)
+        self.save()
+
+    def save(self) -> None:
+        self.saved = self.value.n
+
+    def restore(self) -> None:
+        self.value.n = self.saved
+
+    def sync(self) -> None:  # type: ignore[override]
+        self.calls.append("sync")
+
+
+class Legacy(Counter):
+    pass
+
+
+class LegacyByFactory(Counter):
+    pass
+
+
+class LegacyToo(LegacyHandler):
+    calls: list[str] = []
+
+
+def test_a_handler_whose_sync_takes_no_root_still_works_and_is_deprecated(counter_handler: None) -> None:
+    with pytest.warns(DeprecationWarning, match=r"LegacyHandler.sync\(\) takes no root") as warned:
+        register_handler(Legacy, LegacyHandler)
+    assert warned[0].filename == __file__  # points at the registration, in the user's code
+    state = TorchState(legacy=Legacy())
+    state.sync()
+    assert LegacyHandler.calls == ["sync"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per class
+        register_handler(Legacy, LegacyHandler)
+        state.sync()
+    assert LegacyHandler.calls == ["sync", "sync"]
+
+    # A factory that is not the class: found out at the first sync.
+    register_handler(LegacyByFactory, lambda value: LegacyToo(value))
+    state = TorchState(legacy=LegacyByFactory())
+    with pytest.warns(DeprecationWarning, match=r"LegacyToo.sync\(\) takes no root"):
+        state.sync()
+    assert LegacyToo.calls == ["sync"]
 
 
 def test_object_state_attributes() -> None:
