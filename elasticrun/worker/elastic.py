@@ -84,8 +84,7 @@ class ObjectState(State):
     new worker starts from a commit too.
     """
 
-    def __init__(self, bcast_object: Callable[[Any], Any] | None = None, get_rank: Callable[[], int] | None = None,
-                 **kwargs: Any):
+    def __init__(self, bcast_object: Callable[[Any], Any] | None = None, **kwargs: Any):
         super().__init__()
         self._bcast_object = bcast_object or (lambda obj: collectives.broadcast_object(obj, root_rank=0))
         self._saved_state: dict[str, Any] = {}

@@ -191,10 +191,6 @@ class Runtime:
         """Mark ``round_`` dead: collectives waiting in it give up at their next poll."""
         self._aborted[round_] = reason
 
-    def aborted_reason(self, round_: int) -> str | None:
-        """Why round ``round_`` was aborted, or None."""
-        return self._aborted.get(round_)
-
     def _on_driver_lost(self, silence: float) -> None:
         try:  # stderr is often a pipe to the dead driver: the message is best effort, the exit is not
             sys.stderr.write(f"elasticrun: {self.hostname}[{self.slot}]: the driver has not answered for "
@@ -390,11 +386,3 @@ def shutdown() -> None:
         if _runtime is not None:
             _runtime.shutdown()
             _runtime = None
-
-
-def rank() -> int:
-    return get().rank
-
-
-def size() -> int:
-    return get().size

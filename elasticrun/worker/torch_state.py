@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed
 
-from elasticrun.worker import collectives, rounds, runtime
+from elasticrun.worker import collectives, rounds
 from elasticrun.worker.elastic import ObjectState
 # The handler API, importable from here as before the split.
 from elasticrun.worker.state_handlers import (
@@ -80,7 +80,7 @@ class TorchState(ObjectState):
         object.__setattr__(self, "_pending", None)  # the background copy in flight (a Future)
         object.__setattr__(self, "_copy_thread", None)  # ThreadPoolExecutor, created at first use
         object.__setattr__(self, "_guarded", weakref.WeakKeyDictionary())  # optimizer -> its step hook
-        super().__init__(get_rank=runtime.rank, **plain)
+        super().__init__(**plain)
         self._constructed = True
 
     def wait_for_commit(self) -> None:
