@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import types
 
+from elasticrun.worker import rounds as _rounds
 from elasticrun.worker import runtime as _runtime
 from elasticrun.worker.collectives import (  # noqa: F401  (re-exported API)
     Average,
@@ -52,11 +53,11 @@ def is_initialized() -> bool:
 
 
 def rank() -> int:
-    return _runtime.get().rank
+    return _rounds.current().rank
 
 
 def size() -> int:
-    return _runtime.get().size
+    return _rounds.current().size
 
 
 def local_rank() -> int:

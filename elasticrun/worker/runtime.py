@@ -290,7 +290,7 @@ class Runtime:
         if self.standalone:
             return
         updates = self.host_updates
-        verdict = updates.take_agreed(self.round)
+        verdict = updates.take_agreed(self._round.number)
         if verdict is not None:
             interrupt, added = verdict
             if interrupt:
