@@ -1,17 +1,19 @@
 """The runtime inside a training process: membership, the process group, updates and aborts.
 
-One :class:`Runtime` per process (``init()`` creates it). It knows the worker's place in the
-current round, owns the round's gloo process group (formed on a fresh namespace of the
-driver-hosted store for every round), and hears from the driver on a control thread:
+One :class:`Runtime` per process (``init()`` creates it). At every rendezvous it gets the
+worker's place in the next round from the driver, makes that round's
+:class:`~elasticrun.worker.rounds.Round` (what the collectives take: group, rank, size,
+abort check, timeout) and forms its gloo process group on a fresh namespace of the
+driver-hosted store. It hears from the driver on a control thread:
 
 * ``hosts_updated`` notifications, each with a strictly increasing timestamp. They are only
   *recorded* here (in :class:`~elasticrun.worker.host_updates.HostUpdates`, which decides);
   ``check_host_updates()`` turns them into ``HostsUpdatedInterrupt`` on every rank at the same
   call, by agreeing on them with one tiny allreduce or through flags the gradient allreduce
   carried.
-* ``round_aborted``: a member of the round failed. Collectives poll this and give up at once,
-  because ranks that were not talking to the dead peer would otherwise sit in their
-  collective until its timeout.
+* ``round_aborted``: a member of the round failed. Collectives poll this (through their
+  Round) and give up at once, because ranks that were not talking to the dead peer would
+  otherwise sit in their collective until its timeout.
 
 Without the driver's environment (``python train.py``), the runtime runs a single-process
 job so scripts can be debugged without the launcher.
