@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import types
 
+from elasticrun.worker import rounds as _rounds
 from elasticrun.worker import runtime as _runtime
 from elasticrun.worker.collectives import (  # noqa: F401  (re-exported API)
     Average,
@@ -30,14 +31,10 @@ from elasticrun.worker.collectives import (  # noqa: F401  (re-exported API)
     poll,
     synchronize,
 )
+from elasticrun.worker.broadcast import broadcast_optimizer_state, broadcast_parameters
 from elasticrun.worker.elastic import ObjectState, State, run
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from elasticrun.worker.optimizer import (  # noqa: F401
-    Compression,
-    DistributedOptimizer,
-    broadcast_optimizer_state,
-    broadcast_parameters,
-)
+from elasticrun.worker.optimizer import Compression, DistributedOptimizer
 from elasticrun.worker.sampler import ElasticSampler
 from elasticrun.worker.torch_state import TorchState
 
@@ -56,11 +53,11 @@ def is_initialized() -> bool:
 
 
 def rank() -> int:
-    return _runtime.get().rank
+    return _rounds.current().rank
 
 
 def size() -> int:
-    return _runtime.get().size
+    return _rounds.current().size
 
 
 def local_rank() -> int:

@@ -2,8 +2,8 @@
 
 Each spawned process creates the runtime in standalone mode and then swaps in a
 FileStore-backed ``ProcessGroupGloo`` of the requested rank and size, which is all the
-collectives and the DistributedOptimizer look at. :func:`reform` replaces the group the
-way a reset would (new group, new size, next round).
+collectives and the DistributedOptimizer look at. :func:`reform` enters the next round the
+way a reset would (new group, new size).
 
 Scenario functions run in the children: ``run_world`` loads them from their source file
 by path, so this works whatever import mode pytest uses.
@@ -38,14 +38,11 @@ def join(rank: int, size: int, store_file: str | Path, timeout: float = 30.0) ->
 
 
 def reform(rank: int, size: int, store_file: str | Path) -> runtime.Runtime:
-    """Replace the runtime's group as a reset does: a new group (new store), next round."""
+    """Replace the runtime's round as a reset does: the next round, with a new group (new store)."""
     rt = runtime.get()
-    old, rt.pg = rt.pg, None
-    if old is not None:
-        runtime._drop_in_background(old)  # a group with a dead peer can be slow to tear down
-    rt.rank, rt.size, rt.round = rank, size, rt.round + 1
-    rt.pg = dist.ProcessGroupGloo(dist.FileStore(str(store_file), size), rank, size,
-                                  timedelta(seconds=rt.collective_timeout))
+    pg = dist.ProcessGroupGloo(dist.FileStore(str(store_file), size), rank, size,
+                               timedelta(seconds=rt.collective_timeout))
+    rt.enter_round(rt.round + 1, rank, size, pg)  # the old group is released in the background
     return rt
 
 

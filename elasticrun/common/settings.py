@@ -1,8 +1,33 @@
-"""Settings of one elastic job, validated once by the CLI and then read everywhere else."""
+"""Settings of one elastic job, validated once by the CLI and then read everywhere else.
+
+The defaults of the timing settings are module constants, the one source for
+:class:`JobSettings` and for the worker, which falls back to them when the driver's
+environment does not set a value (a worker started by hand).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+DEFAULT_DISCOVERY_INTERVAL = 1.0
+DEFAULT_DISCOVERY_TIMEOUT = 10.0
+DEFAULT_ELASTIC_TIMEOUT = 600.0
+DEFAULT_START_TIMEOUT = 30.0
+DEFAULT_COLLECTIVE_TIMEOUT = 60.0
+DEFAULT_HEARTBEAT_INTERVAL = 0.5
+DEFAULT_HEARTBEAT_TIMEOUT = 5.0  # a worker silent this long is declared hung and killed
+DEFAULT_DRIVER_TIMEOUT = 5.0  # a worker that hears nothing from the driver this long exits
+DEFAULT_STOP_GRACE = 5.0  # SIGTERM -> SIGKILL delay when stopping workers
+
+
+def elastic_wait_limit(elastic_timeout: float, start_timeout: float) -> float:
+    """How long a worker may wait for its next round before giving up on the driver: the
+    driver's own wait for slots, a newcomer's start, and a minute of slack."""
+    return elastic_timeout + start_timeout + 60.0
+
+
+#: What a worker started without the driver's environment waits for a round.
+DEFAULT_RENDEZVOUS_TIMEOUT = elastic_wait_limit(DEFAULT_ELASTIC_TIMEOUT, DEFAULT_START_TIMEOUT)
 
 
 @dataclass(frozen=True)
@@ -14,17 +39,17 @@ class JobSettings:
     hosts: dict[str, int] | None = None  # fixed host list (-H / --hostfile)
     discovery_script: str | None = None
     slots_per_host: int = 1
-    discovery_interval: float = 1.0
-    discovery_timeout: float = 10.0
+    discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL
+    discovery_timeout: float = DEFAULT_DISCOVERY_TIMEOUT
     reset_limit: int | None = None
     cooldown_range: tuple[float, float] | None = None
-    elastic_timeout: float = 600.0
-    start_timeout: float = 30.0
-    collective_timeout: float = 60.0
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 5.0  # a worker silent this long is declared hung and killed
-    driver_timeout: float = 5.0  # a worker that hears nothing from the driver this long exits
-    stop_grace: float = 5.0  # SIGTERM -> SIGKILL delay when stopping workers
+    elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT
+    start_timeout: float = DEFAULT_START_TIMEOUT
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
+    driver_timeout: float = DEFAULT_DRIVER_TIMEOUT
+    stop_grace: float = DEFAULT_STOP_GRACE
     output_filename: str | None = None
     events_file: str | None = None  # JSON-lines event log (default: OUTPUT_FILENAME/events.jsonl)
     checkpoint_dir: str | None = None  # durable copies of the newest commit (driver's disk)
@@ -50,4 +75,4 @@ class JobSettings:
     @property
     def elastic_wait_limit(self) -> float:
         """How long a worker may wait for its next round before giving up on the driver."""
-        return self.elastic_timeout + self.start_timeout + 60.0
+        return elastic_wait_limit(self.elastic_timeout, self.start_timeout)

@@ -4,6 +4,10 @@ Every collective is issued asynchronously and then waited on by polling, because
 gloo collective cannot be interrupted (gloo's abort() does not unblock it): polling lets a
 worker give up the moment the driver says the round is dead, or when the collective timeout
 passes. Either way the caller gets :class:`HorovodInternalError`, never a hang or a crash.
+
+Each operation looks the current :class:`~elasticrun.worker.rounds.Round` up once and takes
+everything from it: the process group, rank and size, the abort check, the timeout, and the
+first-step event after a reset.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from elasticrun.worker import runtime
+from elasticrun.worker import rounds
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
+from elasticrun.worker.rounds import Round
 
 
 class ReduceOp:
@@ -35,16 +40,6 @@ Average, Sum, Min, Max, Product = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, 
 _TORCH_OPS = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
               Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
 
-def _group() -> tuple[runtime.Runtime, dist.ProcessGroup]:
-    rt = runtime.get()
-    if rt.pg is None:
-        raise HorovodInternalError("no process group: the last reset did not complete")
-    reason = rt.abort_reason()
-    if reason:
-        raise HorovodInternalError(f"round {rt.round} was aborted: {reason}")
-    return rt, rt.pg
-
-
 # Poll every 100 us, and every 1 ms once a collective has taken 50 ms. Measured on 2 cores
 # (13 MB allreduce, 2 ranks): this matches a blocking work.wait() (7.9 vs 8.0 ms); a spinning
 # waiter starves the other ranks' gloo threads (21 ms); waking through the work's future
@@ -54,28 +49,25 @@ _SLOW_POLL = 0.001
 _SLOW_AFTER = 0.05
 
 
-def _wait(work: Any, what: str) -> None:
-    """Wait for ``work``; give up when the round is aborted or the collective timeout passes."""
-    rt = runtime.get()
-    round_ = rt.round
+def _wait(r: Round, work: Any, what: str) -> None:
+    """Wait for ``work``; give up when round ``r`` is aborted or the collective timeout passes."""
     start = time.monotonic()
-    deadline = start + rt.collective_timeout
+    deadline = start + r.collective_timeout
     while not work.is_completed():
-        reason = rt.aborted_reason(round_)
+        reason = r.abort_reason()
         if reason:
-            raise HorovodInternalError(f"{what} abandoned: round {round_} was aborted ({reason})")
+            raise HorovodInternalError(f"{what} abandoned: round {r.number} was aborted ({reason})")
         now = time.monotonic()
         if now > deadline:
             raise CollectiveTimeout(f"{what} did not complete within the collective timeout "
-                                       f"({rt.collective_timeout:g} s); a peer is hung or unreachable")
+                                    f"({r.collective_timeout:g} s); a peer is hung or unreachable")
         time.sleep(_POLL if now - start < _SLOW_AFTER else _SLOW_POLL)
     try:
         work.wait()
     except Exception as exc:  # gloo reports a dead peer as RuntimeError / DistBackendError
         raise HorovodInternalError(f"{what} failed: {exc}") from exc
-    if rt.awaiting_first_step:  # the first collective after a reset: training moves again
-        rt.awaiting_first_step = False
-        rt.emit("first_step", what=what)
+    if r.awaiting_first_step:  # the first collective after a reset: training moves again
+        r.step_completed(what)
 
 
 @dataclass
@@ -89,8 +81,14 @@ class Handle:
     result: torch.Tensor | None = None
 
 
-def _issue(start: Callable[[dist.ProcessGroup], Any], what: str) -> Any:
-    _, pg = _group()
+def _issue(r: Round, start: Callable[[dist.ProcessGroup], Any], what: str) -> Any:
+    """Start a collective on round ``r``'s group, unless the round has none or is aborted."""
+    pg = r.pg
+    if pg is None:
+        raise HorovodInternalError("no process group: the last reset did not complete")
+    reason = r.abort_reason()
+    if reason:
+        raise HorovodInternalError(f"round {r.number} was aborted: {reason}")
     try:
         return start(pg)
     except HorovodInternalError:
@@ -107,7 +105,7 @@ def poll(handle: Handle) -> bool:
 def synchronize(handle: Handle) -> torch.Tensor:
     """Wait for an asynchronous collective and return its output tensor."""
     if not handle.done:
-        _wait(handle.work, handle.what)
+        _wait(rounds.current(), handle.work, handle.what)
         handle.result = handle.finish()
         handle.done = True
     assert handle.result is not None
@@ -133,8 +131,9 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
         tensor.mul_(prescale_factor)
     opts = dist.AllreduceOptions()
     opts.reduceOp = _TORCH_OPS[op]
-    work = _issue(lambda pg: pg.allreduce([tensor], opts), what)
-    size = runtime.get().size
+    r = rounds.current()
+    work = _issue(r, lambda pg: pg.allreduce([tensor], opts), what)
+    size = r.size
 
     def finish() -> torch.Tensor:
         scale = postscale_factor / size if op == Average else postscale_factor
@@ -161,17 +160,19 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
 
 
 def allreduce_inplace(tensor: torch.Tensor, op: Any, what: str) -> None:
-    """Internal: reduce with a torch ReduceOp (used by check_host_updates)."""
+    """Reduce ``tensor`` in place with a torch ReduceOp and wait (check_host_updates, the
+    state's sync, barrier)."""
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
-    _wait(_issue(lambda pg: pg.allreduce([tensor], opts), what), what)
+    r = rounds.current()
+    _wait(r, _issue(r, lambda pg: pg.allreduce([tensor], opts), what), what)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Handle:
     what = f"broadcast {name or tuple(tensor.shape)} from rank {root_rank}"
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = root_rank, 0
-    work = _issue(lambda pg: pg.broadcast([tensor], opts), what)
+    work = _issue(rounds.current(), lambda pg: pg.broadcast([tensor], opts), what)
     return Handle(work, what, lambda: tensor)
 
 
@@ -185,9 +186,9 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> 
 
 
 def _allgather_same(tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
-    size = runtime.get().size
-    outputs = [torch.empty_like(tensor) for _ in range(size)]
-    _wait(_issue(lambda pg: pg.allgather([outputs], [tensor.contiguous()]), what), what)
+    r = rounds.current()
+    outputs = [torch.empty_like(tensor) for _ in range(r.size)]
+    _wait(r, _issue(r, lambda pg: pg.allgather([outputs], [tensor.contiguous()]), what), what)
     return outputs
 
 
@@ -214,14 +215,14 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
     """Send a picklable object from ``root_rank`` to every rank (cloudpickle)."""
-    rt = runtime.get()
-    payload = cloudpickle.dumps(obj) if rt.rank == root_rank else b""
+    is_root = rounds.current().rank == root_rank
+    payload = cloudpickle.dumps(obj) if is_root else b""
     length = torch.tensor([len(payload)], dtype=torch.int64)
     broadcast_(length, root_rank, f"{name or 'object'}.size")
-    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if rt.rank == root_rank
+    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if is_root
             else torch.empty(int(length.item()), dtype=torch.uint8))
     broadcast_(data, root_rank, name or "object")
-    return obj if rt.rank == root_rank else cloudpickle.loads(_bytes(data))
+    return obj if is_root else cloudpickle.loads(_bytes(data))
 
 
 def allgather_object(obj: Any, name: str | None = None) -> list[Any]:

@@ -84,8 +84,7 @@ class ObjectState(State):
     new worker starts from a commit too.
     """
 
-    def __init__(self, bcast_object: Callable[[Any], Any] | None = None, get_rank: Callable[[], int] | None = None,
-                 **kwargs: Any):
+    def __init__(self, bcast_object: Callable[[Any], Any] | None = None, **kwargs: Any):
         super().__init__()
         self._bcast_object = bcast_object or (lambda obj: collectives.broadcast_object(obj, root_rank=0))
         self._saved_state: dict[str, Any] = {}
@@ -136,7 +135,7 @@ def run(func: F) -> F:
                     rt.emit("sync_done", ms=round((time.monotonic() - synced) * 1000, 2))
                 rt.has_state = True
                 if resetting:
-                    rt.awaiting_first_step = True
+                    rt.current_round.mark_reset()
                     log.info("rank %d/%d: reset to round %d took %.1f ms", rt.rank, rt.size, rt.round,
                              (time.monotonic() - started) * 1000)
                 return func(state, *args, **kwargs)

@@ -1,4 +1,4 @@
-"""``hvd.DistributedOptimizer`` and the broadcast helpers, with horovod.torch's semantics.
+"""``hvd.DistributedOptimizer``, with horovod.torch's semantics.
 
 Gradients are averaged (or summed) over the ranks while backward still runs: a
 post-accumulate-grad hook on every parameter marks its gradient ready, ready gradients are
@@ -9,8 +9,8 @@ and then steps the wrapped optimizer.
 
 Elasticity shapes the design:
 
-* Nothing about the world is cached. The size is read from the runtime at every
-  allreduce and the process group is looked up by ``collectives`` at every launch, so
+* Nothing about the world is cached. Every gradient hook and ``step()`` look up the
+  current round (size, process group), and a step begun in another round is dropped, so
   the same optimizer object keeps working after ``elastic.run`` formed a new group.
 * A failed collective (``HorovodInternalError``) may surface inside ``backward()`` or in
   ``step()``. Either way all pending state is dropped before the error propagates, and the
@@ -28,16 +28,17 @@ import collections
 import contextlib
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 
-from elasticrun.worker import collectives, runtime
+from elasticrun.worker import collectives, rounds
 from elasticrun.worker.collectives import Average, Handle, Sum
+from elasticrun.worker.rounds import Round
 
-__all__ = ["Compression", "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"]
+__all__ = ["Compression", "Compressor", "DistributedOptimizer", "abandon_step"]
 
 
 # --------------------------------------------------------------------------- compression
@@ -133,6 +134,11 @@ class _Bucket:
         return self.numel * self.dtype.itemsize
 
 
+def _carries_flags(b: _Bucket) -> bool:
+    """Bucket 0 carries the host-update flags (when its dtype can hold them)."""
+    return b.index == 0 and b.dtype.is_floating_point
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixin placed in front of the wrapped optimizer's class (see DistributedOptimizer).
 
@@ -163,7 +169,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._dist_slots: dict[torch.Tensor, tuple[_Bucket, int]] = {}
         self._dist_hooks: dict[torch.Tensor, Any] = {}
         self._dist_next = 0  # first bucket not launched yet (launch order = bucket order)
-        self._dist_cycle_pg: weakref.ref | None = None  # group of the step in progress
+        # The round of the step in progress, held weakly: the old round's group must be
+        # released off the training thread (see runtime._drop_in_background).
+        self._dist_cycle_round: weakref.ref[Round] | None = None
         self._should_synchronize = True
         self._synchronized = False
         self._dist_build()
@@ -238,19 +246,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if discard:
                 b.buffer = None
         self._dist_next = 0
-        self._dist_cycle_pg = None
+        self._dist_cycle_round = None
 
     def _dist_has_handles(self) -> bool:
         return any(b.handle is not None and not b.handle.done for b in self._dist_buckets)
 
-    def _dist_begin(self) -> None:
-        """Start (or continue) a step; state from another process group is stale."""
-        pg = runtime.get().pg
-        if self._dist_cycle_pg is not None and self._dist_cycle_pg() is not pg:
+    def _dist_begin(self) -> Round:
+        """Start (or continue) a step in the current round; state from another round is stale."""
+        r = rounds.current()
+        cycle = self._dist_cycle_round
+        if cycle is not None and cycle() is not r:
             self._dist_clear(discard=True)
-        if self._dist_cycle_pg is None:
-            self._dist_cycle_pg = weakref.ref(pg) if pg is not None else None
+            cycle = None
+        if cycle is None:
+            self._dist_cycle_round = weakref.ref(r)
             self._synchronized = False
+        return r
 
     def _dist_on_grad(self, p: torch.Tensor) -> None:
         slot = self._dist_slots.get(p)
@@ -258,7 +269,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         bucket, i = slot
         try:
-            self._dist_begin()
+            r = self._dist_begin()
             if bucket.launched or bucket.passes[i] >= self.backward_passes_per_step:
                 raise AssertionError(
                     "Gradients were computed more than backward_passes_per_step times before call to "
@@ -267,22 +278,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if bucket.passes[i] == self.backward_passes_per_step:
                 # Copy now, while backward still computes other layers (as DDP does): at the
                 # last gradient only that one is left to copy before the allreduce starts.
-                self._dist_stage(bucket, i)
+                self._dist_stage(bucket, i, r)
                 bucket.ready += 1
-                self._dist_launch_ready()
+                self._dist_launch_ready(r)
         except BaseException:
             self._dist_clear(discard=True)
             raise
 
-    def _dist_launch_ready(self) -> None:
+    def _dist_launch_ready(self, r: Round) -> None:
         buckets = self._dist_buckets
         while self._dist_next < len(buckets) and buckets[self._dist_next].ready == len(buckets[self._dist_next].params):
-            self._dist_launch(buckets[self._dist_next])
+            self._dist_launch(buckets[self._dist_next], r)
             self._dist_next += 1
 
-    def _dist_stage(self, b: _Bucket, i: int) -> None:
+    def _dist_stage(self, b: _Bucket, i: int, r: Round) -> None:
         """Copy parameter ``i``'s gradient into the bucket's flat buffer (zeros if it has none)."""
-        if runtime.get().size == 1:
+        if r.size == 1:
             return  # Average and Sum over one rank are the identity: skip the copies
         if b.buffer is None:
             b.buffer = torch.empty(b.numel + (_FLAGS if _carries_flags(b) else 0), dtype=b.dtype, device=b.device)
@@ -296,28 +307,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 dst.copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
         b.staged[i] = True
 
-    def _dist_launch(self, b: _Bucket) -> None:
+    def _dist_launch(self, b: _Bucket, r: Round) -> None:
         b.launched = True
-        if runtime.get().size == 1:
+        if r.size == 1:
             return
         for i, staged in enumerate(b.staged):  # gradients whose hook never fired this step
             if not staged:
-                self._dist_stage(b, i)
+                self._dist_stage(b, i, r)
         assert b.buffer is not None
         with torch.no_grad():
             if _carries_flags(b):
-                pending, added = runtime.get().local_update_flags()
+                pending, added = r.host_updates.local_flags()
                 b.buffer[b.numel] = 1.0 if pending else 0.0
                 b.buffer[b.numel + 1] = 1.0 if added else 0.0
             tensor, b.ctx = self._dist_compression.compress(b.buffer)
             # Reduce sums and scale while copying back: one pass over the gradients fewer
             # than scaling the whole buffer and then copying it.
-            size = runtime.get().size
-            b.scale = self._dist_postscale / size if self._dist_op == Average else self._dist_postscale
+            b.scale = self._dist_postscale / r.size if self._dist_op == Average else self._dist_postscale
             b.handle = collectives.allreduce_async_(tensor, name=b.name, op=Sum,
                                                     prescale_factor=self._dist_prescale)
 
-    def _dist_finish(self, b: _Bucket) -> None:
+    def _dist_finish(self, b: _Bucket, r: Round) -> None:
         with torch.no_grad():
             if b.handle is None:  # reduced over a world of one: only fill missing grads
                 for p in b.params:
@@ -326,7 +336,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 return
             out = self._dist_compression.decompress(collectives.synchronize(b.handle), b.ctx)
             if _carries_flags(b):  # any positive sum (or average) means "some rank"
-                runtime.get().note_agreed_updates(bool(out[b.numel] > 0), bool(out[b.numel + 1] > 0))
+                r.host_updates.agreed(r.number, bool(out[b.numel] > 0), bool(out[b.numel + 1] > 0))
             for p, off in zip(b.params, b.offsets):
                 src = out[off:off + p.numel()].view(p.shape)
                 g = p.grad
@@ -342,12 +352,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Wait for every gradient's allreduce; reduce those whose hook never fired
         (unused parameters, fewer backward passes than expected) with what they hold."""
         try:
-            self._dist_begin()
+            r = self._dist_begin()
             while self._dist_next < len(self._dist_buckets):
-                self._dist_launch(self._dist_buckets[self._dist_next])
+                self._dist_launch(self._dist_buckets[self._dist_next], r)
                 self._dist_next += 1
             for b in self._dist_buckets:
-                self._dist_finish(b)
+                self._dist_finish(b, r)
         except BaseException:
             self._dist_clear(discard=True)
             raise
@@ -388,7 +398,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         launched = self._dist_has_handles()
-        stale = launched and self._dist_cycle_pg is not None and self._dist_cycle_pg() is not runtime.get().pg
+        stale = (launched and self._dist_cycle_round is not None
+                 and self._dist_cycle_round() is not rounds.current())
         self._dist_clear(discard=launched)
         if launched and not stale:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
@@ -407,6 +418,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("backward_passes_per_step must be >= 1")
         self._dist_clear(discard=False)
         self.backward_passes_per_step = int(passes)
+
+
+def abandon_step(optimizer: torch.optim.Optimizer) -> None:
+    """Forget the step in progress of a DistributedOptimizer (other optimizers have none).
+
+    For a rollback: gradients reduced or launched in the failed round must be neither
+    waited for nor applied, and the fused buffers an abandoned collective may still write
+    into are dropped.
+    """
+    if isinstance(optimizer, _DistributedOptimizer):
+        optimizer._dist_clear(discard=True)
 
 
 _classes: dict[type, type] = {}
@@ -454,144 +476,3 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped._dist_setup(named_parameters, compression, backward_passes_per_step, op,
                         gradient_predivide_factor, bucket_cap_mb)
     return wrapped
-
-
-# --------------------------------------------------------------------------- broadcasts
-
-_ALIGN = 16  # byte offsets stay aligned so that views of the flat buffer can be any dtype
-_BCAST_CHUNK_BYTES = 64 << 20
-
-
-def _carries_flags(b: _Bucket) -> bool:
-    return b.index == 0 and b.dtype.is_floating_point
-
-
-def _nbytes(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * dtype.itemsize
-
-
-def _plan(sizes: list[int]) -> list[list[tuple[int, int, int]]]:
-    """Split tensors (by byte size) into chunks of (index, offset, nbytes); same on all ranks."""
-    chunks: list[list[tuple[int, int, int]]] = []
-    current: list[tuple[int, int, int]] = []
-    offset = 0
-    for i, nb in enumerate(sizes):
-        if nb == 0:
-            continue
-        if current and offset + nb > _BCAST_CHUNK_BYTES:
-            chunks.append(current)
-            current, offset = [], 0
-        current.append((i, offset, nb))
-        offset += -(-nb // _ALIGN) * _ALIGN
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, name: str) -> None:
-    """Overwrite ``tensors`` in place with root's, packed as raw bytes into few broadcasts
-    (so any dtype, bool included, goes through, and a model costs a handful of messages)."""
-    rt = runtime.get()
-    if rt.size == 1:
-        return
-    is_root = rt.rank == root_rank
-    sizes = [_nbytes(t.shape, t.dtype) for t in tensors]
-    with torch.no_grad():
-        for n, chunk in enumerate(_plan(sizes)):
-            _, last_off, last_nb = chunk[-1]
-            buf = torch.empty(last_off + last_nb, dtype=torch.uint8)
-            if is_root:
-                for i, off, nb in chunk:
-                    buf[off:off + nb].copy_(tensors[i].detach().reshape(-1).view(torch.uint8))
-            collectives.broadcast_(buf, root_rank, f"{name}[{n}]")
-            if not is_root:
-                for i, off, nb in chunk:
-                    t = tensors[i]
-                    t.copy_(buf[off:off + nb].view(t.dtype).view(t.shape))
-
-
-def broadcast_parameters(params: Mapping[str, Any] | Iterable[Any], root_rank: int) -> None:
-    """Overwrite parameters/buffers in place with ``root_rank``'s.
-
-    ``params`` is ``model.state_dict()`` (sorted by name, so every rank agrees on the
-    order) or ``model.named_parameters()`` / a list of tensors. Non-tensor entries (module
-    extra state) are skipped.
-    """
-    if isinstance(params, Mapping):
-        items = sorted(params.items(), key=lambda kv: str(kv[0]))
-    elif isinstance(params, Iterable):
-        items = [p if isinstance(p, tuple) else (None, p) for p in params]
-    else:
-        raise ValueError(f"invalid params of type {type(params).__name__}")
-    tensors = [t for _, t in items if isinstance(t, torch.Tensor)]
-    _broadcast_tensors(tensors, root_rank, "broadcast_parameters")
-
-
-class _TensorSpec(NamedTuple):
-    """Stands for a tensor in the picklable skeleton of an optimizer state dict."""
-
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def _strip(obj: Any, out: list[torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-        return _TensorSpec(len(out) - 1, tuple(obj.shape), obj.dtype)
-    if isinstance(obj, dict):
-        return {k: _strip(v, out) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_strip(v, out) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_strip(v, out) for v in obj)
-    return obj
-
-
-def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _TensorSpec):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_fill(v, tensors) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_fill(v, tensors) for v in obj)
-    return obj
-
-
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
-    """Make every rank's optimizer state (per-parameter tensors such as momentum buffers
-    and step counts, and every param_group option such as lr) equal to ``root_rank``'s.
-
-    The structure goes by ``broadcast_object``, the tensors as raw bytes; receivers load
-    the result with ``load_state_dict``, so a rank that never stepped (a newcomer with
-    empty state) gets complete state without a dummy step.
-    """
-    rt = runtime.get()
-    if rt.size == 1:
-        return
-    tensors: list[torch.Tensor] = []
-    skeleton = _strip(optimizer.state_dict(), tensors)
-    skeleton = collectives.broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.skeleton")
-    if rt.rank != root_rank:
-        specs: list[_TensorSpec] = []
-        _collect_specs(skeleton, specs)
-        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(specs, key=lambda s: s.index)]
-    _broadcast_tensors(tensors, root_rank, "broadcast_optimizer_state")
-    if rt.rank != root_rank:
-        optimizer.load_state_dict(_fill(skeleton, tensors))
-
-
-def _collect_specs(obj: Any, out: list[_TensorSpec]) -> None:
-    if isinstance(obj, _TensorSpec):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _collect_specs(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _collect_specs(v, out)

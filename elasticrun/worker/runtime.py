@@ -1,15 +1,19 @@
 """The runtime inside a training process: membership, the process group, updates and aborts.
 
-One :class:`Runtime` per process (``init()`` creates it). It knows the worker's place in the
-current round, owns the round's gloo process group (formed on a fresh namespace of the
-driver-hosted store for every round), and hears from the driver on a control thread:
+One :class:`Runtime` per process (``init()`` creates it). At every rendezvous it gets the
+worker's place in the next round from the driver, makes that round's
+:class:`~elasticrun.worker.rounds.Round` (what the collectives take: group, rank, size,
+abort check, timeout) and forms its gloo process group on a fresh namespace of the
+driver-hosted store. It hears from the driver on a control thread:
 
 * ``hosts_updated`` notifications, each with a strictly increasing timestamp. They are only
-  *recorded* here; ``check_host_updates()`` turns them into ``HostsUpdatedInterrupt`` on every
-  rank at the same call, by agreeing on the newest timestamp with one tiny allreduce.
-* ``round_aborted``: a member of the round failed. Collectives poll this and give up at once,
-  because ranks that were not talking to the dead peer would otherwise sit in their
-  collective until its timeout.
+  *recorded* here (in :class:`~elasticrun.worker.host_updates.HostUpdates`, which decides);
+  ``check_host_updates()`` turns them into ``HostsUpdatedInterrupt`` on every rank at the same
+  call, by agreeing on them with one tiny allreduce or through flags the gradient allreduce
+  carried.
+* ``round_aborted``: a member of the round failed. Collectives poll this (through their
+  Round) and give up at once, because ranks that were not talking to the dead peer would
+  otherwise sit in their collective until its timeout.
 
 Without the driver's environment (``python train.py``), the runtime runs a single-process
 job so scripts can be debugged without the launcher.
@@ -32,10 +36,14 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from elasticrun.common import env
+from elasticrun.common import env, settings
 from elasticrun.common.protocol import Message
+from elasticrun.worker import collectives, rounds
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from elasticrun.worker.host_updates import HostUpdates
+from elasticrun.worker.rounds import Round
+from elasticrun.worker.store import DriverStore
 
 log = logging.getLogger("elasticrun.worker")
 
@@ -61,6 +69,11 @@ def _drop_in_background(obj: Any, delay: float = _DROP_DELAY) -> None:
     timer.start()
 
 
+def _seconds(name: str, default: float) -> float:
+    """A timeout the driver passes in the environment; the job's default when it does not."""
+    return float(os.environ.get(name, default))
+
+
 class Runtime:
     """A worker's view of the elastic job. Use :func:`init` / :func:`get`."""
 
@@ -69,31 +82,25 @@ class Runtime:
         self.hostname = os.environ.get(env.HOSTNAME, socket.gethostname())
         self.slot = int(os.environ.get(env.SLOT, "0"))
         self.worker_id = os.environ.get(env.WORKER_ID, "standalone")
-        self.rank, self.size = int(os.environ.get(env.RANK, "0")), int(os.environ.get(env.SIZE, "1"))
         self.local_rank = int(os.environ.get(env.LOCAL_RANK, "0"))
         self.local_size = int(os.environ.get(env.LOCAL_SIZE, "1"))
         self.cross_rank = int(os.environ.get(env.CROSS_RANK, "0"))
         self.cross_size = int(os.environ.get(env.CROSS_SIZE, "1"))
-        self.collective_timeout = float(os.environ.get(env.COLLECTIVE_TIMEOUT, "60"))
-        self.rendezvous_timeout = float(os.environ.get(env.RENDEZVOUS_TIMEOUT, "900"))
-        self.round = -1
+        self.collective_timeout = _seconds(env.COLLECTIVE_TIMEOUT, settings.DEFAULT_COLLECTIVE_TIMEOUT)
+        self.rendezvous_timeout = _seconds(env.RENDEZVOUS_TIMEOUT, settings.DEFAULT_RENDEZVOUS_TIMEOUT)
         self.rendezvous_count = 0
         self.must_sync = True  # the driver's word for this round: sync() even after removals only
         # This process has synced in some round (elastic.run entered the training function), so
         # it holds the job's state; the driver keeps such workers until the state is handed over.
         self.has_state = False
-        self.pg: dist.ProcessGroup | None = None
         self._store: Any = None
-        self._lock = threading.Lock()
-        self._updates: dict[float, tuple[bool, bool]] = {}
-        self._handled_ts = 0.0
+        self._lock = threading.Lock()  # what the control thread writes: host updates, aborts
+        self.host_updates = HostUpdates()
         self._aborted: dict[int, str] = {}
         # Events for the driver's event log: appended here, shipped by the control thread.
         self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=10_000)
-        self.awaiting_first_step = False  # set after a reset; the next completed collective clears it
-        # (round, some rank has an update pending, some update added hosts), agreed through the
-        # gradient allreduce since the last check_host_updates() (see worker/optimizer.py).
-        self._agreed: tuple[int, bool, bool] | None = None
+        # Round -1: the place the launcher gave, until the first rendezvous (not installed).
+        self._round = self._new_round(-1, int(os.environ.get(env.RANK, "0")), int(os.environ.get(env.SIZE, "1")))
         self._ctx: zmq.Context | None = None
         self._client: DriverClient | None = None
         self._control: ControlChannel | None = None
@@ -112,15 +119,53 @@ class Runtime:
             self._ctx, os.environ[env.CONTROL_ADDR], os.environ[env.NOTIFY_ADDR], keys, job_id,
             heartbeat_body=lambda: {"worker": self.worker_id, "round": self.round},
             on_message=self._on_message, on_driver_lost=self._on_driver_lost,
-            interval=float(os.environ.get(env.HEARTBEAT_INTERVAL, "1")),
-            driver_timeout=float(os.environ.get(env.DRIVER_TIMEOUT, "15")),
+            interval=_seconds(env.HEARTBEAT_INTERVAL, settings.DEFAULT_HEARTBEAT_INTERVAL),
+            driver_timeout=_seconds(env.DRIVER_TIMEOUT, settings.DEFAULT_DRIVER_TIMEOUT),
             take_events=self._take_events)
         self._control.start()
+
+    # --- the current round ------------------------------------------------------------------
+    @property
+    def current_round(self) -> Round:
+        """The round this worker is in (replaced at every rendezvous)."""
+        return self._round
+
+    @property
+    def round(self) -> int:
+        return self._round.number
+
+    @property
+    def rank(self) -> int:
+        return self._round.rank
+
+    @property
+    def size(self) -> int:
+        return self._round.size
+
+    @property
+    def pg(self) -> dist.ProcessGroup | None:
+        return self._round.pg
+
+    def _new_round(self, number: int, rank: int, size: int, pg: dist.ProcessGroup | None = None) -> Round:
+        return Round(number, rank, size, collective_timeout=self.collective_timeout, host_updates=self.host_updates,
+                     aborted=self._aborted, emit=self.emit, pg=pg)
+
+    def enter_round(self, number: int, rank: int, size: int, pg: dist.ProcessGroup | None = None) -> Round:
+        """Make round ``number`` (this worker: ``rank`` of ``size``) the current one, for this
+        runtime and for the collectives. The rendezvous calls it with the driver's assignment
+        and then forms the group; tests that form their own group pass it as ``pg``."""
+        old = self._round
+        if old.pg is not None:
+            _drop_in_background(old.pg)
+        self._round = self._new_round(number, rank, size, pg)
+        rounds.install(self._round)
+        return self._round
 
     def emit(self, kind: str, **fields: Any) -> None:
         """Record an event for the job's event log (cheap: an append; the control thread ships it)."""
         if not self.standalone:
-            self._events.append(dict(fields, t=time.time(), kind=kind, round=self.round, rank=self.rank,
+            r = self._round
+            self._events.append(dict(fields, t=time.time(), kind=kind, round=r.number, rank=r.rank,
                                      host=self.hostname, slot=self.slot))
 
     def _take_events(self, most: int = 200) -> list[dict[str, Any]]:
@@ -133,23 +178,20 @@ class Runtime:
         body = msg.body
         with self._lock:
             if msg.type == "hosts_updated":
-                if float(body["ts"]) not in self._updates:
-                    self.emit("notification_received", ts=float(body["ts"]))
-                self._updates[float(body["ts"])] = (bool(body["added"]), bool(body["removed"]))
+                ts = float(body["ts"])
+                if self.host_updates.record(ts, bool(body["added"])):
+                    self.emit("notification_received", ts=ts)
             elif msg.type == "round_aborted":
                 self._abort(int(body["round"]), str(body.get("reason", "round aborted")))
             elif msg.type == "heartbeat_ack":
-                for ts, added, removed in body.get("updates", []):
-                    self._updates[float(ts)] = (bool(added), bool(removed))
+                for ts, added, _removed in body.get("updates", []):
+                    self.host_updates.record(float(ts), bool(added))
                 if body.get("aborted") and int(body["round"]) not in self._aborted:
                     self._abort(int(body["round"]), str(body.get("reason", "round aborted")))
 
     def _abort(self, round_: int, reason: str) -> None:
         """Mark ``round_`` dead: collectives waiting in it give up at their next poll."""
         self._aborted[round_] = reason
-
-    def aborted_reason(self, round_: int) -> str | None:
-        return self._aborted.get(round_)
 
     def _on_driver_lost(self, silence: float) -> None:
         try:  # stderr is often a pipe to the dead driver: the message is best effort, the exit is not
@@ -162,7 +204,7 @@ class Runtime:
     # --- rounds -----------------------------------------------------------------------------
     def abort_reason(self) -> str | None:
         """Why the current round was aborted, or None while it is healthy."""
-        return self.aborted_reason(self.round)
+        return self._round.abort_reason()
 
     def rendezvous(self, error: str | None = None, restored: bool = False) -> None:
         """Get this worker's place in the next round and form that round's process group.
@@ -174,8 +216,8 @@ class Runtime:
         """
         if self.standalone:
             if self.pg is None:
-                self.round = 0
-                self.pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=self.collective_timeout))
+                self.enter_round(0, self.rank, self.size, dist.ProcessGroupGloo(
+                    dist.HashStore(), 0, 1, timedelta(seconds=self.collective_timeout)))
             return
         assert self._client is not None
         while True:
@@ -194,14 +236,13 @@ class Runtime:
                 self.shutdown()
                 raise SystemExit(0)
             a = msg.body
-            self.round, self.rank, self.size = int(a["round"]), int(a["rank"]), int(a["size"])
+            self.enter_round(int(a["round"]), int(a["rank"]), int(a["size"]))
             self.local_rank, self.local_size = int(a["local_rank"]), int(a["local_size"])
             self.cross_rank, self.cross_size = int(a["cross_rank"]), int(a["cross_size"])
             self.must_sync = bool(a.get("must_sync", True))
             self.rendezvous_count += 1
             self.emit("rendezvous_complete", size=self.size, waited_ms=round((time.monotonic() - asked) * 1000, 2))
-            with self._lock:
-                self._handled_ts = max(self._handled_ts, float(a.get("notify_ts", 0.0)))
+            self.host_updates.handled(float(a.get("notify_ts", 0.0)))
             error = None  # a retry after an aborted formation is not this worker's error
             try:
                 started = time.monotonic()
@@ -218,17 +259,14 @@ class Runtime:
                             self.round, reason)
 
     def _form_group(self) -> None:
-        from elasticrun.worker.store import DriverStore
-
-        old, self.pg = self.pg, None
-        if old is not None:
-            _drop_in_background(old)
+        """Form the current round's gloo group on its own namespace of the driver's store."""
+        r = self._round
         assert self._client is not None
         # Keep the Python store alive here: the C++ side holds only the trampoline, and once
         # the Python object is collected its methods are gone ("Not implemented").
-        self._store = DriverStore(self._client, self.collective_timeout, self.abort_reason)
-        store = dist.PrefixStore(f"round{self.round}", self._store)
-        self.pg = dist.ProcessGroupGloo(store, self.rank, self.size, timedelta(seconds=self.collective_timeout))
+        self._store = DriverStore(self._client, self.collective_timeout, r.abort_reason)
+        store = dist.PrefixStore(f"round{r.number}", self._store)
+        r.pg = dist.ProcessGroupGloo(store, r.rank, r.size, timedelta(seconds=self.collective_timeout))
 
     def report_failure(self, error: str) -> None:
         """Tell the driver this worker is failing, before the slow interpreter teardown.
@@ -244,47 +282,30 @@ class Runtime:
         except Exception as exc:  # the exit code still tells the driver
             log.debug("could not report the failure: %s", exc)
 
-    def local_update_flags(self) -> tuple[bool, bool]:
-        """(this rank has an update newer than the last handled one, one of them added hosts)."""
-        with self._lock:
-            newer = [flags for ts, flags in self._updates.items() if ts > self._handled_ts]
-        return bool(newer), any(added for added, _ in newer)
-
-    def note_agreed_updates(self, pending: bool, added: bool) -> None:
-        """Flags every rank agreed on inside a gradient allreduce of the current round."""
-        self._agreed = (self.round, pending, added)
-
     def check_host_updates(self) -> None:
         """Collective: raise HostsUpdatedInterrupt on every rank if any rank saw a newer update.
 
         When the optimizer's gradient allreduce already carried the flags since the last
         check, their agreed value is used and no extra collective runs. Every rank takes the
-        same path: they all ran the same steps.
+        same path: they all ran the same steps. See worker/host_updates.py.
         """
         if self.standalone:
             return
-        agreed, self._agreed = self._agreed, None
-        if agreed is not None and agreed[0] == self.round:
-            _, pending, added = agreed
-            if pending:
-                with self._lock:  # the rendezvous will bring every rank to the driver's latest
-                    self._handled_ts = max([self._handled_ts, *self._updates])
+        updates = self.host_updates
+        verdict = updates.take_agreed(self._round.number)
+        if verdict is not None:
+            interrupt, added = verdict
+            if interrupt:
                 self.emit("interrupt", skip_sync=not added, agreed_in="gradient allreduce")
                 raise HostsUpdatedInterrupt(skip_sync=not added)
             return
-        with self._lock:
-            newer = {ts: flags for ts, flags in self._updates.items() if ts > self._handled_ts}
-        latest = max(newer, default=self._handled_ts)
-        added = any(a for a, _ in newer.values())
-        from elasticrun.worker import collectives
-
+        latest, added = updates.proposal()
         agreed = torch.tensor([latest, 1.0 if added else 0.0], dtype=torch.float64)
         collectives.allreduce_inplace(agreed, dist.ReduceOp.MAX, "check_host_updates")
-        if agreed[0].item() > self._handled_ts:
-            with self._lock:
-                self._handled_ts = agreed[0].item()
+        ts = agreed[0].item()
+        if updates.settle(ts):
             skip_sync = agreed[1].item() == 0.0
-            self.emit("interrupt", ts=agreed[0].item(), skip_sync=skip_sync)
+            self.emit("interrupt", ts=ts, skip_sync=skip_sync)
             raise HostsUpdatedInterrupt(skip_sync=skip_sync)
 
     def shutdown(self) -> None:
@@ -298,7 +319,8 @@ class Runtime:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        self.pg = None
+        rounds.uninstall(self._round)
+        self._round.pg = None
 
 
 _runtime: Runtime | None = None
@@ -316,7 +338,11 @@ def init() -> Runtime:
             rt = Runtime()
             if not rt.standalone:
                 _warm_up()
-            rt.rendezvous()
+            try:
+                rt.rendezvous()
+            except BaseException:
+                rounds.uninstall(rt.current_round)  # collectives: "not initialized", as before
+                raise
             _runtime = rt
             atexit.register(shutdown)
             if not rt.standalone:
@@ -362,11 +388,3 @@ def shutdown() -> None:
         if _runtime is not None:
             _runtime.shutdown()
             _runtime = None
-
-
-def rank() -> int:
-    return get().rank
-
-
-def size() -> int:
-    return get().size

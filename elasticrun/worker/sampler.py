@@ -21,19 +21,19 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from elasticrun.worker import rounds
+
 #: Returns ``(rank, size)`` of the current world; called on every reset.
 WorldProvider = Callable[[], tuple[int, int]]
 
 
 def _world_provider() -> tuple[int, int]:
-    """Default ``(rank, size)`` source: the worker runtime of this process.
+    """Default ``(rank, size)`` source: this process's current round.
 
-    Imported lazily so the sampler can be imported (and tested) without a runtime, and
-    looked up at call time so tests may replace this module-level hook.
+    Looked up at call time, so tests may replace this module-level hook.
     """
-    from elasticrun.worker import runtime
-
-    return runtime.rank(), runtime.size()
+    r = rounds.current()
+    return r.rank, r.size
 
 
 class ElasticSampler(Sampler[int]):
@@ -114,8 +114,8 @@ class ElasticSampler(Sampler[int]):
     ) -> None:
         """Create the sampler and partition epoch 0 for the current world.
 
-        ``world`` overrides where ``(rank, size)`` comes from (default: the worker
-        runtime); it is read again on every :meth:`reset`.
+        ``world`` overrides where ``(rank, size)`` comes from (default: the current
+        round of the worker runtime); it is read again on every :meth:`reset`.
         """
         super().__init__()
         self.dataset = dataset

@@ -1,419 +1,43 @@
 """``hvd.elastic.TorchState``: elastic state for a model, an optimizer, samplers and more.
 
 Attributes whose type has a registered *handler* (models, optimizers, LR schedulers,
-:class:`ElasticSampler` by default) are saved, restored and synced by that handler; every
-other keyword is a plain :class:`ObjectState` attribute (deep-copied, broadcast by pickle).
-
-Commits happen every few batches, so ``save()`` must cost about a memcpy: tensors are copied
-into host buffers allocated at the first save and reused afterwards (no pickling, no new
-allocations while shapes stay the same), and ``restore()`` copies them back in place, so
-parameters and optimizer state keep their identity (hooks, the DistributedOptimizer and
-``torch.compile`` keep pointing at the live tensors).
+:class:`ElasticSampler` by default; see :mod:`elasticrun.worker.state_handlers`) are saved,
+restored and synced by that handler; every other keyword is a plain :class:`ObjectState`
+attribute (deep-copied, broadcast by pickle). With ``background_commit=True`` the bulk of a
+commit's copy runs on a thread, and everything that could change what it copies waits for it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import copy
-import operator
 import weakref
-from itertools import chain
 from typing import Any, Callable
 
 import torch
 import torch.distributed
 
-from elasticrun.worker import collectives, runtime
-from elasticrun.worker.copier import CopyPlan
+from elasticrun.worker import collectives, rounds
 from elasticrun.worker.elastic import ObjectState
-from elasticrun.worker.optimizer import _DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
-from elasticrun.worker.sampler import ElasticSampler
+# The handler API, importable from here as before the split.
+from elasticrun.worker.state_handlers import (
+    HandlerFactory,
+    LRSchedulerStateHandler,
+    ModelStateHandler,
+    OptimizerStateHandler,
+    SamplerStateHandler,
+    StateHandler,
+    get_handler_factory,
+    register_handler,
+    sync_handler,
+)
 
 __all__ = ["StateHandler", "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler",
-           "LRSchedulerStateHandler", "TorchState", "register_handler", "get_handler_factory"]
-
-
-class StateHandler:
-    """Saves, restores and syncs one attribute of a :class:`TorchState`.
-
-    ``save``/``restore`` are local (no collectives: they also run at construction and on
-    assignment, which not every rank does at the same time). ``merge`` and ``sync`` are
-    collectives that every rank calls in the same order: ``merge`` before each commit's save,
-    ``sync`` after a reset (bring every rank to rank 0's live value). ``on_reset`` runs
-    locally after every reset, before any sync.
-    """
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def save(self) -> None:
-        raise NotImplementedError
-
-    def restore(self) -> None:
-        raise NotImplementedError
-
-    def sync(self) -> None:
-        raise NotImplementedError
-
-    def merge(self) -> None:
-        """Collective step before a commit's save (default: nothing to agree on)."""
-
-    def save_deferred(self, guarded: frozenset[int]) -> Callable[[], None] | None:
-        """A save split in two for ``TorchState(background_commit=True)``: do now what may
-        change before the next optimizer step, and return the rest (a function another
-        thread will run before any optimizer in the state steps again), or None if nothing
-        is left. ``guarded`` holds the ids of the parameters those optimizers update.
-        The default saves everything now."""
-        self.save()
-        return None
-
-    def on_reset(self) -> None:
-        """Local step after a reset (the world may have a new size)."""
-
-
-def _host_buffer(buf: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
-    """``buf`` if it can hold ``src``, else a new host buffer (pinned for GPU sources)."""
-    if buf is not None and buf.shape == src.shape and buf.dtype == src.dtype:
-        return buf
-    return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
-
-
-# Bumped whenever any module registers (or replaces) a parameter, a buffer or a submodule:
-# the cheap part of telling whether a model's state_dict() could have changed since a plan.
-_structure_generation = 0
-
-
-def _structure_changed(*_args: Any) -> None:
-    global _structure_generation
-    _structure_generation += 1
-
-
-torch.nn.modules.module.register_module_parameter_registration_hook(_structure_changed)
-torch.nn.modules.module.register_module_buffer_registration_hook(_structure_changed)
-torch.nn.modules.module.register_module_module_registration_hook(_structure_changed)
-
-
-def _plain_state_dict(module: torch.nn.Module) -> bool:
-    """True if ``module.state_dict()`` is exactly its parameters and persistent buffers (no
-    override, no extra state, no hooks): then a copy plan can stand in for the walk."""
-    cls, base = type(module), torch.nn.Module
-    return (cls.state_dict is base.state_dict and cls._save_to_state_dict is base._save_to_state_dict
-            and getattr(cls, "get_extra_state", base.get_extra_state) is base.get_extra_state
-            and not module._state_dict_hooks and not module._state_dict_pre_hooks)
-
-
-def _structure_dicts(modules: list[torch.nn.Module]) -> list[Any]:
-    """The containers whose sizes change when a module's state_dict() could (deletions and
-    hook registrations do not go through the registration hooks)."""
-    return [d for m in modules for d in (m._parameters, m._buffers, m._modules, m._non_persistent_buffers_set,
-                                         m._state_dict_hooks, m._state_dict_pre_hooks)]
-
-
-class ModelStateHandler(StateHandler):
-    """A ``torch.nn.Module``: parameters and persistent buffers (its ``state_dict``).
-
-    The first save walks ``state_dict()`` and builds a :class:`CopyPlan`; later saves replay
-    it without the walk as long as nothing could have changed the state_dict: no parameter,
-    buffer or submodule registered anywhere since (a global registration hook counts them),
-    no container of the model changed size (deletions, hooks), and every tensor still points
-    at the same memory (``p.data = ...``, ``model.to(...)``). Otherwise the save walks again.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model)
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._extra: dict[str, Any] = {}  # non-tensor entries (module extra state)
-        self._plan: CopyPlan | None = None
-        self._plan_generation = -1
-        self._dicts: list[Any] = []  # see _structure_dicts; empty: no fast path
-        self._sizes: list[int] = []
-        # For background commits: (guarded parameter ids, their plan, the rest's plan).
-        self._split: tuple[frozenset[int], CopyPlan, CopyPlan] | None = None
-        self.save()
-
-    def _plan_is_current(self) -> bool:
-        return (self._plan is not None and bool(self._dicts) and self._plan_generation == _structure_generation
-                and list(map(len, self._dicts)) == self._sizes and self._plan.current())
-
-    def save(self) -> None:
-        if self._plan_is_current():
-            self._plan.run()  # type: ignore[union-attr]
-            return
-        generation = _structure_generation
-        live = self.value.state_dict(keep_vars=True)
-        names = [k for k, t in live.items() if isinstance(t, torch.Tensor)]
-        self._extra = {k: copy.deepcopy(t) for k, t in live.items() if not isinstance(t, torch.Tensor)}
-        sources = [live[k] for k in names]
-        if self._plan is None or not self._plan.current(sources) or list(self._buffers) != names:
-            self._buffers = {k: _host_buffer(self._buffers.get(k), live[k]) for k in names}
-            self._plan = CopyPlan(sources, list(self._buffers.values()))
-            self._split = None
-        self._plan.run()
-        modules = list(self.value.modules())
-        if not self._extra and all(_plain_state_dict(m) for m in modules):
-            self._dicts = _structure_dicts(modules)
-            self._sizes = list(map(len, self._dicts))
-            self._plan_generation = generation
-        else:
-            self._dicts, self._sizes = [], []
-
-    def save_deferred(self, guarded: frozenset[int]) -> Callable[[], None] | None:
-        # Buffers (BatchNorm statistics change in forward) and parameters no optimizer of
-        # the state updates are copied now; the guarded parameters later.
-        if not self._plan_is_current():
-            self.save()
-            return None
-        if self._split is None or self._split[0] != guarded:
-            now_plan, later_plan = self._plan.split(lambda t: id(t) not in guarded)  # type: ignore[union-attr]
-            self._split = (guarded, now_plan, later_plan)
-        self._split[1].run()
-        return self._split[2].run_released
-
-    def restore(self) -> None:
-        live = self.value.state_dict(keep_vars=True)
-        fits = set(live) == set(self._buffers) | set(self._extra) and all(
-            isinstance(live[k], torch.Tensor) and live[k].shape == b.shape and live[k].dtype == b.dtype
-            for k, b in self._buffers.items())
-        if not fits or self._extra:
-            # The module changed shape (or has extra state): let it load a full copy.
-            saved = {k: b.clone() for k, b in self._buffers.items()}
-            saved.update(copy.deepcopy(self._extra))
-            self.value.load_state_dict(saved)
-            return
-        with torch.no_grad():
-            for name, buf in self._buffers.items():
-                live[name].copy_(buf)
-
-    def sync(self) -> None:
-        broadcast_parameters(self.value.state_dict(), root_rank=getattr(self, "sync_root", 0))
-
-
-class OptimizerStateHandler(StateHandler):
-    """A ``torch.optim.Optimizer`` (plain or DistributedOptimizer): per-parameter state and
-    the options of every param group (lr, momentum, ...). Parameters are identified by
-    their position in ``param_groups``, like ``Optimizer.state_dict`` does.
-
-    Like the model's, the tensor copy is a :class:`CopyPlan` replayed while the layout holds:
-    the same parameters, the same per-parameter state dicts with the same keys, the same
-    tensor objects at the same memory (optimizers update their state in place; one that
-    replaces a tensor, or a parameter gaining state, makes the next save rebuild the plan).
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(optimizer)
-        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
-        # position -> {key: host buffer (tensor state) or deep copy (anything else)}
-        self._state: dict[int, dict[str, Any]] = {}
-        self._devices: dict[tuple[int, str], torch.device] = {}
-        self._groups: list[dict[str, Any]] = []
-        # The layout the plan was built on: parameters, optimizer.state's keys and dicts, every
-        # entry's key in order, and where the tensors are among the entries' values.
-        self._plan: CopyPlan | None = None
-        self._plan_params: list[torch.Tensor] = []
-        self._state_keys: list[Any] = []
-        self._state_dicts: list[dict[str, Any]] = []
-        self._entry_keys: list[str] = []
-        self._tensor_positions: list[int] = []
-        self._plain_keys: list[tuple[int, dict[str, Any], str]] = []  # non-tensor entries: deep-copied
-        self.save()
-
-    def _params(self) -> list[torch.Tensor]:
-        return [p for g in self.value.param_groups for p in g["params"]]
-
-    def _plan_is_current(self, params: list[torch.Tensor]) -> bool:
-        # Identity and size checks over C-level iterators: hashing a tensor key calls
-        # Tensor.__hash__ in Python, so per-parameter dict lookups would cost more than the copy.
-        state = self.value.state
-        if (self._plan is None or len(state) != len(self._state_keys) or len(params) != len(self._plan_params)
-                or not all(map(operator.is_, params, self._plan_params))
-                or not all(map(operator.is_, state.keys(), self._state_keys))
-                or not all(map(operator.is_, state.values(), self._state_dicts))
-                or list(chain.from_iterable(map(dict.keys, self._state_dicts))) != self._entry_keys):
-            return False
-        values = list(chain.from_iterable(map(dict.values, self._state_dicts)))
-        return self._plan.current([values[i] for i in self._tensor_positions])
-
-    def _save_unless_current(self) -> bool:
-        """Save everything but the plan's tensor copy if the plan is current (True), or
-        everything (False)."""
-        opt = self.value
-        self._groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        params = self._params()
-        if self._plan_is_current(params):
-            for i, live, k in self._plain_keys:
-                self._state[i][k] = copy.deepcopy(live[k])
-            return True
-        self._rebuild(params)
-        return False
-
-    def save(self) -> None:
-        if self._save_unless_current():
-            self._plan.run()  # type: ignore[union-attr]
-
-    def save_deferred(self, guarded: frozenset[int]) -> Callable[[], None] | None:
-        # Only a step changes the optimizer's tensors, and steps wait for the copy.
-        return self._plan.run_released if self._save_unless_current() else None  # type: ignore[union-attr]
-
-    def _rebuild(self, params: list[torch.Tensor]) -> None:
-        opt = self.value
-        state: dict[int, dict[str, Any]] = {}
-        buffers: dict[tuple[int, str], torch.Tensor] = {}
-        sources: list[torch.Tensor] = []
-        self._plain_keys = []
-        for i, p in enumerate(params):
-            live = opt.state.get(p)
-            if not live:
-                continue
-            entry: dict[str, Any] = {}
-            for k, v in live.items():
-                if isinstance(v, torch.Tensor):
-                    entry[k] = buffers[(i, k)] = _host_buffer(self._buffers.get((i, k)), v)
-                    self._devices[(i, k)] = v.device
-                    sources.append(v)
-                else:
-                    entry[k] = copy.deepcopy(v)
-                    self._plain_keys.append((i, live, k))
-            state[i] = entry
-        for gone in [k for k in self._devices if k not in buffers]:
-            del self._devices[gone]
-        self._buffers, self._state = buffers, state
-        self._plan = CopyPlan(sources, list(buffers.values()))
-        self._plan.run()
-        # The fast check walks optimizer.state in its own order; the plan's sources are in
-        # parameter order. Record where each source sits in the flattened values (every
-        # source comes from one of those dicts; the identity check backs this up).
-        self._plan_params = params
-        self._state_keys, self._state_dicts = list(opt.state.keys()), list(opt.state.values())
-        self._entry_keys = list(chain.from_iterable(map(dict.keys, self._state_dicts)))
-        where = {id(v): i for i, v in enumerate(chain.from_iterable(map(dict.values, self._state_dicts)))}
-        self._tensor_positions = [where[id(t)] for t in sources]
-
-    def restore(self) -> None:
-        opt = self.value
-        if isinstance(opt, _DistributedOptimizer):
-            opt._dist_clear(discard=True)  # a step in progress belongs to the failed round
-        for group, saved in zip(opt.param_groups, self._groups):
-            group.update(copy.deepcopy(saved))
-        with torch.no_grad():
-            for i, p in enumerate(self._params()):
-                entry = self._state.get(i)
-                if entry is None:
-                    opt.state.pop(p, None)  # no state at the commit (e.g. before the first step)
-                    continue
-                live = opt.state[p]
-                for k in [k for k in live if k not in entry]:
-                    del live[k]
-                for k, v in entry.items():
-                    if not isinstance(v, torch.Tensor) or (i, k) not in self._buffers:
-                        live[k] = copy.deepcopy(v)
-                        continue
-                    device = self._devices[(i, k)]
-                    cur = live.get(k)
-                    if (isinstance(cur, torch.Tensor) and cur.shape == v.shape and cur.dtype == v.dtype
-                            and cur.device == device):
-                        cur.copy_(v)
-                    else:
-                        live[k] = v.to(device, copy=True)
-
-    def sync(self) -> None:
-        broadcast_optimizer_state(self.value, root_rank=getattr(self, "sync_root", 0))
-
-
-class LRSchedulerStateHandler(StateHandler):
-    """A ``torch.optim.lr_scheduler.LRScheduler`` through its (small) ``state_dict``; a
-    deep copy of the scheduler itself would drag its optimizer along."""
-
-    def __init__(self, scheduler: Any) -> None:
-        super().__init__(scheduler)
-        self.save()
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(copy.deepcopy(self._saved))
-
-    def sync(self) -> None:
-        self.value.load_state_dict(collectives.broadcast_object(self.value.state_dict(), getattr(self, "sync_root", 0),
-                                                                "lr_scheduler"))
-
-
-class SamplerStateHandler(StateHandler):
-    """An :class:`ElasticSampler`, following the contract in its docstring.
-
-    Each rank records only its own batches, so before a commit's save ``merge`` unions the
-    processed sets over the ranks (only what each rank added since the last save travels),
-    without repartitioning: a pass in progress continues. ``restore`` loads the committed
-    state (which repartitions); ``on_reset`` repartitions for the new world (enough after a
-    removals-only reset, where sync is skipped and all ranks hold the merged set of the
-    interrupted commit); ``sync`` unions every rank's live set and takes rank 0's epoch.
-    """
-
-    def __init__(self, sampler: ElasticSampler) -> None:
-        super().__init__(sampler)
-        self._epoch = sampler.epoch
-        self._processed: set[int] = set(sampler.processed_indices)
-
-    def save(self) -> None:
-        self._epoch = self.value.epoch
-        self._processed = set(self.value.processed_indices)
-
-    def merge(self) -> None:
-        s = self.value
-        if s.epoch == self._epoch and self._processed <= s.processed_indices:
-            news = sorted(s.processed_indices - self._processed)
-        else:  # a new epoch since the last save: send everything
-            news = sorted(s.processed_indices)
-        for epoch, part in collectives.allgather_object((s.epoch, news), "sampler.processed_indices"):
-            if epoch == s.epoch:
-                s.merge_processed(part)
-
-    def restore(self) -> None:
-        self.value.load_state_dict({"epoch": self._epoch, "processed_indices": sorted(self._processed)})
-
-    def on_reset(self) -> None:
-        self.value.reset()
-
-    def sync(self) -> None:
-        s = self.value
-        gathered = collectives.allgather_object((s.epoch, sorted(s.processed_indices)), "sampler.sync")
-        epoch = gathered[getattr(self, "sync_root", 0)][0]  # the sync root's (rank 0's unless told)
-        merged: set[int] = set()
-        for e, part in gathered:
-            if e == epoch:  # a newcomer's empty epoch-0 set must not mix into another epoch
-                merged.update(part)
-        s.load_state_dict({"epoch": epoch, "processed_indices": sorted(merged)})
+           "LRSchedulerStateHandler", "HandlerFactory", "TorchState", "register_handler", "get_handler_factory"]
 
 
 def _call_all(functions: list[Callable[[], None]]) -> None:
     for f in functions:
         f()
-
-
-HandlerFactory = Callable[[Any], StateHandler]
-
-#: (type, factory), most recently registered first; the first isinstance match wins.
-_registry: list[tuple[type, HandlerFactory]] = []
-
-
-def register_handler(type_: type, factory: HandlerFactory) -> None:
-    """Handle attributes of ``type_`` (and subclasses) with ``factory(value)``. Later
-    registrations take precedence, so users can override the defaults."""
-    _registry[:] = [(t, f) for t, f in _registry if t is not type_]
-    _registry.insert(0, (type_, factory))
-
-
-def get_handler_factory(value: Any) -> HandlerFactory | None:
-    for type_, factory in _registry:
-        if isinstance(value, type_):
-            return factory
-    return None
-
-
-register_handler(torch.optim.lr_scheduler.LRScheduler, LRSchedulerStateHandler)
-register_handler(ElasticSampler, SamplerStateHandler)
-register_handler(torch.optim.Optimizer, OptimizerStateHandler)
-register_handler(torch.nn.Module, ModelStateHandler)
 
 
 class TorchState(ObjectState):
@@ -452,13 +76,11 @@ class TorchState(ObjectState):
         object.__setattr__(self, "_handlers", handlers)
         object.__setattr__(self, "_constructed", False)
         object.__setattr__(self, "_commit_seq", 0)  # saves by commit(); the newest commit wins a sync
-        object.__setattr__(self, "_sync_root", 0)
         object.__setattr__(self, "_background", bool(background_commit))
         object.__setattr__(self, "_pending", None)  # the background copy in flight (a Future)
         object.__setattr__(self, "_copy_thread", None)  # ThreadPoolExecutor, created at first use
         object.__setattr__(self, "_guarded", weakref.WeakKeyDictionary())  # optimizer -> its step hook
-        super().__init__(bcast_object=lambda obj: collectives.broadcast_object(obj, root_rank=self._sync_root),
-                         get_rank=runtime.rank, **plain)
+        super().__init__(**plain)
         self._constructed = True
 
     def wait_for_commit(self) -> None:
@@ -549,21 +171,26 @@ class TorchState(ObjectState):
 
     def sync(self) -> None:
         self.wait_for_commit()
-        # Sync from the rank holding the newest commit (the lowest such rank): rank 0 unless
-        # a commit completed on some ranks while others abandoned it (a peer died at the end
-        # of its merge and they saw the abort first). Syncing from rank 0 then would mix
-        # rank 0's older model with the newer, merged sampler set: samples lost.
-        newest = torch.tensor([self._commit_seq * 65536 + 65535 - runtime.get().rank], dtype=torch.int64)
-        collectives.allreduce_inplace(newest, torch.distributed.ReduceOp.MAX, "state.newest_commit")
-        self._sync_root = 65535 - int(newest.item()) % 65536
-        self._commit_seq = int(newest.item()) // 65536
+        root = self._newest_commit_root()
         for handler in self._handlers_in_order():
-            handler.sync_root = self._sync_root  # type: ignore[attr-defined]
-            handler.sync()
+            sync_handler(handler, root)
         if self._object_keys:
-            for name, value in self._bcast_object(self._live()).items():
+            for name, value in collectives.broadcast_object(self._live(), root_rank=root).items():
                 setattr(self, name, value)
         self._save_local()  # just synced: nothing to merge
+
+    def _newest_commit_root(self) -> int:
+        """Collective: the lowest rank holding the newest commit, which every rank adopts.
+
+        Rank 0 unless a commit completed on some ranks while others abandoned it (a peer
+        died at the end of its merge and they saw the abort first). Syncing from rank 0
+        then would mix rank 0's older model with the newer, merged sampler set: samples
+        lost.
+        """
+        newest = torch.tensor([self._commit_seq * 65536 + 65535 - rounds.current().rank], dtype=torch.int64)
+        collectives.allreduce_inplace(newest, torch.distributed.ReduceOp.MAX, "state.newest_commit")
+        self._commit_seq = int(newest.item()) // 65536
+        return 65535 - int(newest.item()) % 65536
 
     def on_reset(self) -> None:
         for handler in self._handlers.values():

@@ -218,6 +218,39 @@ def main_world(rank: int, size: int, workdir: Path) -> dict[str, Any]:
     out["torch_state"] = {"synced": synced, "epoch": epoch_after_sync, "committed": committed, "live": live,
                           "restored": sorted(sampler.processed_indices), "restored_params": params(model),
                           "committed_params": committed_params, "indices_after_restore": list(sampler)}
+
+    # sync(root): rank 1 holds the newer commit (it completed one the other abandoned), so
+    # every handler, a user's one included, and the plain attributes sync from rank 1.
+    from elasticrun.worker.state_handlers import StateHandler, register_handler
+
+    class Box:
+        def __init__(self, v: int) -> None:
+            self.v = v
+
+    roots: list[int] = []
+
+    class BoxHandler(StateHandler):
+        def __init__(self, value: Box) -> None:
+            super().__init__(value)
+            self.save()
+
+        def save(self) -> None:
+            self.saved = self.value.v
+
+        def restore(self) -> None:
+            self.value.v = self.saved
+
+        def sync(self, root: int) -> None:
+            roots.append(root)
+            self.value.v = hvd.broadcast_object(self.value.v, root, "box")
+
+    register_handler(Box, BoxHandler)
+    model = make_model(seed=400 + rank)
+    state = hvd.elastic.TorchState(model, box=Box(10 + rank), note=f"rank {rank}")
+    if rank == 1:
+        state.save()  # no collective in these handlers' merge: a commit of rank 1 only
+    state.sync()
+    out["sync_root"] = {"roots": roots, "box": state.box.v, "note": state.note, "params": params(model)}
     hvd.barrier()
     return out
 
@@ -371,6 +404,13 @@ def test_torch_state_across_ranks(main: list[dict[str, Any]]) -> None:
     for r in (a, b):
         assert close(r["restored_params"], r["committed_params"], atol=0)
     assert sorted(a["indices_after_restore"] + b["indices_after_restore"]) == list(range(4, 16))
+
+
+def test_sync_follows_the_rank_holding_the_newest_commit(main: list[dict[str, Any]]) -> None:
+    for r in (r["sync_root"] for r in main):
+        assert r["roots"] == [1]
+        assert r["box"] == 11 and r["note"] == "rank 1"
+        assert close(r["params"], params(make_model(seed=401)), atol=0)
 
 
 @pytest.mark.timeout(120)

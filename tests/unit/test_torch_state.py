@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+import warnings
 from typing import Any, Iterator
 
 import pytest
@@ -10,9 +14,10 @@ import torch
 from torch import nn
 
 import elasticrun.torch as hvd
-from elasticrun.worker import torch_state
+from elasticrun.worker import state_handlers
 from elasticrun.worker.sampler import ElasticSampler
-from elasticrun.worker.torch_state import StateHandler, TorchState, register_handler
+from elasticrun.worker.state_handlers import StateHandler, register_handler
+from elasticrun.worker.torch_state import TorchState
 from standalone_torch import make_model, rt, snapshot, train_step  # noqa: F401 (rt: autouse fixture)
 
 pytestmark = pytest.mark.timeout(60)
@@ -212,18 +217,18 @@ class CounterHandler(StateHandler):
         self.calls.append("restore")
         self.value.n = self.saved
 
-    def sync(self) -> None:
-        self.calls.append("sync")
-        self.value.n = hvd.broadcast_object(self.value.n, 0)
+    def sync(self, root: int) -> None:
+        self.calls.append(f"sync from {root}")
+        self.value.n = hvd.broadcast_object(self.value.n, root)
 
 
 @pytest.fixture
 def counter_handler() -> Iterator[None]:
-    before = list(torch_state._registry)
+    before = list(state_handlers._registry)
     CounterHandler.calls = []
     register_handler(Counter, CounterHandler)
     yield
-    torch_state._registry[:] = before
+    state_handlers._registry[:] = before
 
 
 def test_custom_handler_registry(counter_handler: None) -> None:
@@ -236,18 +241,70 @@ def test_custom_handler_registry(counter_handler: None) -> None:
     state.restore()
     assert counter.n == 3
     state.sync()
-    assert CounterHandler.calls == ["save", "save", "restore", "sync", "save"]
+    assert CounterHandler.calls == ["save", "save", "restore", "sync from 0", "save"]
 
 
 def test_user_handler_overrides_a_default(counter_handler: None) -> None:
     class Quiet(StateHandler):
         def save(self) -> None: ...
         def restore(self) -> None: ...
-        def sync(self) -> None: ...
+        def sync(self, root: int) -> None: ...
 
     register_handler(nn.Module, Quiet)
     state = TorchState(make_model())
     assert isinstance(state._handlers["model"], Quiet)
+
+
+class LegacyHandler(StateHandler):
+    """Written for the sync() of earlier versions (and of horovod): no root."""
+
+    calls: list[str] = []
+
+    def __init__(self, value: Counter) -> None:
+        super().__init__(value)
+        self.save()
+
+    def save(self) -> None:
+        self.saved = self.value.n
+
+    def restore(self) -> None:
+        self.value.n = self.saved
+
+    def sync(self) -> None:  # type: ignore[override]
+        self.calls.append("sync")
+
+
+class Legacy(Counter):
+    pass
+
+
+class LegacyByFactory(Counter):
+    pass
+
+
+class LegacyToo(LegacyHandler):
+    calls: list[str] = []
+
+
+def test_a_handler_whose_sync_takes_no_root_still_works_and_is_deprecated(counter_handler: None) -> None:
+    with pytest.warns(DeprecationWarning, match=r"LegacyHandler.sync\(\) takes no root") as warned:
+        register_handler(Legacy, LegacyHandler)
+    assert warned[0].filename == __file__  # points at the registration, in the user's code
+    state = TorchState(legacy=Legacy())
+    state.sync()
+    assert LegacyHandler.calls == ["sync"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per class
+        register_handler(Legacy, LegacyHandler)
+        state.sync()
+    assert LegacyHandler.calls == ["sync", "sync"]
+
+    # A factory that is not the class: found out at the first sync.
+    register_handler(LegacyByFactory, lambda value: LegacyToo(value))
+    state = TorchState(legacy=LegacyByFactory())
+    with pytest.warns(DeprecationWarning, match=r"LegacyToo.sync\(\) takes no root"):
+        state.sync()
+    assert LegacyToo.calls == ["sync"]
 
 
 def test_object_state_attributes() -> None:
@@ -287,7 +344,7 @@ def test_lr_scheduler_handler() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     state = TorchState(model, opt, scheduler=sched)
-    assert isinstance(state._handlers["scheduler"], torch_state.LRSchedulerStateHandler)
+    assert isinstance(state._handlers["scheduler"], state_handlers.LRSchedulerStateHandler)
     train_step(model, opt, 1)
     sched.step()
     state.commit()
@@ -350,3 +407,32 @@ def test_distributed_optimizer_argument_checks() -> None:
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError):
         hvd.DistributedOptimizer(opt)
+
+
+# --------------------------------------------------------------------------- module hooks
+
+
+def test_module_registration_hooks_come_with_the_first_model_handler() -> None:
+    """Importing elasticrun hooks no torch.nn.Module; the first model handler does, once."""
+    code = """
+import torch
+import torch.nn.modules.module as m
+import elasticrun.torch as hvd
+from elasticrun.worker import state_handlers
+
+def ours():
+    return [sum(h is state_handlers._structure_changed for h in d.values())
+            for d in (m._global_parameter_registration_hooks, m._global_buffer_registration_hooks,
+                      m._global_module_registration_hooks)]
+
+assert ours() == [0, 0, 0], ours()
+hvd.elastic.TorchState(epoch=0)  # no model: still nothing
+assert ours() == [0, 0, 0], ours()
+hvd.elastic.TorchState(torch.nn.Linear(2, 2))
+hvd.elastic.TorchState(torch.nn.Linear(2, 2))
+assert ours() == [1, 1, 1], ours()
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICRUN_")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

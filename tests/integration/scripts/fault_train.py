@@ -62,7 +62,7 @@ for spec in args.fault:
 def _rank() -> int | None:
     from elasticrun.worker import runtime
 
-    return runtime._runtime.rank if runtime._runtime is not None else int(os.environ.get("ELASTICRUN_RANK", "-1"))
+    return runtime.get().rank if runtime.is_initialized() else int(os.environ.get("ELASTICRUN_RANK", "-1"))
 
 
 def armed(phase: str, at: tuple[int, int] | None = None) -> str | None:
@@ -94,7 +94,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import elasticrun.torch as hvd  # noqa: E402
 from elasticrun.worker import collectives, runtime  # noqa: E402
-from elasticrun.worker.torch_state import SamplerStateHandler  # noqa: E402
+from elasticrun.worker.state_handlers import SamplerStateHandler  # noqa: E402
 
 # --- fault hooks (inside this script only: the library is untouched) -------------------------
 _form_group = runtime.Runtime._form_group
@@ -133,15 +133,14 @@ def abandon(marker: str) -> None:
         f.write(json.dumps({"phase": "abandon", "who": ME, "rank": _rank(), "t": time.time()}) + "\n")
     orig_wait = collectives._wait
 
-    def wait_for_abort(work, what):
+    def wait_for_abort(round_, work, what):
         if what.endswith(".size"):  # the merge's first allgather (counts) completes normally
-            return orig_wait(work, what)
-        rt_ = runtime.get()
+            return orig_wait(round_, work, what)
         deadline = time.monotonic() + 10
-        while rt_.aborted_reason(rt_.round) is None and time.monotonic() < deadline:
+        while round_.abort_reason() is None and time.monotonic() < deadline:
             time.sleep(0.001)
         collectives._wait = orig_wait
-        raise hvd.HorovodInternalError(f"{what} abandoned: round {rt_.round} was aborted (simulated in-flight)")
+        raise hvd.HorovodInternalError(f"{what} abandoned: round {round_.number} was aborted (simulated in-flight)")
     collectives._wait = wait_for_abort
 
 
@@ -151,8 +150,8 @@ def merge(self):
     if (m := armed("merge", (where["epoch"], where["batch"]))) is not None:
         orig_issue = collectives._issue
 
-        def issue_then_die(start, what):
-            work = orig_issue(start, what)
+        def issue_then_die(round_, start, what):
+            work = orig_issue(round_, start, what)
             die("merge", m)
             return work
         collectives._issue = issue_then_die

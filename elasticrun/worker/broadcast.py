@@ -1,0 +1,153 @@
+"""``hvd.broadcast_parameters`` and ``hvd.broadcast_optimizer_state``: a model's or an
+optimizer's state from one rank to all, in a handful of messages.
+
+Tensors travel as raw bytes packed into few large broadcasts (any dtype, bool included;
+chunks of at most 64 MiB), and an optimizer's state dict as a picklable skeleton plus its
+tensors, so a rank whose optimizer never stepped receives complete state. Used by users
+directly (as in horovod) and by the state handlers' ``sync``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from elasticrun.worker import collectives, rounds
+
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
+
+_ALIGN = 16  # byte offsets stay aligned so that views of the flat buffer can be any dtype
+_BCAST_CHUNK_BYTES = 64 << 20
+
+
+def _nbytes(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * dtype.itemsize
+
+
+def _plan(sizes: list[int]) -> list[list[tuple[int, int, int]]]:
+    """Split tensors (by byte size) into chunks of (index, offset, nbytes); same on all ranks."""
+    chunks: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    offset = 0
+    for i, nb in enumerate(sizes):
+        if nb == 0:
+            continue
+        if current and offset + nb > _BCAST_CHUNK_BYTES:
+            chunks.append(current)
+            current, offset = [], 0
+        current.append((i, offset, nb))
+        offset += -(-nb // _ALIGN) * _ALIGN
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, name: str) -> None:
+    """Overwrite ``tensors`` in place with root's, packed as raw bytes into few broadcasts
+    (so any dtype, bool included, goes through, and a model costs a handful of messages)."""
+    r = rounds.current()
+    if r.size == 1:
+        return
+    is_root = r.rank == root_rank
+    sizes = [_nbytes(t.shape, t.dtype) for t in tensors]
+    with torch.no_grad():
+        for n, chunk in enumerate(_plan(sizes)):
+            _, last_off, last_nb = chunk[-1]
+            buf = torch.empty(last_off + last_nb, dtype=torch.uint8)
+            if is_root:
+                for i, off, nb in chunk:
+                    buf[off:off + nb].copy_(tensors[i].detach().reshape(-1).view(torch.uint8))
+            collectives.broadcast_(buf, root_rank, f"{name}[{n}]")
+            if not is_root:
+                for i, off, nb in chunk:
+                    t = tensors[i]
+                    t.copy_(buf[off:off + nb].view(t.dtype).view(t.shape))
+
+
+def broadcast_parameters(params: Mapping[str, Any] | Iterable[Any], root_rank: int) -> None:
+    """Overwrite parameters/buffers in place with ``root_rank``'s.
+
+    ``params`` is ``model.state_dict()`` (sorted by name, so every rank agrees on the
+    order) or ``model.named_parameters()`` / a list of tensors. Non-tensor entries (module
+    extra state) are skipped.
+    """
+    if isinstance(params, Mapping):
+        items = sorted(params.items(), key=lambda kv: str(kv[0]))
+    elif isinstance(params, Iterable):
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise ValueError(f"invalid params of type {type(params).__name__}")
+    tensors = [t for _, t in items if isinstance(t, torch.Tensor)]
+    _broadcast_tensors(tensors, root_rank, "broadcast_parameters")
+
+
+class _TensorSpec(NamedTuple):
+    """Stands for a tensor in the picklable skeleton of an optimizer state dict."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _strip(obj: Any, out: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+        return _TensorSpec(len(out) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return {k: _strip(v, out) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_strip(v, out) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_strip(v, out) for v in obj)
+    return obj
+
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _TensorSpec):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fill(v, tensors) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_fill(v, tensors) for v in obj)
+    return obj
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Make every rank's optimizer state (per-parameter tensors such as momentum buffers
+    and step counts, and every param_group option such as lr) equal to ``root_rank``'s.
+
+    The structure goes by ``broadcast_object``, the tensors as raw bytes; receivers load
+    the result with ``load_state_dict``, so a rank that never stepped (a newcomer with
+    empty state) gets complete state without a dummy step.
+    """
+    r = rounds.current()
+    if r.size == 1:
+        return
+    tensors: list[torch.Tensor] = []
+    skeleton = _strip(optimizer.state_dict(), tensors)
+    skeleton = collectives.broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.skeleton")
+    if r.rank != root_rank:
+        specs: list[_TensorSpec] = []
+        _collect_specs(skeleton, specs)
+        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(specs, key=lambda s: s.index)]
+    _broadcast_tensors(tensors, root_rank, "broadcast_optimizer_state")
+    if r.rank != root_rank:
+        optimizer.load_state_dict(_fill(skeleton, tensors))
+
+
+def _collect_specs(obj: Any, out: list[_TensorSpec]) -> None:
+    if isinstance(obj, _TensorSpec):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect_specs(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _collect_specs(v, out)

@@ -1,0 +1,94 @@
+"""The round a worker is in, as the code that communicates in it sees it.
+
+A *round* is one membership of the job: its number, this worker's rank and the world size,
+the gloo process group formed for it, whether the driver aborted it, and whether its first
+step after a reset is still to come. The runtime makes a new :class:`Round` at every
+rendezvous and installs it here; the collectives, the DistributedOptimizer and the broadcasts
+look it up once per operation (:func:`current`) instead of asking the runtime. So they depend
+on this small module only, and the runtime can call them (``check_host_updates``) without an
+import cycle.
+
+No torch at import time and no threads: the runtime's control thread writes abort reasons
+into the mapping a Round reads, one ``dict.get`` per poll.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from elasticrun.worker.host_updates import HostUpdates
+
+__all__ = ["Round", "current", "install", "uninstall"]
+
+
+class Round:
+    """One round: what its collectives need, replaced (not mutated) at every rendezvous.
+
+    ``pg`` is None until the round's group is formed (and stays None if formation failed).
+    ``awaiting_first_step`` is read by the collectives after every completed operation, a
+    plain attribute so that the common case costs no call.
+    """
+
+    __slots__ = ("number", "rank", "size", "pg", "collective_timeout", "host_updates", "awaiting_first_step",
+                 "_aborted", "_emit", "__weakref__")
+
+    def __init__(self, number: int, rank: int, size: int, *, collective_timeout: float,
+                 host_updates: HostUpdates, aborted: Mapping[int, str],
+                 emit: Callable[..., None], pg: dist.ProcessGroup | None = None) -> None:
+        self.number = number
+        self.rank = rank
+        self.size = size
+        self.pg = pg
+        self.collective_timeout = collective_timeout
+        #: The job's host updates (they outlive rounds): the gradient allreduce carries their flags.
+        self.host_updates = host_updates
+        self.awaiting_first_step = False
+        self._aborted = aborted  # round number -> reason, written by the runtime's control thread
+        self._emit = emit
+
+    def abort_reason(self) -> str | None:
+        """Why the driver aborted this round, or None while it is healthy."""
+        return self._aborted.get(self.number)
+
+    def mark_reset(self) -> None:
+        """This round was entered by a reset that is now complete (state restored and synced):
+        its next completed collective is the first training step."""
+        self.awaiting_first_step = True
+
+    def step_completed(self, what: str) -> None:
+        """A collective of this round completed; the first one after :meth:`mark_reset` ends
+        the reset (event ``first_step``)."""
+        if self.awaiting_first_step:
+            self.awaiting_first_step = False
+            self._emit("first_step", what=what)
+
+    def __repr__(self) -> str:
+        return f"Round({self.number}, rank {self.rank} of {self.size})"
+
+
+_current: Round | None = None
+
+
+def current() -> Round:
+    """The round this process is in; raises until ``hvd.init()`` has joined the job."""
+    r = _current
+    if r is None:
+        raise ValueError("elasticrun has not been initialized; call hvd.init() first")
+    return r
+
+
+def install(r: Round) -> None:
+    """Make ``r`` the current round (the runtime, at every rendezvous)."""
+    global _current
+    _current = r
+
+
+def uninstall(r: Any = None) -> None:
+    """No current round any more (shutdown); with ``r``, only if ``r`` is the current one."""
+    global _current
+    if r is None or _current is r:
+        _current = None

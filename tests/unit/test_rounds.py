@@ -1,0 +1,139 @@
+"""Round: the context the collectives take (group, abort check, timeout, first step), and the
+polled wait of the collectives against it, with fake work objects (no gloo world needed)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from elasticrun.worker import collectives, rounds
+from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
+from elasticrun.worker.host_updates import HostUpdates
+from elasticrun.worker.rounds import Round
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def make_round(number: int = 3, aborted: dict[int, str] | None = None, timeout: float = 5.0,
+               events: list[tuple[str, dict[str, Any]]] | None = None, pg: Any = None) -> Round:
+    log = events if events is not None else []
+    return Round(number, 1, 4, collective_timeout=timeout, host_updates=HostUpdates(),
+                 aborted=aborted if aborted is not None else {}, emit=lambda kind, **f: log.append((kind, f)), pg=pg)
+
+
+class Work:
+    """A collective in flight: completes after ``after`` seconds, or raises at wait()."""
+
+    def __init__(self, after: float = 0.0, error: Exception | None = None) -> None:
+        self.done_at = time.monotonic() + after
+        self.error = error
+        self.waited = False
+
+    def is_completed(self) -> bool:
+        return time.monotonic() >= self.done_at
+
+    def wait(self) -> None:
+        self.waited = True
+        if self.error is not None:
+            raise self.error
+
+
+def test_first_step_is_reported_once_after_a_reset() -> None:
+    events: list[tuple[str, dict[str, Any]]] = []
+    r = make_round(events=events)
+    collectives._wait(r, Work(), "allreduce x")
+    assert events == []  # no reset: nothing to report
+    r.mark_reset()
+    collectives._wait(r, Work(0.002), "allreduce y")
+    collectives._wait(r, Work(), "allreduce z")
+    assert events == [("first_step", {"what": "allreduce y"})]
+    assert not r.awaiting_first_step
+
+
+def test_an_aborted_round_abandons_the_wait_at_once() -> None:
+    aborted: dict[int, str] = {}
+    r = make_round(7, aborted, timeout=20)
+    threading.Timer(0.05, aborted.__setitem__, (7, "rank 2 died")).start()
+    started = time.monotonic()
+    with pytest.raises(HorovodInternalError, match=r"allreduce x abandoned: round 7 was aborted \(rank 2 died\)"):
+        collectives._wait(r, Work(60), "allreduce x")
+    assert time.monotonic() - started < 5
+    aborted[6] = "an older round"
+    assert make_round(8, aborted).abort_reason() is None
+
+
+def test_a_slow_collective_times_out() -> None:
+    r = make_round(timeout=0.05)
+    with pytest.raises(CollectiveTimeout, match=r"within the collective timeout \(0.05 s\)"):
+        collectives._wait(r, Work(60), "broadcast b")
+
+
+def test_a_failed_collective_is_an_internal_error() -> None:
+    events: list[tuple[str, dict[str, Any]]] = []
+    r = make_round(events=events)
+    r.mark_reset()
+    with pytest.raises(HorovodInternalError, match="allgather g failed: connection reset"):
+        collectives._wait(r, Work(error=RuntimeError("connection reset")), "allgather g")
+    assert events == [] and r.awaiting_first_step  # a failure is not the first step
+
+
+def test_issue_needs_a_group_and_a_live_round() -> None:
+    with pytest.raises(HorovodInternalError, match="no process group"):
+        collectives._issue(make_round(), lambda pg: pg, "x")
+    aborted = {3: "driver said so"}
+    with pytest.raises(HorovodInternalError, match="round 3 was aborted: driver said so"):
+        collectives._issue(make_round(3, aborted, pg=object()), lambda pg: pg, "x")
+    group = object()
+    assert collectives._issue(make_round(pg=group), lambda pg: pg, "x") is group
+
+    def broken(pg: Any) -> Any:
+        raise ValueError("bad tensor")
+
+    with pytest.raises(HorovodInternalError, match="x failed to start: bad tensor"):
+        collectives._issue(make_round(pg=group), broken, "x")
+
+
+def test_current_round() -> None:
+    before = rounds._current
+    try:
+        rounds.uninstall()
+        with pytest.raises(ValueError, match="call hvd.init"):
+            rounds.current()
+        a, b = make_round(1), make_round(2)
+        rounds.install(a)
+        assert rounds.current() is a
+        rounds.uninstall(b)  # not the current one: no effect
+        assert rounds.current() is a
+        rounds.install(b)
+        rounds.uninstall(b)
+        with pytest.raises(ValueError):
+            rounds.current()
+    finally:
+        rounds._current = before
+
+
+def test_the_runtime_installs_a_round_per_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from elasticrun.worker import runtime
+
+    for name in list(os.environ):
+        if name.startswith("ELASTICRUN_"):
+            monkeypatch.delenv(name)
+    runtime.shutdown()
+    rt = runtime.init()
+    try:
+        first = rt.current_round
+        assert rounds.current() is first and (rt.round, rt.rank, rt.size) == (0, 0, 1) and rt.pg is first.pg
+        assert first.host_updates is rt.host_updates
+        second = rt.enter_round(1, 0, 1, first.pg)
+        assert rounds.current() is second is rt.current_round and rt.round == 1
+        rt._aborted[1] = "test"
+        assert second.abort_reason() == rt.abort_reason() == "test" and first.abort_reason() is None
+    finally:
+        runtime.shutdown()
+    with pytest.raises(ValueError, match="call hvd.init"):
+        rounds.current()
