@@ -18,6 +18,8 @@ DEFAULT_HEARTBEAT_INTERVAL = 0.5
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0  # a worker silent this long is declared hung and killed
 DEFAULT_DRIVER_TIMEOUT = 5.0  # a worker that hears nothing from the driver this long exits
 DEFAULT_STOP_GRACE = 5.0  # SIGTERM -> SIGKILL delay when stopping workers
+DEFAULT_CHECKPOINT_INTERVAL = 60.0  # how old a durable copy may get
+DEFAULT_SIGTERM_GRACE = 20.0  # a worker told to stop leaves gracefully within this
 
 
 def elastic_wait_limit(elastic_timeout: float, start_timeout: float) -> float:
@@ -53,9 +55,9 @@ class JobSettings:
     output_filename: str | None = None
     events_file: str | None = None  # JSON-lines event log (default: OUTPUT_FILENAME/events.jsonl)
     checkpoint_dir: str | None = None  # durable copies of the newest commit (driver's disk)
-    checkpoint_interval: float = 60.0  # how old the durable copy may get
+    checkpoint_interval: float = DEFAULT_CHECKPOINT_INTERVAL  # how old the durable copy may get
     fresh: bool = False  # ignore durable copies already in checkpoint_dir
-    sigterm_grace: float = 20.0  # a worker told to stop leaves gracefully, at most this long
+    sigterm_grace: float = DEFAULT_SIGTERM_GRACE  # a worker told to stop leaves gracefully, at most this long
     log_level: str = "INFO"
     worker_log_level: str = "WARNING"
     extra_env: dict[str, str] = field(default_factory=dict)  # -x NAME[=VALUE], for every worker

@@ -10,6 +10,16 @@ from __future__ import annotations
 
 import argparse
 
+from elasticrun.common.settings import (
+    DEFAULT_CHECKPOINT_INTERVAL,
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_DISCOVERY_INTERVAL,
+    DEFAULT_DISCOVERY_TIMEOUT,
+    DEFAULT_ELASTIC_TIMEOUT,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    DEFAULT_SIGTERM_GRACE,
+    DEFAULT_START_TIMEOUT,
+)
 from elasticrun.common.version import VERSION
 
 DESCRIPTION = """\
@@ -121,23 +131,23 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
     hosts.add_argument("--hostfile", "-hostfile", metavar="FILE", help="file with one `host[:slots]` or `host slots=N` per line")
     p.add_argument("--slots-per-host", "--slots", dest="slots_per_host", type=positive_int, default=1,
                    help="slots for hosts listed without a count (default 1)")
-    p.add_argument("--discovery-interval", type=positive_seconds, default=1.0, metavar="SECONDS",
+    p.add_argument("--discovery-interval", type=positive_seconds, default=DEFAULT_DISCOVERY_INTERVAL, metavar="SECONDS",
                    help="how often to run the discovery script (default 1)")
-    p.add_argument("--discovery-timeout", type=positive_seconds, default=10.0, metavar="SECONDS",
+    p.add_argument("--discovery-timeout", type=positive_seconds, default=DEFAULT_DISCOVERY_TIMEOUT, metavar="SECONDS",
                    help="a discovery run taking longer is killed and counts as failed (default 10)")
     p.add_argument("--reset-limit", type=non_negative_int, metavar="N",
                    help="fail the job instead of doing reset number N+1 (default: unlimited)")
     p.add_argument("--blacklist-cooldown-range", type=positive_seconds, nargs=2, metavar=("LOW", "HIGH"),
                    help="let blacklisted hosts back after a cooldown that doubles on every failure, "
                         "between LOW and HIGH seconds (default: blacklisting is permanent)")
-    p.add_argument("--elastic-timeout", type=positive_seconds, default=600.0, metavar="SECONDS",
+    p.add_argument("--elastic-timeout", type=positive_seconds, default=DEFAULT_ELASTIC_TIMEOUT, metavar="SECONDS",
                    help="after a reset, how long to wait for --min-np slots before failing (default 600)")
-    p.add_argument("--start-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
+    p.add_argument("--start-timeout", type=positive_seconds, default=DEFAULT_START_TIMEOUT, metavar="SECONDS",
                    help="how long to wait for the first -np slots, and for a started worker to "
                         "contact the driver (default 30)")
-    p.add_argument("--collective-timeout", type=positive_seconds, default=60.0, metavar="SECONDS",
+    p.add_argument("--collective-timeout", type=positive_seconds, default=DEFAULT_COLLECTIVE_TIMEOUT, metavar="SECONDS",
                    help="a collective taking longer raises HorovodInternalError in the worker (default 60)")
-    p.add_argument("--heartbeat-timeout", type=positive_seconds, default=5.0, metavar="SECONDS",
+    p.add_argument("--heartbeat-timeout", type=positive_seconds, default=DEFAULT_HEARTBEAT_TIMEOUT, metavar="SECONDS",
                    help="a worker that sends no heartbeat for this long (hung, stopped, off the network) "
                         "is killed and its host handled as failed (default 5)")
     p.add_argument("--output-filename", metavar="DIR",
@@ -150,11 +160,11 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
     d.add_argument("--checkpoint-dir", metavar="DIR",
                    help="write a durable copy of the newest commit to DIR (on this machine) every "
                         "--checkpoint-interval; a job started with DIR holding one resumes from it")
-    d.add_argument("--checkpoint-interval", type=positive_seconds, default=60.0, metavar="SECONDS",
+    d.add_argument("--checkpoint-interval", type=positive_seconds, default=DEFAULT_CHECKPOINT_INTERVAL, metavar="SECONDS",
                    help="how old the durable copy may get, at most (default 60)")
     d.add_argument("--fresh", action="store_true",
                    help="start from the script's own state even if --checkpoint-dir holds a durable copy")
-    d.add_argument("--sigterm-grace", type=positive_seconds, default=20.0, metavar="SECONDS",
+    d.add_argument("--sigterm-grace", type=positive_seconds, default=DEFAULT_SIGTERM_GRACE, metavar="SECONDS",
                    help="a worker that receives SIGTERM leaves gracefully (its host is moved out at the next "
                         "step); it is stopped anyway after this long, or at a second SIGTERM (default 20)")
     p.add_argument("--log-level", default=None, type=log_level_name,

@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any, Callable, Iterable, TypeVar
 
+from elasticrun.common.events import Kind
 from elasticrun.worker import collectives, runtime
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError, HostsUpdatedInterrupt
 
@@ -125,6 +126,7 @@ def run(func: F) -> F:
         rt = runtime.get()
         skip_sync = False
         resetting = False
+        started = time.monotonic()  # when the current reset began (set again at each)
         error: str | None = None
         restored = False
         while True:
@@ -132,7 +134,7 @@ def run(func: F) -> F:
                 if not skip_sync:
                     synced = time.monotonic()
                     state.sync()
-                    rt.emit("sync_done", ms=round((time.monotonic() - synced) * 1000, 2))
+                    rt.emit(Kind.SYNC_DONE, ms=round((time.monotonic() - synced) * 1000, 2))
                 rt.has_state = True
                 if resetting:
                     rt.current_round.mark_reset()
@@ -141,10 +143,10 @@ def run(func: F) -> F:
                 return func(state, *args, **kwargs)
             except HorovodInternalError as exc:
                 log.warning("rank %d: %s; restoring the last commit", rt.rank, exc)
-                rt.emit("failure_detected", error=str(exc)[:300])
+                rt.emit(Kind.FAILURE_DETECTED, error=str(exc)[:300])
                 started = time.monotonic()
                 state.restore()
-                rt.emit("restore", ms=round((time.monotonic() - started) * 1000, 2))
+                rt.emit(Kind.RESTORE, ms=round((time.monotonic() - started) * 1000, 2))
                 skip_sync = False
                 restored = True
                 # Only this rank knows of its own timeout; a dead peer the driver sees itself.

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
+from elasticrun.common.events import Kind
+
 if TYPE_CHECKING:
     import torch.distributed as dist
 
@@ -64,7 +66,7 @@ class Round:
         the reset (event ``first_step``)."""
         if self.awaiting_first_step:
             self.awaiting_first_step = False
-            self._emit("first_step", what=what)
+            self._emit(Kind.FIRST_STEP, what=what)
 
     def __repr__(self) -> str:
         return f"Round({self.number}, rank {self.rank} of {self.size})"

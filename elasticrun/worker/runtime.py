@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from elasticrun.common.events import Kind
 from elasticrun.common import env, settings
 from elasticrun.common.protocol import Message
 from elasticrun.worker import collectives, rounds
@@ -180,7 +181,7 @@ class Runtime:
             if msg.type == "hosts_updated":
                 ts = float(body["ts"])
                 if self.host_updates.record(ts, bool(body["added"])):
-                    self.emit("notification_received", ts=ts)
+                    self.emit(Kind.NOTIFICATION_RECEIVED, ts=ts)
             elif msg.type == "round_aborted":
                 self._abort(int(body["round"]), str(body.get("reason", "round aborted")))
             elif msg.type == "heartbeat_ack":
@@ -241,13 +242,13 @@ class Runtime:
             self.cross_rank, self.cross_size = int(a["cross_rank"]), int(a["cross_size"])
             self.must_sync = bool(a.get("must_sync", True))
             self.rendezvous_count += 1
-            self.emit("rendezvous_complete", size=self.size, waited_ms=round((time.monotonic() - asked) * 1000, 2))
+            self.emit(Kind.RENDEZVOUS_COMPLETE, size=self.size, waited_ms=round((time.monotonic() - asked) * 1000, 2))
             self.host_updates.handled(float(a.get("notify_ts", 0.0)))
             error = None  # a retry after an aborted formation is not this worker's error
             try:
                 started = time.monotonic()
                 self._form_group()
-                self.emit("group_formed", ms=round((time.monotonic() - started) * 1000, 2))
+                self.emit(Kind.GROUP_FORMED, ms=round((time.monotonic() - started) * 1000, 2))
                 return
             except Exception as exc:
                 reason = self.abort_reason()
@@ -296,7 +297,7 @@ class Runtime:
         if verdict is not None:
             interrupt, added = verdict
             if interrupt:
-                self.emit("interrupt", skip_sync=not added, agreed_in="gradient allreduce")
+                self.emit(Kind.INTERRUPT, skip_sync=not added, agreed_in="gradient allreduce")
                 raise HostsUpdatedInterrupt(skip_sync=not added)
             return
         latest, added = updates.proposal()
@@ -305,7 +306,7 @@ class Runtime:
         ts = agreed[0].item()
         if updates.settle(ts):
             skip_sync = agreed[1].item() == 0.0
-            self.emit("interrupt", ts=ts, skip_sync=skip_sync)
+            self.emit(Kind.INTERRUPT, ts=ts, skip_sync=skip_sync)
             raise HostsUpdatedInterrupt(skip_sync=skip_sync)
 
     def shutdown(self) -> None:

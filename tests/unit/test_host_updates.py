@@ -91,22 +91,25 @@ def test_a_reader_never_sees_half_an_update() -> None:
     stop = threading.Event()
     bad: list[tuple[bool, bool]] = []
 
-    def read() -> None:
+    def read() -> None:  # the training thread: it alone reads the flags and marks updates handled
+        turn = 0
         while not stop.is_set():
+            turn += 1
             pending, added = u.local_flags()
             if added and not pending:
                 bad.append((pending, added))
+            handled = u.handled_ts
             latest, added = u.proposal()
-            if added and latest <= u.handled_ts:
+            if added and latest <= handled:
                 bad.append((False, added))
+            if turn % 7 == 0:
+                u.handled(latest)
 
     reader = threading.Thread(target=read)
     reader.start()
     try:
-        for i in range(1, 20_000):
+        for i in range(1, 20_000):  # the control thread
             u.record(float(i), added=i % 3 == 0)
-            if i % 7 == 0:
-                u.handled(float(i))  # (in the worker only the training thread does this)
     finally:
         stop.set()
         reader.join(10)
