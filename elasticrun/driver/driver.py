@@ -371,8 +371,11 @@ class ElasticDriver:
                 "round": self.registry.round, "aborted": self.registry.aborted,
                 "reason": self.registry.abort_reason, "updates": self._notifications.recent(),
                 "durable": self._copies.last_id if self._copies is not None else 0})
-        elif msg.type == "leaving":  # the worker got SIGTERM: its host is going
+        elif msg.type == "restore_failed":  # the durable copy does not fit the script's state
             self._reply(identity, msg, "ack", {})
+            self.registry.restore_failed(str(body.get("worker")), str(body.get("error", ""))[:1000])
+        elif msg.type == "leaving":  # the worker got SIGTERM: its host is going
+            self._reply(identity, msg, "leaving_ack", {})
             self.registry.leaving(str(body.get("worker")), str(body.get("why", "SIGTERM"))[:100], time.monotonic())
         elif msg.type == "store":
             pending = _Pending(identity, msg.sender, body.get("req"))
@@ -617,5 +620,10 @@ class ElasticDriver:
     def _shutdown(self) -> None:
         self._stop_discovery.set()
         self.source.close()
+        try:  # workers take a SIGTERM for a reclaim warning unless told it is the job ending
+            self._publish("stopping", {})
+            time.sleep(0.05)
+        except (AttributeError, zmq.ZMQError):
+            pass  # the sockets never opened
         self._launcher.stop_all(self.settings.stop_grace)
         self._launcher.drain(2.0)

@@ -281,6 +281,14 @@ class Registry:
             self._outbox.append(Event(Kind.HOST_LEAVING, f"host {w.host} leaving ({why})", {"host": w.host, "why": why}))
         self.hosts.drain(w.host, now)
 
+    def restore_failed(self, worker_id: str, error: str) -> None:
+        """The durable copy does not fit the script's state (a changed model): the job stops,
+        rather than start over from scratch behind the user's back."""
+        if self.finished is None:
+            self._outbox += self._finish(False, f"cannot resume: {error} (start over with --fresh, or point "
+                                                f"--checkpoint-dir elsewhere)")
+        self._dirty = True
+
     def durable(self, commit: int) -> None:
         """A durable copy of ``commit`` exists (written now, or found at start with --checkpoint-dir):
         a round that no holder of the state joins starts from it instead of from scratch."""

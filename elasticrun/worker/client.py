@@ -15,8 +15,10 @@ size limit.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -138,14 +140,28 @@ class ControlChannel(threading.Thread):
         self._driver_timeout = driver_timeout
         self._stopping = threading.Event()
         self._dropped = LimitedLog(log)
+        # Messages to send at once (post): a pipe wakes the loop, even from a signal handler.
+        self._outbox: collections.deque[tuple[str, dict[str, Any]]] = collections.deque(maxlen=64)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
 
     def stop(self) -> None:
         self._stopping.set()
+
+    def post(self, type_: str, body: dict[str, Any]) -> None:
+        """Send a message to the driver from this thread, now (safe in a signal handler:
+        only a deque append and a non-blocking write)."""
+        self._outbox.append((type_, body))
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass  # the pipe is full (the loop is awake) or closed (the worker is stopping)
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sub, zmq.POLLIN)
         poller.register(self._hb, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         last_answer = time.monotonic()
         next_beat = 0.0
         try:
@@ -162,6 +178,15 @@ class ControlChannel(threading.Thread):
                     return
                 self._ship_events()
                 events = dict(poller.poll(int(max(0.0, min(next_beat - now, 0.1)) * 1000) + 1))
+                if self._wake_r in events:
+                    os.read(self._wake_r, 4096)
+                while self._outbox:
+                    type_, body = self._outbox.popleft()
+                    try:
+                        self._hb.send(self._hb_codec.encode(type_, body), zmq.NOBLOCK)
+                    except zmq.Again:
+                        self._outbox.appendleft((type_, body))
+                        break
                 for sock, codec in ((self._sub, self._sub_codec), (self._hb, self._hb_codec)):
                     if sock in events:
                         try:
@@ -179,6 +204,8 @@ class ControlChannel(threading.Thread):
             self._ship_events()  # what the worker recorded last (e.g. at a clean exit)
             self._sub.close(0)
             self._hb.close(0)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     def _ship_events(self) -> None:
         """Send queued events to the driver's event log (best effort, never blocking)."""

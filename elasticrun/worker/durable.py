@@ -87,6 +87,99 @@ def fill_range(tensors: Sequence[torch.Tensor], entries: Sequence[Entry], offset
             ctypes.memmove(t.data_ptr() + (lo - e.offset), src + (lo - offset), hi - lo)
 
 
+class DurableMismatch(RuntimeError):
+    """A durable copy does not fit the state it is restored into (one line naming the first
+    key that differs): a restore refuses it rather than train a model it does not belong to."""
+
+
+@dataclass(frozen=True)
+class _TensorRef:
+    index: int
+
+
+def _like(d: dict, items: list[tuple[Any, Any]]) -> dict:
+    """A dict of ``d``'s type (OrderedDict for a state_dict) with these items."""
+    try:
+        return type(d)(items)
+    except TypeError:
+        return dict(items)
+
+
+def split_tensors(tree: Any, prefix: str = "") -> tuple[list[tuple[str, torch.Tensor]], Any]:
+    """(the tensors of ``tree`` with their paths, ``tree`` with each tensor replaced by a
+    reference): the tensors go to data.bin, raw; the rest is pickled once (meta)."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+
+    def walk(x: Any, path: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors.append((path, x.detach()))
+            return _TensorRef(len(tensors) - 1)
+        if isinstance(x, dict):
+            return _like(x, [(k, walk(v, f"{path}.{k}" if path else str(k))) for k, v in x.items()])
+        if type(x) in (list, tuple):
+            return type(x)(walk(v, f"{path}[{i}]") for i, v in enumerate(x))
+        return x
+
+    return tensors, walk(tree, prefix)
+
+
+def encode_meta(structure: Any, entries: Sequence[Entry], commit: int, steps: int) -> bytes:
+    import cloudpickle
+
+    return cloudpickle.dumps({"format": 1, "structure": structure, "entries": list(entries), "commit": commit,
+                              "steps": steps})
+
+
+def decode(meta: bytes, data: bytes) -> tuple[Any, int, int]:
+    """(the state tree with its tensors, commit, steps) of a durable copy."""
+    import cloudpickle
+
+    try:
+        m = cloudpickle.loads(meta)
+        entries: list[Entry] = m["entries"]
+    except Exception as exc:  # the driver verified its checksum: this is another version's format
+        raise DurableMismatch(f"the durable copy's metadata cannot be read here ({type(exc).__name__}: {exc})") \
+            from None
+    tensors = []
+    for e in entries:
+        dtype = getattr(torch, e.dtype.removeprefix("torch."))
+        tensors.append(torch.empty(e.shape, dtype=dtype))
+    fill_range(tensors, entries, 0, data)
+
+    def put(x: Any) -> Any:
+        if isinstance(x, _TensorRef):
+            return tensors[x.index]
+        if isinstance(x, dict):
+            return _like(x, [(k, put(v)) for k, v in x.items()])
+        if type(x) in (list, tuple):
+            return type(x)(put(v) for v in x)
+        return x
+
+    return put(m["structure"]), int(m["commit"]), int(m["steps"])
+
+
+def check_fits(name: str, live: Any, saved: Any) -> None:
+    """Raise DurableMismatch naming the first key where ``saved`` (a state_dict from a durable
+    copy) does not fit ``live`` (the same object's state_dict now): keys, shapes, dtypes."""
+    def walk(a: Any, b: Any, path: str) -> None:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+                raise DurableMismatch(f"{path}: the model has {type(a).__name__}, the durable copy {type(b).__name__}")
+            if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+                raise DurableMismatch(f"{path}: the model has {tuple(a.shape)} {a.dtype}, the durable copy "
+                                      f"{tuple(b.shape)} {b.dtype}")
+        elif isinstance(a, dict) and isinstance(b, dict):
+            for k in a:
+                if k not in b:
+                    raise DurableMismatch(f"{path}.{k}: in the model, not in the durable copy")
+                walk(a[k], b[k], f"{path}.{k}")
+            for k in b:
+                if k not in a:
+                    raise DurableMismatch(f"{path}.{k}: in the durable copy, not in the model")
+
+    walk(live, saved, name)
+
+
 @dataclass
 class _Copy:
     request: int
@@ -160,6 +253,11 @@ class DurableSender:
         self.sent = 0  # copies sent whole (tests, logs)
         self._thread = threading.Thread(target=self._run, name="elasticrun-durable-send", daemon=True)
         self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        """A shard is still queued or being sent (this rank cannot take another yet)."""
+        return self._busy or self._pending is not None
 
     def hand_off(self, request: int, rank: int, world: int, commit: int, steps: int,
                  tensors: Sequence[torch.Tensor], entries: Sequence[Entry], meta: Callable[[], bytes]) -> bool:
@@ -236,3 +334,43 @@ def fetch(ctx: zmq.Context, endpoint: str, keys: WorkerKeys, job_id: str) -> tup
         return info, parts["meta"], parts["data"]
     finally:
         ch.close()
+
+
+class CopyRequests:
+    """The driver's requests for a durable copy, and when every rank agrees to hand one off.
+
+    A request must be served at one commit by every rank at once (each sends its shard of the
+    same commit), but ranks hear of it at different moments. So, like host updates, it is
+    agreed at a commit through a collective the commit already runs: each rank offers
+    (``wanted``: it has an unserved request; ``busy``: its previous shard is still being sent)
+    and the copy is made when some rank wants it and none is busy. The agreement travels in
+    the DistributedOptimizer's first gradient bucket (:meth:`agreed`), or in the commit's own
+    tiny allreduce. Pure: the control thread only calls :meth:`record`.
+    """
+
+    def __init__(self) -> None:
+        self._latest = 0  # the newest request id heard (one int: read without a lock)
+        self._served = 0
+        self._agreed: tuple[int, bool, bool] | None = None  # (round, wanted, busy)
+
+    def record(self, request: int) -> None:
+        if request > self._latest:
+            self._latest = request
+
+    def local_flags(self, busy: bool) -> tuple[bool, bool]:
+        return self._latest > self._served, busy
+
+    def agreed(self, round_: int, wanted: bool, busy: bool) -> None:
+        self._agreed = (round_, wanted, busy)
+
+    def take_agreed(self, round_: int) -> tuple[bool, bool] | None:
+        """(wanted, busy) agreed in a gradient allreduce of this round since the last commit."""
+        agreed, self._agreed = self._agreed, None
+        if agreed is None or agreed[0] != round_:
+            return None
+        return agreed[1], agreed[2]
+
+    def served(self) -> int:
+        """A copy was handed off: every request heard so far is answered by it."""
+        self._served = self._latest
+        return self._served

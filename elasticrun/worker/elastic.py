@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Iterable, TypeVar
 
 from elasticrun.common.events import Kind
-from elasticrun.worker import collectives, runtime
+from elasticrun.worker import collectives, durable, runtime
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError, HostsUpdatedInterrupt
 
 log = logging.getLogger("elasticrun.worker")
@@ -43,13 +43,46 @@ class State:
             callback()
 
     def commit(self) -> None:
-        """Save the state, then check (collectively) whether hosts changed."""
+        """Save the state, then check (collectively) whether hosts changed; with
+        ``--checkpoint-dir``, the same agreement may hand the commit off as a durable copy."""
         self.save()
         self._just_saved = True
         try:
             self.check_host_updates()
         finally:
             self._just_saved = False
+
+    @property
+    def commit_seq(self) -> int:
+        """How many commits this job's state has had (equal on every rank after a sync)."""
+        return int(self.__dict__.get("_commit_seq", 0))
+
+    def durable_state(self) -> dict[str, Any]:
+        """Everything a restore needs, right after a commit (live == committed then): nested
+        dicts/lists of tensors and picklable values. Subclasses say what they hold."""
+        raise NotImplementedError(f"{type(self).__name__} cannot make durable copies (use ObjectState or "
+                                  f"TorchState, or implement durable_state/load_durable_state)")
+
+    def load_durable_state(self, saved: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _hand_off(self, request: int) -> None:
+        """This rank's shard of the commit just saved, to the durable-copy sender."""
+        rt = runtime.get()
+        tensors, structure = durable.split_tensors(self.durable_state())
+        entries = durable.layout(tensors)
+
+        def meta() -> bytes:  # rank 0 only, on this thread: the state does not move meanwhile
+            return durable.encode_meta(structure, entries, self.commit_seq, rt.steps)
+        rt.send_durable(request, [t for _, t in tensors], entries, meta)
+
+    def load_durable(self, meta: bytes, data: bytes) -> tuple[int, int]:
+        """Put a durable copy into this state (live and committed); (commit, steps) it holds.
+        DurableMismatch (one line: the first key that does not fit) if it is not this model's."""
+        saved, commit, steps = durable.decode(meta, data)
+        self.load_durable_state(saved)
+        self.__dict__["_commit_seq"] = commit
+        return commit, steps
 
     def check_host_updates(self) -> None:
         """Raise HostsUpdatedInterrupt on every rank at this same call if hosts changed.
@@ -60,10 +93,13 @@ class State:
         since the last commit, whose gradients are in everyone's live model, would be
         forgotten and trained again.
         """
+        just_saved = getattr(self, "_just_saved", False)
         try:
-            runtime.get().check_host_updates()
+            # Right after a commit's save, the same agreement may hand the commit off as a
+            # durable copy (--checkpoint-dir).
+            runtime.get().check_host_updates(hand_off=self._hand_off if just_saved else None)
         except HostsUpdatedInterrupt:
-            if not getattr(self, "_just_saved", False):
+            if not just_saved:
                 self.save()
             raise
 
@@ -89,26 +125,44 @@ class ObjectState(State):
         super().__init__()
         self._bcast_object = bcast_object or (lambda obj: collectives.broadcast_object(obj, root_rank=0))
         self._saved_state: dict[str, Any] = {}
+        self.__dict__.setdefault("_commit_seq", 0)
         for name, value in kwargs.items():
             setattr(self, name, value)
         self._object_keys = list(kwargs)
-        self.save()
+        self._save_objects()
 
     def _live(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self._object_keys}
 
-    def save(self) -> None:
+    def _save_objects(self) -> None:
         self._saved_state = copy.deepcopy(self._live())
+
+    def save(self) -> None:
+        self.__dict__["_commit_seq"] = self.commit_seq + 1
+        self._save_objects()
 
     def restore(self) -> None:
         for name, value in copy.deepcopy(self._saved_state).items():
             setattr(self, name, value)
 
     def sync(self) -> None:
-        if self._object_keys:
-            for name, value in self._bcast_object(self._live()).items():
-                setattr(self, name, value)
-        self.save()
+        live, seq = self._bcast_object((self._live(), self.commit_seq))
+        for name, value in live.items():
+            setattr(self, name, value)
+        self.__dict__["_commit_seq"] = seq
+        self._save_objects()
+
+    def durable_state(self) -> dict[str, Any]:
+        return {"objects": dict(self._saved_state)}
+
+    def load_durable_state(self, saved: dict[str, Any]) -> None:
+        objects = saved.get("objects", {})
+        missing = [k for k in self._object_keys if k not in objects]
+        if missing:
+            raise durable.DurableMismatch(f"attribute {missing[0]!r} of the state is not in the durable copy")
+        for name in self._object_keys:
+            setattr(self, name, objects[name])
+        self._save_objects()
 
 
 def run(func: F) -> F:
@@ -124,46 +178,75 @@ def run(func: F) -> F:
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         rt = runtime.get()
-        skip_sync = False
-        resetting = False
-        started = time.monotonic()  # when the current reset began (set again at each)
-        error: str | None = None
-        restored = False
-        while True:
-            try:
-                if not skip_sync:
-                    synced = time.monotonic()
-                    state.sync()
-                    rt.emit(Kind.SYNC_DONE, ms=round((time.monotonic() - synced) * 1000, 2))
-                rt.has_state = True
-                if resetting:
-                    rt.current_round.mark_reset()
-                    log.info("rank %d/%d: reset to round %d took %.1f ms", rt.rank, rt.size, rt.round,
-                             (time.monotonic() - started) * 1000)
-                return func(state, *args, **kwargs)
-            except HorovodInternalError as exc:
-                log.warning("rank %d: %s; restoring the last commit", rt.rank, exc)
-                rt.emit(Kind.FAILURE_DETECTED, error=str(exc)[:300])
-                started = time.monotonic()
-                state.restore()
-                rt.emit(Kind.RESTORE, ms=round((time.monotonic() - started) * 1000, 2))
-                skip_sync = False
-                restored = True
-                # Only this rank knows of its own timeout; a dead peer the driver sees itself.
-                error = str(exc) if isinstance(exc, CollectiveTimeout) else None
-            except HostsUpdatedInterrupt as exc:
-                started = time.monotonic()
-                skip_sync = exc.skip_sync
-                error = None
-                restored = False
-            resetting = True
-            rt.rendezvous(error=error, restored=restored)
-            # The driver decides for everyone whether to sync: newcomers must receive the
-            # state even when the interrupt said "removals only" (another change may have
-            # been folded into the same reset), and when the round failed or a rank rolled
-            # back, ranks that took the interrupt hold a newer commit than those that
-            # restored. A rank-local choice could leave some ranks in sync() and others not.
-            skip_sync = skip_sync and not rt.must_sync
-            state.on_reset()
+        rt.active_state = state  # host updates agreed in a step interrupt there (Runtime.step_done)
+        try:
+            return _run(func, state, rt, args, kwargs)
+        finally:
+            rt.active_state = None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _restore_durable(state: State, rt: Any) -> None:
+    """Rank 0 of a round that no holder of the state joined: load the newest durable copy
+    (the sync then gives it to everyone). A copy that does not fit ends the job, with the
+    first key that differs, instead of training from scratch."""
+    loaded = time.monotonic()
+    info, meta, data = rt.fetch_durable()
+    try:
+        commit, steps = state.load_durable(meta, data)
+    except durable.DurableMismatch as exc:
+        message = f"the durable copy in the checkpoint directory does not fit this state: {exc}"
+        rt.report_restore_failed(message)
+        raise RuntimeError(message) from None
+    rt.steps = steps
+    rt.restore = False
+    log.warning("rank 0: restored the durable copy of commit %d (%d steps, %.1f MB) in %.2f s", commit, steps,
+                (len(meta) + len(data)) / 1e6, time.monotonic() - loaded)
+
+
+def _run(func: Callable[..., Any], state: State, rt: Any, args: Any, kwargs: Any) -> Any:
+    """The loop of :func:`run`: call ``func``, recover, re-form, sync, call it again."""
+    skip_sync = False
+    resetting = False
+    started = time.monotonic()  # when the current reset began (set again at each)
+    error: str | None = None
+    restored = False
+    while True:
+        try:
+            if rt.restore and rt.rank == 0:
+                _restore_durable(state, rt)
+            if not skip_sync:
+                synced = time.monotonic()
+                state.sync()
+                rt.emit(Kind.SYNC_DONE, ms=round((time.monotonic() - synced) * 1000, 2))
+            rt.has_state = True
+            if resetting:
+                rt.current_round.mark_reset()
+                log.info("rank %d/%d: reset to round %d took %.1f ms", rt.rank, rt.size, rt.round,
+                         (time.monotonic() - started) * 1000)
+            return func(state, *args, **kwargs)
+        except HorovodInternalError as exc:
+            log.warning("rank %d: %s; restoring the last commit", rt.rank, exc)
+            rt.emit(Kind.FAILURE_DETECTED, error=str(exc)[:300])
+            started = time.monotonic()
+            state.restore()
+            rt.emit(Kind.RESTORE, ms=round((time.monotonic() - started) * 1000, 2))
+            skip_sync = False
+            restored = True
+            # Only this rank knows of its own timeout; a dead peer the driver sees itself.
+            error = str(exc) if isinstance(exc, CollectiveTimeout) else None
+        except HostsUpdatedInterrupt as exc:
+            started = time.monotonic()
+            skip_sync = exc.skip_sync
+            error = None
+            restored = False
+        resetting = True
+        rt.rendezvous(error=error, restored=restored)
+        # The driver decides for everyone whether to sync: newcomers must receive the
+        # state even when the interrupt said "removals only" (another change may have
+        # been folded into the same reset), and when the round failed or a rank rolled
+        # back, ranks that took the interrupt hold a newer commit than those that
+        # restored. A rank-local choice could leave some ranks in sync() and others not.
+        skip_sync = skip_sync and not rt.must_sync
+        state.on_reset()

@@ -22,6 +22,7 @@ from elasticrun.common.events import Kind
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from elasticrun.worker.durable import CopyRequests
     from elasticrun.worker.host_updates import HostUpdates
 
 __all__ = ["Round", "current", "install", "uninstall"]
@@ -35,12 +36,14 @@ class Round:
     plain attribute so that the common case costs no call.
     """
 
-    __slots__ = ("number", "rank", "size", "pg", "collective_timeout", "host_updates", "awaiting_first_step",
-                 "_aborted", "_emit", "__weakref__")
+    __slots__ = ("number", "rank", "size", "pg", "collective_timeout", "host_updates", "copy_requests", "copy_busy",
+                 "step_done", "awaiting_first_step", "_aborted", "_emit", "__weakref__")
 
     def __init__(self, number: int, rank: int, size: int, *, collective_timeout: float,
                  host_updates: HostUpdates, aborted: Mapping[int, str],
-                 emit: Callable[..., None], pg: dist.ProcessGroup | None = None) -> None:
+                 emit: Callable[..., None], pg: dist.ProcessGroup | None = None,
+                 copy_requests: CopyRequests | None = None, copy_busy: Callable[[], bool] = lambda: False,
+                 step_done: Callable[[], None] | None = None) -> None:
         self.number = number
         self.rank = rank
         self.size = size
@@ -48,6 +51,13 @@ class Round:
         self.collective_timeout = collective_timeout
         #: The job's host updates (they outlive rounds): the gradient allreduce carries their flags.
         self.host_updates = host_updates
+        #: The driver's requests for a durable copy (job-wide too): the same bucket carries their flags.
+        self.copy_requests = copy_requests
+        self.copy_busy = copy_busy  # this rank's previous shard is still being sent
+        #: Called by the DistributedOptimizer once the gradients of a step are reduced, before
+        #: they are applied: the runtime counts steps there, and takes a host update agreed
+        #: in that very allreduce at once (see Runtime.step_done).
+        self.step_done = step_done
         self.awaiting_first_step = False
         self._aborted = aborted  # round number -> reason, written by the runtime's control thread
         self._emit = emit

@@ -25,12 +25,13 @@ import atexit
 import collections
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -39,9 +40,10 @@ import zmq
 from elasticrun.common.events import Kind
 from elasticrun.common import env, settings
 from elasticrun.common.protocol import Message
-from elasticrun.worker import collectives, rounds
+from elasticrun.worker import collectives, durable, rounds
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from elasticrun.worker.durable import CopyRequests, DurableSender
 from elasticrun.worker.host_updates import HostUpdates
 from elasticrun.worker.rounds import Round
 from elasticrun.worker.store import DriverStore
@@ -97,6 +99,15 @@ class Runtime:
         self._store: Any = None
         self._lock = threading.Lock()  # what the control thread writes: host updates, aborts
         self.host_updates = HostUpdates()
+        self.copy_requests = CopyRequests()  # the driver's requests for a durable copy
+        self.steps = 0  # optimizer steps applied in this job (restored with a durable copy)
+        self.restore = False  # the driver's word for this round: load the newest durable copy first
+        self.active_state: Any = None  # the state elastic.run is training (for interrupts at a step)
+        self._sender: DurableSender | None = None
+        self._keys: Any = None
+        self._leaving: float | None = None  # when SIGTERM came (the worker is leaving)
+        self._driver_stopping = False  # the driver said it stops the job (its SIGTERM is no reclaim)
+        self._leaving_heard = threading.Event()  # the driver answered our "leaving"
         self._aborted: dict[int, str] = {}
         # Events for the driver's event log: appended here, shipped by the control thread.
         self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=10_000)
@@ -112,13 +123,16 @@ class Runtime:
     def _connect(self) -> None:
         # The keys come through a pipe the launcher handed over (never the environment, which
         # /proc/PID/environ shows and the user's subprocesses inherit); read once, then closed.
-        keys = job_keys()
+        keys = self._keys = job_keys()
         job_id = os.environ[env.JOB_ID]
         self._ctx = zmq.Context()
         self._client = DriverClient(self._ctx, os.environ[env.CONTROL_ADDR], keys, job_id, "worker")
+        if env.DURABLE_ADDR in os.environ:  # --checkpoint-dir: this rank sends its shards there
+            self._sender = DurableSender(self._ctx, os.environ[env.DURABLE_ADDR], keys, job_id)
         self._control = ControlChannel(
             self._ctx, os.environ[env.CONTROL_ADDR], os.environ[env.NOTIFY_ADDR], keys, job_id,
-            heartbeat_body=lambda: {"worker": self.worker_id, "round": self.round},
+            heartbeat_body=lambda: {"worker": self.worker_id, "round": self.round, "steps": self.steps,
+                                    "commit": self.commit_seq()},
             on_message=self._on_message, on_driver_lost=self._on_driver_lost,
             interval=_seconds(env.HEARTBEAT_INTERVAL, settings.DEFAULT_HEARTBEAT_INTERVAL),
             driver_timeout=_seconds(env.DRIVER_TIMEOUT, settings.DEFAULT_DRIVER_TIMEOUT),
@@ -149,7 +163,29 @@ class Runtime:
 
     def _new_round(self, number: int, rank: int, size: int, pg: dist.ProcessGroup | None = None) -> Round:
         return Round(number, rank, size, collective_timeout=self.collective_timeout, host_updates=self.host_updates,
-                     aborted=self._aborted, emit=self.emit, pg=pg)
+                     aborted=self._aborted, emit=self.emit, pg=pg, copy_requests=self.copy_requests,
+                     copy_busy=self.copy_busy, step_done=self.step_done)
+
+    def commit_seq(self) -> int:
+        """The commit counter of the state being trained (0 before elastic.run)."""
+        state = self.active_state
+        return int(getattr(state, "commit_seq", 0)) if state is not None else 0
+
+    def copy_busy(self) -> bool:
+        return self._sender is not None and self._sender.busy
+
+    def step_done(self) -> None:
+        """The DistributedOptimizer reduced a step's gradients (with the agreed flags) and is
+        about to apply them. A host update agreed in that allreduce is taken here, on every
+        rank at once, instead of at the next check point: the state is committed as it was
+        after the previous step (whose batch the script has recorded) and the interrupt
+        raised, so this step is neither applied nor recorded, and is trained after the reset.
+        A worker told to leave (SIGTERM) is then out at its next step, not only its next commit.
+        """
+        state = self.active_state
+        if state is not None and self.host_updates.agreed_pending(self._round.number):
+            state.check_host_updates()  # commits, then raises HostsUpdatedInterrupt
+        self.steps += 1
 
     def enter_round(self, number: int, rank: int, size: int, pg: dist.ProcessGroup | None = None) -> Round:
         """Make round ``number`` (this worker: ``rank`` of ``size``) the current one, for this
@@ -184,9 +220,16 @@ class Runtime:
                     self.emit(Kind.NOTIFICATION_RECEIVED, ts=ts)
             elif msg.type == "round_aborted":
                 self._abort(int(body["round"]), str(body.get("reason", "round aborted")))
+            elif msg.type == "stopping":  # the job is ending: the SIGTERM that follows is the driver's
+                self._driver_stopping = True
+            elif msg.type == "leaving_ack":
+                self._leaving_heard.set()
+            elif msg.type == "durable_request":
+                self.copy_requests.record(int(body["id"]))
             elif msg.type == "heartbeat_ack":
                 for ts, added, _removed in body.get("updates", []):
                     self.host_updates.record(float(ts), bool(added))
+                self.copy_requests.record(int(body.get("durable", 0)))
                 if body.get("aborted") and int(body["round"]) not in self._aborted:
                     self._abort(int(body["round"]), str(body.get("reason", "round aborted")))
 
@@ -241,6 +284,7 @@ class Runtime:
             self.local_rank, self.local_size = int(a["local_rank"]), int(a["local_size"])
             self.cross_rank, self.cross_size = int(a["cross_rank"]), int(a["cross_size"])
             self.must_sync = bool(a.get("must_sync", True))
+            self.restore = bool(a.get("restore", False))
             self.rendezvous_count += 1
             self.emit(Kind.RENDEZVOUS_COMPLETE, size=self.size, waited_ms=round((time.monotonic() - asked) * 1000, 2))
             self.host_updates.handled(float(a.get("notify_ts", 0.0)))
@@ -283,33 +327,69 @@ class Runtime:
         except Exception as exc:  # the exit code still tells the driver
             log.debug("could not report the failure: %s", exc)
 
-    def check_host_updates(self) -> None:
+    def check_host_updates(self, hand_off: Callable[[int], None] | None = None) -> None:
         """Collective: raise HostsUpdatedInterrupt on every rank if any rank saw a newer update.
 
         When the optimizer's gradient allreduce already carried the flags since the last
         check, their agreed value is used and no extra collective runs. Every rank takes the
         same path: they all ran the same steps. See worker/host_updates.py.
+
+        ``hand_off`` (a commit's, with --checkpoint-dir): the same agreement says whether the
+        ranks hand the commit just saved off as a durable copy (some rank was asked, none is
+        still sending the last one); it is called with the copy's id before any interrupt.
         """
         if self.standalone:
             return
+        r = self._round
         updates = self.host_updates
-        verdict = updates.take_agreed(self._round.number)
-        if verdict is not None:
-            interrupt, added = verdict
-            if interrupt:
-                self.emit(Kind.INTERRUPT, skip_sync=not added, agreed_in="gradient allreduce")
-                raise HostsUpdatedInterrupt(skip_sync=not added)
-            return
-        latest, added = updates.proposal()
-        agreed = torch.tensor([latest, 1.0 if added else 0.0], dtype=torch.float64)
-        collectives.allreduce_inplace(agreed, dist.ReduceOp.MAX, "check_host_updates")
-        ts = agreed[0].item()
-        if updates.settle(ts):
-            skip_sync = agreed[1].item() == 0.0
-            self.emit(Kind.INTERRUPT, ts=ts, skip_sync=skip_sync)
-            raise HostsUpdatedInterrupt(skip_sync=skip_sync)
+        verdict = updates.take_agreed(r.number)
+        copy = self.copy_requests.take_agreed(r.number) if hand_off is not None else None
+        if verdict is None:
+            latest, added = updates.proposal()
+            wanted, busy = self.copy_requests.local_flags(self.copy_busy())
+            agreed = torch.tensor([latest, float(added), float(wanted), float(busy)], dtype=torch.float64)
+            collectives.allreduce_inplace(agreed, dist.ReduceOp.MAX, "check_host_updates")
+            ts, added_, wanted_, busy_ = agreed.tolist()
+            verdict = (updates.settle(ts), added_ > 0)
+            copy = (wanted_ > 0, busy_ > 0)
+            where = {"ts": ts}
+        else:
+            where = {"agreed_in": "gradient allreduce"}
+        if hand_off is not None and copy is not None and copy[0] and not copy[1] and self._sender is not None:
+            hand_off(r.number << 32 | (self.commit_seq() & 0xFFFFFFFF))
+            self.copy_requests.served()
+        interrupt, added = verdict
+        if interrupt:
+            self.emit(Kind.INTERRUPT, skip_sync=not added, **where)
+            raise HostsUpdatedInterrupt(skip_sync=not added)
+
+    def send_durable(self, request: int, tensors: list[Any], entries: list[Any], meta: Callable[[], bytes]) -> None:
+        """Hand this rank's shard of the commit just saved to the sender (the training thread's
+        only cost: copying 1/size of the state into a staging buffer)."""
+        if self._sender is not None:
+            self._sender.hand_off(request, self.rank, self.size, self.commit_seq(), self.steps, tensors,
+                                  entries, meta)
+
+    def fetch_durable(self) -> tuple[dict[str, Any], bytes, bytes]:
+        """The newest durable copy, from the driver (a restore)."""
+        if self._ctx is None or env.DURABLE_ADDR not in os.environ:
+            raise RuntimeError("this job keeps no durable copies (--checkpoint-dir)")
+        return durable.fetch(self._ctx, os.environ[env.DURABLE_ADDR], self._keys, os.environ[env.JOB_ID])
+
+    def report_restore_failed(self, error: str) -> None:
+        """A durable copy could not be restored (it does not fit the model): the job must stop,
+        not start over from scratch."""
+        if self._client is not None:
+            try:
+                self._client.request("restore_failed", {"worker": self.worker_id, "error": error[-2000:]},
+                                     timeout=5.0, what="the restore failure report")
+            except Exception as exc:
+                log.debug("could not report the failed restore: %s", exc)
 
     def shutdown(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
         if self._control is not None:
             self._control.stop()  # it ships the last queued events before it ends
             self._control.join(timeout=2)
@@ -348,6 +428,7 @@ def init() -> Runtime:
             atexit.register(shutdown)
             if not rt.standalone:
                 _install_excepthook(rt)
+                _install_sigterm(rt)
         return _runtime
 
 
@@ -360,6 +441,56 @@ def _warm_up() -> None:
     survivors keep training meanwhile.
     """
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+
+
+def _say(text: str) -> None:
+    """A line on stderr from a signal handler or a timer (os.write: no buffered-IO reentry)."""
+    try:
+        os.write(2, text.encode(errors="replace"))
+    except OSError:
+        pass
+
+
+#: How long a worker told to stop (SIGTERM) waits for the driver to hear it is leaving; without
+#: an answer the driver is gone (or is stopping the job itself) and the worker stops at once.
+ANSWER_TIMEOUT = 1.0
+
+
+def _install_sigterm(rt: Runtime) -> None:
+    """SIGTERM is the cloud's (or Kubernetes', or Slurm's) warning that this machine goes: the
+    worker tells the driver it is leaving, which moves its host out at the next step (no
+    rollback), and exits 0 when dismissed. It is stopped at once after --sigterm-grace, at a
+    second SIGTERM, or when the SIGTERM is the driver's own (the job is ending)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    grace = _seconds(env.SIGTERM_GRACE, settings.DEFAULT_SIGTERM_GRACE)
+    where = f"{rt.hostname}[{rt.slot}]"
+
+    def stop_now(why: str) -> None:  # from the handler or a timer thread: no signal.signal() there
+        _say(f"elasticrun: {where}: {why}; stopping now\n")
+        os._exit(128 + signal.SIGTERM)
+
+    def unheard() -> None:  # no driver to leave gracefully with (it is gone, or stopping us)
+        if not rt._leaving_heard.wait(ANSWER_TIMEOUT):
+            stop_now("the driver did not answer SIGTERM's 'leaving'")
+
+    def handler(signum: int, frame: Any) -> None:
+        if rt._driver_stopping or rt._control is None:
+            stop_now("the job is ending")
+        elif rt._leaving is not None:
+            stop_now("a second SIGTERM")
+        else:
+            rt._leaving = time.monotonic()
+            rt._control.post("leaving", {"worker": rt.worker_id, "why": "SIGTERM"})
+            _say(f"elasticrun: {where}: SIGTERM: leaving the job at the next step (at most {grace:g} s, "
+                 f"--sigterm-grace)\n")
+            deadline = threading.Timer(grace, stop_now, (f"--sigterm-grace {grace:g} s ran out",))
+            answer = threading.Thread(target=unheard, name="elasticrun-sigterm")
+            for t in (deadline, answer):
+                t.daemon = True
+                t.start()
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _install_excepthook(rt: Runtime) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed
 
-from elasticrun.worker import collectives, rounds
+from elasticrun.worker import collectives, durable, rounds
 from elasticrun.worker.elastic import ObjectState
 # The handler API, importable from here as before the split.
 from elasticrun.worker.state_handlers import (
@@ -139,9 +139,9 @@ class TorchState(ObjectState):
 
     def save(self) -> None:
         if not self.__dict__.get("_constructed"):
-            # Called by ObjectState.__init__: the handlers saved when they were created, and
-            # construction is no collective point (newcomers construct, survivors do not).
-            super().save()
+            # The handlers saved when they were created, and construction is no collective
+            # point (newcomers construct, survivors do not).
+            self._save_objects()
             return
         for handler in self._handlers_in_order():
             handler.merge()
@@ -161,7 +161,38 @@ class TorchState(ObjectState):
         else:
             for handler in self._handlers.values():
                 handler.save()
-        super().save()
+        self._save_objects()
+
+    def durable_state(self) -> dict[str, Any]:
+        """The handled objects' ``state_dict()`` (model, optimizer, LR scheduler, sampler) and
+        the plain attributes, right after a commit (live == committed then)."""
+        handlers = {}
+        for name, h in sorted(self._handlers.items()):
+            if not hasattr(h.value, "state_dict"):
+                raise NotImplementedError(f"durable copies need state_dict()/load_state_dict() on {name!r} "
+                                          f"({type(h.value).__name__})")
+            handlers[name] = h.value.state_dict()
+        return {"objects": dict(self._saved_state), "handlers": handlers}
+
+    def load_durable_state(self, saved: dict[str, Any]) -> None:
+        handlers = saved.get("handlers", {})
+        self.wait_for_commit()
+        for name, h in sorted(self._handlers.items()):
+            if name not in handlers:
+                raise durable.DurableMismatch(f"{name}: the state has it, the durable copy does not")
+            if isinstance(h, ModelStateHandler):
+                durable.check_fits(name, h.value.state_dict(), handlers[name])
+            try:
+                h.value.load_state_dict(handlers[name])
+            except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+                raise durable.DurableMismatch(f"{name}: {str(exc).splitlines()[0][:300]}") from None
+        objects = saved.get("objects", {})
+        missing = [k for k in self._object_keys if k not in objects]
+        if missing:
+            raise durable.DurableMismatch(f"attribute {missing[0]!r} of the state is not in the durable copy")
+        for name in self._object_keys:
+            setattr(self, name, objects[name])
+        self._save_local()  # the commit is the durable copy now
 
     def restore(self) -> None:
         self.wait_for_commit()
