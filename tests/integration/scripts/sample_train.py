@@ -36,6 +36,10 @@ p.add_argument("--log-dir", required=True)
 p.add_argument("--progress", required=True)
 p.add_argument("--await-size", action="append", default=[], help="EPOCH:BATCH:SIZE")
 p.add_argument("--kill", default=None, help="HOST:SLOT@EPOCH:BATCH: SIGKILL that worker there (once)")
+p.add_argument("--sigterm", default=None, help="HOST:SLOT@EPOCH:BATCH: that worker gets SIGTERM there (once)")
+p.add_argument("--kill-all", default=None, metavar="EPOCH:BATCH",
+               help="every worker SIGKILLs itself there (once per host): the whole job is lost")
+p.add_argument("--classes", type=int, default=2, help="the model's outputs (a different model to resume into)")
 p.add_argument("--slow-start", default=None, metavar="HOST:SECONDS",
                help="workers on HOST take that much longer to start (before hvd.init())")
 args = p.parse_args()
@@ -55,7 +59,7 @@ x = torch.randn(args.samples, 8, generator=gen)
 y = (x @ torch.randn(8, generator=gen) > 0).long()
 dataset = TensorDataset(x, y, torch.arange(args.samples))
 
-model = torch.nn.Linear(8, 2)
+model = torch.nn.Linear(8, args.classes)
 optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                      named_parameters=model.named_parameters())
 sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=7)
@@ -66,9 +70,10 @@ pending: list[str] = []
 
 
 def flush() -> None:
+    """The batches since the last save are committed: log them with that commit's number."""
     if pending:
         with open(log_path, "a") as f:
-            f.writelines(pending)
+            f.writelines(json.dumps(dict(e, commit=state.commit_seq)) + "\n" for e in pending)
         pending.clear()
 
 
@@ -107,7 +112,23 @@ state = LoggedState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, 
 initial_loss = loss_on_all()
 
 
+def maybe_signal(epoch: int, batch: int) -> None:
+    me = f"{rt.hostname}:{rt.slot}"
+    if args.sigterm:
+        who, at = args.sigterm.split("@")
+        marker = os.path.join(args.log_dir, "sigterm")
+        if who == me and tuple(map(int, at.split(":"))) == (epoch, batch) and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)  # as a cloud's reclaim notice would
+    if args.kill_all and tuple(map(int, args.kill_all.split(":"))) == (epoch, batch):
+        marker = os.path.join(args.log_dir, f"killed-all-{me}")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def maybe_kill(epoch: int, batch: int) -> None:
+    maybe_signal(epoch, batch)
     if not args.kill:
         return
     who, at = args.kill.split("@")
@@ -140,7 +161,9 @@ def train(state):
             F.cross_entropy(model(xb), yb).backward()
             optimizer.step()
             state.sampler.record_batch(idx, args.batch_size)
-            pending.append(json.dumps({"epoch": state.epoch, "indices": ib.tolist(), "size": hvd.size()}) + "\n")
+            pending.append({"epoch": state.epoch, "batch": state.batch, "indices": ib.tolist(), "size": hvd.size(),
+                            "round": rt.round, "rank": hvd.rank(), "t": time.time(),
+                            "job": os.environ.get("ELASTICRUN_JOB_ID")})
             if hvd.rank() == 0:
                 with open(args.progress + ".tmp", "w") as f:
                     f.write(str(state.epoch * 1000 + state.batch))

@@ -1,0 +1,236 @@
+"""Issue 14 on real jobs: warnings (SIGTERM, a draining host) become lossless exits, and with
+--checkpoint-dir the job survives losing every worker, or its driver.
+
+Exactly-once is proven from the committed sample logs (tests/integration/scripts/sample_train.py:
+each batch is logged with the commit that saved it). After a resume from a durable copy of
+commit C, the batches that the lost workers committed after C were never durable: they are
+left out of the committed history, and must be trained again, exactly once.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PROGRESS_DISCOVERY, SCRIPTS, assert_nothing_left
+
+pytestmark = pytest.mark.timeout(240)
+
+SAMPLES, EPOCHS = 240, 3
+
+
+def entries(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for p in log_dir.glob("samples-*.jsonl") for line in p.read_text().splitlines()]
+
+
+def events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def assert_exactly_once(history: list[dict]) -> None:
+    per_epoch: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    for e in history:
+        per_epoch[e["epoch"]].update(e["indices"])
+    assert sorted(per_epoch) == list(range(EPOCHS))
+    for epoch, counts in per_epoch.items():
+        missing = sorted(set(range(SAMPLES)) - set(counts))
+        repeated = sorted(i for i, n in counts.items() if n > 1)
+        assert not missing and not repeated, f"epoch {epoch}: missing {missing}, repeated {repeated}"
+
+
+def sample_cmd(job, *extra: str) -> list[str]:
+    logs = job.tmp / "samples"
+    logs.mkdir(exist_ok=True)
+    return [sys.executable, str(SCRIPTS / "sample_train.py"), "--log-dir", str(logs), "--progress",
+            str(job.progress), "--epochs", str(EPOCHS), "--samples", str(SAMPLES), *extra]
+
+
+def progress(job) -> int:
+    try:
+        return int(job.progress.read_text())
+    except (OSError, ValueError):
+        return -1
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+# --- warnings become graceful exits --------------------------------------------------------------
+def test_a_worker_told_to_stop_leaves_at_its_next_step_without_a_rollback(job):
+    """SIGTERM to one worker of 4 (a reclaim notice): its host is out at the next step, the
+    survivors lose nothing (no rollback, no sample twice), the worker exits 0. Commits only at
+    the end of epochs: leaving at the next commit would take the rest of the epoch."""
+    r = job.run(["-np", "4", "--min-np", "3", "-H", "localhost:1,127.0.0.1:1,127.0.0.2:1,127.0.0.3:1",
+                 "--events", str(job.tmp / "events.jsonl")],
+                sample_cmd(job, "--commit-every", "1000", "--sigterm", "127.0.0.3:0@1:3", "--sleep", "0.05"))
+    assert r.returncode == 0, r.output
+    assert "host 127.0.0.3 leaving (SIGTERM)" in r.stderr, r.stderr
+    assert "aborted" not in r.stderr and "exited with code" not in r.stderr, r.stderr  # no rollback, no failure
+    assert "127.0.0.3[0]: no place for 127.0.0.3[0] in the next round; exiting." in r.stderr
+    log = entries(job.tmp / "samples")
+    assert {e["size"] for e in log} == {4, 3}
+    assert_exactly_once(log)
+    # Out at its next step: the leaving worker trained at most 2 batches after its SIGTERM.
+    after = [e for e in log if e["epoch"] == 1 and e["size"] == 4 and e["batch"] > 3]
+    assert len({e["batch"] for e in after}) <= 2, sorted({e["batch"] for e in after})
+    interrupts = [e for e in events(job.tmp / "events.jsonl") if e["kind"] == "interrupt"]
+    assert interrupts and all(e.get("agreed_in") == "gradient allreduce" for e in interrupts), interrupts
+
+
+def test_a_host_discovery_lists_as_draining_is_out_within_two_steps(job):
+    schedule = "0:localhost:1,127.0.0.1:1,127.0.0.2:1;1004:localhost:1,127.0.0.1:1,127.0.0.2:1 draining"
+    r = job.run(["-np", "3", "--min-np", "2", "--host-discovery-script", str(PROGRESS_DISCOVERY),
+                 "--discovery-interval", "0.1", "--events", str(job.tmp / "events.jsonl")],
+                sample_cmd(job, "--commit-every", "1000", "--sleep", "0.05"), HOSTS_SCHEDULE=schedule)
+    assert r.returncode == 0, r.output
+    assert "host 127.0.0.2 is about to go (discovery lists it draining)" in r.stderr, r.stderr
+    assert "aborted" not in r.stderr
+    log = entries(job.tmp / "samples")
+    assert {e["size"] for e in log} == {3, 2}
+    assert_exactly_once(log)
+    ev = events(job.tmp / "events.jsonl")
+    noticed = next(e["t"] for e in ev if e["kind"] == "host_draining")
+    formed = next(e["t"] for e in ev if e["kind"] == "round_formed" and e["t"] > noticed)
+    steps = [e for e in log if e["rank"] == 0 and noticed < e["t"] < formed]
+    assert len(steps) <= 2, f"{len(steps)} steps between the notice and the new round"
+    assert not any(e["kind"] == "worker_started" and e["host"] == "127.0.0.2" and e["t"] > noticed for e in ev)
+
+
+# --- the job outlives its workers ----------------------------------------------------------------
+def committed_history(log: list[dict], ev: list[dict]) -> tuple[list[dict], dict]:
+    """The committed history across one resume from a durable copy: batches committed after
+    the restored commit by the workers that were lost are not part of it."""
+    resumed = next(e for e in ev if e["kind"] == "resumed")
+    lost = [e for e in log if e["round"] < resumed["round"] and e["commit"] > resumed["commit"]]
+    return [e for e in log if e not in lost], resumed
+
+
+def test_every_worker_lost_then_resumed_from_the_durable_copy(job):
+    """The whole pool is reclaimed at once (every worker SIGKILLed mid-epoch); discovery lists
+    the hosts again: the driver waits, starts new workers, and rank 0 restores the newest
+    durable copy. Nothing committed is lost; what was done since the copy is redone once."""
+    ckpt, ev_path = job.tmp / "ckpt", job.tmp / "events.jsonl"
+    r = job.run(["-np", "2", "--min-np", "2", "--host-discovery-script", str(PROGRESS_DISCOVERY),
+                 "--discovery-interval", "0.1", "--checkpoint-dir", str(ckpt), "--checkpoint-interval", "0.3",
+                 "--events", str(ev_path)],
+                sample_cmd(job, "--commit-every", "2", "--kill-all", "1:13", "--sleep", "0.03"),
+                HOSTS_SCHEDULE="0:localhost:1,127.0.0.1:1")
+    assert r.returncode == 0, r.output
+    assert "every worker is gone; waiting up to --elastic-timeout" in r.stderr, r.stderr
+    assert "resumed from checkpoint of " in r.stderr and " steps back (commit " in r.stderr, r.stderr
+    assert "durable copy" in r.stderr and "written in" in r.stderr
+    history, resumed = committed_history(entries(job.tmp / "samples"), events(ev_path))
+    assert resumed["commit"] > 0 and resumed["steps_back"] >= 0
+    assert_exactly_once(history)
+    assert len(list(ckpt.glob("ckpt-*"))) == 2  # the newest two are kept
+
+
+def test_without_a_checkpoint_dir_losing_every_worker_fails_as_before(job):
+    r = job.run(["-np", "2", "--min-np", "2", "-H", "localhost:1,127.0.0.1:1"],
+                sample_cmd(job, "--commit-every", "2", "--kill-all", "1:5"))
+    assert r.returncode == 1, r.output
+    assert "all workers failed" in r.stderr
+
+
+# --- the job outlives its driver -----------------------------------------------------------------
+def run_until_a_copy_then_kill_the_driver(job, ckpt: Path, extra: list[str], sig: int = signal.SIGKILL) -> None:
+    job.start(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--checkpoint-dir", str(ckpt),
+               "--checkpoint-interval", "0.3", "--events", str(job.tmp / "events1.jsonl"), *extra],
+              sample_cmd(job, "--commit-every", "2", "--sleep", "0.03"))
+    wait_for(lambda: len(list(ckpt.glob("ckpt-*"))) >= 2 and progress(job) >= 1005, 90, "two durable copies")
+    os.killpg(job.proc.pid, sig) if sig == signal.SIGKILL else os.kill(job.proc.pid, sig)
+    job.proc.wait(60)
+    assert_nothing_left(job.tag, within=15)  # workers notice the driver is gone
+
+
+def rerun(job, ckpt: Path, *extra: str):
+    return job.run(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--checkpoint-dir", str(ckpt),
+                    "--checkpoint-interval", "0.3", "--events", str(job.tmp / "events2.jsonl"), *extra],
+                   sample_cmd(job, "--commit-every", "2", "--sleep", "0.03"))
+
+
+def history_across_runs(job, resumed_commit: int) -> list[dict]:
+    log = entries(job.tmp / "samples")
+    first = min(log, key=lambda e: e["t"])["job"]  # the first run's job id
+    return [e for e in log if e["job"] != first or e["commit"] <= resumed_commit]
+
+
+def test_the_same_command_again_resumes_after_the_driver_was_killed(job):
+    ckpt = job.tmp / "ckpt"
+    run_until_a_copy_then_kill_the_driver(job, ckpt, [])
+    r = rerun(job, ckpt)
+    assert r.returncode == 0, r.output
+    assert "holds a durable copy of commit" in r.stderr and "resumed from checkpoint of" in r.stderr, r.stderr
+    [resumed] = [e for e in events(job.tmp / "events2.jsonl") if e["kind"] == "resumed"]
+    assert_exactly_once(history_across_runs(job, resumed["commit"]))
+
+
+def test_a_corrupt_newest_copy_is_skipped_for_the_one_before(job):
+    ckpt = job.tmp / "ckpt"
+    run_until_a_copy_then_kill_the_driver(job, ckpt, [])
+    newest = sorted(ckpt.glob("ckpt-*"))[-1]
+    with open(newest / "data.bin", "r+b") as f:  # one flipped byte
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0xFF]))
+    older = json.loads((sorted(ckpt.glob("ckpt-*"))[-2] / "manifest.json").read_text())["commit"]
+    r = rerun(job, ckpt)
+    assert r.returncode == 0, r.output
+    assert f"checkpoint {newest} is unusable (data.bin bytes" in r.stderr, r.stderr
+    [resumed] = [e for e in events(job.tmp / "events2.jsonl") if e["kind"] == "resumed"]
+    assert resumed["commit"] == older
+    assert_exactly_once(history_across_runs(job, older))
+
+
+def test_a_copy_of_another_model_is_refused_naming_the_first_key(job):
+    ckpt = job.tmp / "ckpt"
+    run_until_a_copy_then_kill_the_driver(job, ckpt, [])
+    r = job.run(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--checkpoint-dir", str(ckpt)],
+                sample_cmd(job, "--classes", "3"))
+    assert r.returncode == 1, r.output
+    assert "cannot resume: the durable copy in the checkpoint directory does not fit this state: " \
+           "model.weight: the model has (3, 8) torch.float32, the durable copy (2, 8) torch.float32" in r.stderr, \
+        r.stderr
+    assert "--fresh" in r.stderr
+    r = job.run(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--checkpoint-dir", str(ckpt), "--fresh"],
+                sample_cmd(job, "--classes", "3", "--epochs", "1"))
+    assert r.returncode == 0, r.output  # --fresh starts over
+
+
+def test_sigterm_to_the_driver_writes_a_last_copy_first(job):
+    """No periodic copy after the first (a long interval): the last copy, made at the signal,
+    is what a rerun resumes from, a few steps back at most."""
+    ckpt = job.tmp / "ckpt"
+    job.start(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--checkpoint-dir", str(ckpt),
+               "--checkpoint-interval", "600"], sample_cmd(job, "--commit-every", "2", "--sleep", "0.03"))
+    wait_for(lambda: len(list(ckpt.glob("ckpt-*"))) >= 1 and progress(job) >= 1010, 90, "training in epoch 1")
+    first = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "manifest.json").read_text())["commit"]
+    os.kill(job.proc.pid, signal.SIGTERM)
+    out, err = job.proc.communicate(timeout=90)
+    assert job.proc.returncode == 128 + signal.SIGTERM, err
+    assert "writing a last durable copy before stopping" in err, err
+    last = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "manifest.json").read_text())
+    assert last["commit"] > first
+    assert_nothing_left(job.tag)
+    r = rerun(job, ckpt)
+    assert r.returncode == 0, r.output
+    [resumed] = [e for e in events(job.tmp / "events2.jsonl") if e["kind"] == "resumed"]
+    assert resumed["commit"] == last["commit"] and resumed["steps_back"] <= 4, resumed
+
+
+def test_an_unwritable_checkpoint_dir_is_one_line(job, tmp_path):
+    (tmp_path / "file").write_text("x")
+    r = job.run(["-np", "1", "--checkpoint-dir", str(tmp_path / "file" / "ckpt")], [sys.executable, "-c", "pass"])
+    assert r.returncode == 2, r.output
+    assert r.stderr.strip().startswith("elasticrun: error: --checkpoint-dir ") and len(r.stderr.splitlines()) == 1
