@@ -47,7 +47,7 @@ def worker(args) -> None:
     @hvd.elastic.run
     def train(state):
         end = time.time() + args.seconds
-        while time.time() < end:
+        while True:
             opt.zero_grad()
             F.mse_loss(model(x), y).backward()
             opt.step()
@@ -55,6 +55,9 @@ def worker(args) -> None:
             times.append(time.perf_counter())
             if state.step % 10 == 0:
                 state.commit()
+                # Every rank stops at the same step: rank 0's clock decides.
+                if hvd.broadcast(torch.tensor([float(time.time() >= end)]), root_rank=0).item():
+                    break
 
     train(state)
     warm = [t for t in times if t >= times[0] + args.warmup]
