@@ -15,6 +15,13 @@ if ! "$PYTHON" -c 'import elasticrun, zmq, cloudpickle, paramiko, pytest, pytest
   "$PYTHON" -m pip install --quiet -e '.[test]'
 fi
 
+# The Ray tests (tests/integration/test_ray.py) start a local multi-node Ray cluster; Ray is an
+# optional extra, pinned, installed after torch (without it they are skipped, saying so).
+if ! "$PYTHON" -c 'import ray, nacl' 2>/dev/null; then
+  "$PYTHON" -m pip install --quiet 'ray==2.60.0' 'pynacl>=1.5' \
+    || echo "run_tests.sh: could not install ray==2.60.0; the Ray tests will be skipped" >&2
+fi
+
 # The SSH tests start a real sshd (tests/integration/sshd.py): install it if missing and we can.
 if ! [ -x /usr/sbin/sshd ] && ! command -v sshd >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
