@@ -129,6 +129,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=70.0, help="training time per job")
     p.add_argument("--warmup", type=float, default=3.0, help="seconds not counted at the start")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--sizes", default="0.01,128", help="state sizes of part (1), MB, comma-separated")
     p.add_argument("--big-gb", type=float, default=1.0, help="state size of part (2), GB (0: skip)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--width", type=int, default=64, help=argparse.SUPPRESS)
@@ -138,8 +139,8 @@ def main() -> None:
         worker(args)
         return
     print("2 ranks (localhost, 127.0.0.1), commit every 10 steps; durable copies at the default interval (60 s)")
-    overhead(args, 0.01)
-    overhead(args, 128)
+    for mb in args.sizes.split(","):
+        overhead(args, float(mb))
     if args.big_gb > 0:
         sustained(args)
 
