@@ -38,17 +38,19 @@ STORE = 80 * 1024 ** 2  # each node's object store: elasticrun puts nothing big 
 
 # --- the cluster ------------------------------------------------------------------------------
 class RayTestCluster:
-    """A head (no CPUs: nothing runs there) plus worker nodes of 1 CPU each, on 127.0.0.1."""
+    """A head (no CPUs: nothing runs there) plus worker nodes of 1 CPU each, all on this machine
+    (one IP address: Ray's own choice; a GCS bound to 127.0.0.1 is not reachable by a driver
+    whose node address Ray takes to be the machine's)."""
 
     def __init__(self) -> None:
         self.cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=0, include_dashboard=False, object_store_memory=STORE, node_ip_address="127.0.0.1"))
+            num_cpus=0, include_dashboard=False, object_store_memory=STORE))
         self.address = self.cluster.address
         ray.init(address=self.address, logging_level="ERROR", log_to_driver=False)
         self.nodes: list = []
 
     def add(self, cpus: int = 1, **resources: float):
-        node = self.cluster.add_node(num_cpus=cpus, object_store_memory=STORE, node_ip_address="127.0.0.1",
+        node = self.cluster.add_node(num_cpus=cpus, object_store_memory=STORE,
                                      resources=resources or None)
         self.cluster.wait_for_nodes()
         self.nodes.append(node)
@@ -98,11 +100,26 @@ def _env_of(pid: int) -> dict[str, str]:
 
 
 def agents() -> list[dict]:
-    """Every WorkerAgent actor Ray knows of (any job, any state), from Ray's state API."""
-    from ray.util.state import list_actors
+    """Every WorkerAgent actor the GCS knows of (any job, any state), from its actor table (the
+    state API needs the dashboard, which these clusters run without)."""
+    from ray._private import state
 
-    return [dict(a) for a in list_actors(filters=[("class_name", "=", "WorkerAgent")], detail=True, limit=10000,
-                                         raise_on_missing_output=False)]
+    found = []
+    for info in state.actors().values():
+        if info["ActorClassName"] == "WorkerAgent":
+            found.append({"state": info["State"], "node_id": info["Address"]["NodeID"], "pid": info["Pid"],
+                          "job_id": info["JobID"], "info": info})
+    return found
+
+
+def task_events() -> list[str]:
+    """What the GCS recorded of every task (their specs and states), as text."""
+    from ray._private import state
+
+    try:
+        return [str(e) for e in state.state._get_all_task_events()]
+    except RuntimeError:  # task events kept by a dashboard head that is not running
+        return []
 
 
 def live_agents() -> list[dict]:
@@ -236,10 +253,7 @@ def test_the_keys_are_in_no_actor_argument_log_or_environment(job, cluster, node
     keys = infos[0]
     secrets = [keys["secret"], keys["client_secret"], keys["client_public"], keys["server_public"]]
     assert {i["host"] for i in infos} == {nodes[0].node_id, nodes[1].node_id}
-    from ray.util.state import list_tasks
-
-    seen = json.dumps([agents(), [dict(t) for t in list_tasks(detail=True, limit=10000,
-                                                              raise_on_missing_output=False)]], default=str)
+    seen = json.dumps([agents(), task_events()], default=str)
     assert "WorkerAgent" in seen
     for info in infos:
         for pid in (info["pid"], info["child"]):  # the worker and what it started
@@ -278,8 +292,8 @@ def test_check_reports_each_node_and_counts_only_free_resources(job, cluster, no
                            capture_output=True, text=True, timeout=120, env=job.env())
     finally:
         ray.kill(hog)
-    assert f"node {nodes[0].node_id} (127.0.0.1): free CPU 1/1, GPU 0/0 -> 1 slot(s)" in r.stdout, r.stdout
-    assert f"node {nodes[1].node_id} (127.0.0.1): free CPU 0/1, GPU 0/0 -> 0 slot(s)" in r.stdout, r.stdout
+    assert f"node {nodes[0].node_id} ({nodes[0].node_ip_address}): free CPU 1/1, GPU 0/0 -> 1 slot(s)" in r.stdout, r.stdout
+    assert f"node {nodes[1].node_id} ({nodes[1].node_ip_address}): free CPU 0/1, GPU 0/0 -> 0 slot(s)" in r.stdout, r.stdout
     assert "1 slot(s) free on 1 node(s)" in r.stdout, r.stdout
 
 

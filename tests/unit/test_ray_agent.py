@@ -121,12 +121,13 @@ AGENT_PROCESS = textwrap.dedent("""
     agent.start([sys.executable, "-c", sys.argv[1], "wait"],
                 {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path)}, "/", 2.0,
                 seal(hello["public_key"], b"k" * 40))
+    # "poll": the driver keeps polling; "silent": it stops once the worker's child is up.
     while True:
-        for stream, line in agent.poll(0.2)["lines"]:
+        lines = agent.poll(0.2)["lines"]
+        for stream, line in lines:
             print(line, flush=True)
-        if sys.argv[3] == "poll":
-            continue
-        time.sleep(0.2)
+        if sys.argv[3] == "silent" and any(line.startswith("child ") for _, line in lines):
+            time.sleep(3600)
 """)
 
 
@@ -172,5 +173,10 @@ def test_the_agent_killed_with_sigkill_leaves_nothing_behind():
 
 def test_an_agent_that_hears_nothing_from_the_driver_stops_its_worker_and_exits():
     proc, worker, child = _agent_process(silence=1.0, mode="silent")
-    assert proc.wait(timeout=20) == 1
+    try:
+        assert proc.wait(timeout=20) == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert _gone([worker, child], within=10)
