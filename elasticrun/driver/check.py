@@ -234,10 +234,10 @@ def _discovered(a: argparse.Namespace, say: Callable[[str], None]) -> dict[str, 
 def _ray_cluster(a: argparse.Namespace, say: Callable[[str], None]) -> None:
     """--check --ray-address: join the cluster and report each node (id, IP, free resources,
     slots for one worker's needs). Nothing is started there."""
-    import importlib.util
+    from elasticrun.driver.cli import ray_missing
 
-    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("nacl") is None:
-        say("FAIL  ray: not installed (pip install 'elasticrun[ray]')")
+    if ray_missing():
+        say(f"FAIL  {' and '.join(ray_missing())}: not installed (pip install 'elasticrun[ray]')")
         return
     from elasticrun.discovery.ray_nodes import Requirement, ask_ray, describe_node, host_list
     from elasticrun.driver.ray_launcher import connect
@@ -256,7 +256,11 @@ def _ray_cluster(a: argparse.Namespace, say: Callable[[str], None]) -> None:
         nodes = ask_ray()
         hosts = host_list(nodes, need.as_resources())
         for node in nodes:
-            say(f"{'OK  ' if node.node_id in hosts.hosts else 'INFO'}  {describe_node(node, need.as_resources())}")
+            if node.alive:  # Ray keeps dead nodes in its table for a while: counted, not listed
+                say(f"{'OK  ' if node.node_id in hosts.hosts else 'INFO'}  {describe_node(node, need.as_resources())}")
+        dead = sum(1 for node in nodes if not node.alive)
+        if dead:
+            say(f"INFO  {dead} dead node(s) in Ray's table, not listed")
         total = sum(hosts.hosts.values())
         say(f"{'OK  ' if total else 'FAIL'}  {total} slot(s) free on {len(hosts.hosts)} node(s)"
             + ("" if total else ": no node has the resources one worker needs"))
