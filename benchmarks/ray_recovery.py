@@ -46,8 +46,9 @@ def run_job(source: list[str], victim_host: str, trials: int) -> dict[str, list[
                                 f"the first step of round {round_}")
 
     try:
-        formed = journal.wait_for(lambda e: e["kind"] == "round_formed" and e.get("size") == 2, 120, "a round of 2")
-        first_step_of(formed["round"])
+        rnd = journal.wait_for(lambda e: e["kind"] == "round_formed" and e.get("size") == 2, 120, "a round of 2")["round"]
+        journal.wait_for(lambda e: e["kind"] == "first_step" or (e["kind"] == "rendezvous_complete"
+                                                                 and e["round"] == rnd), 120, "training to start")
         for _ in range(trials):
             journal.poll()
             victims = [e for e in journal.events if e["kind"] == "worker_started" and e["host"] == victim_host]

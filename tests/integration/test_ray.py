@@ -43,8 +43,11 @@ class RayTestCluster:
     whose node address Ray takes to be the machine's)."""
 
     def __init__(self) -> None:
+        # The GCS declares a node that stopped answering dead after 5 missed health checks of
+        # 1 s (Ray's default is 3 x 5 s): a killed node is dead within seconds, as the tests need.
         self.cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=0, include_dashboard=False, object_store_memory=STORE))
+            num_cpus=0, include_dashboard=False, object_store_memory=STORE,
+            _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 5}))
         self.address = self.cluster.address
         ray.init(address=self.address, logging_level="ERROR", log_to_driver=False)
         self.nodes: list = []
@@ -69,8 +72,10 @@ class RayTestCluster:
             except ProcessLookupError:
                 pass
 
-    def remove(self, node) -> None:
-        self.cluster.remove_node(node, allow_graceful=False)
+    def remove(self, node, graceful: bool = False) -> None:
+        """The node goes: at once (graceful=False: its raylet is killed, the GCS declares it dead
+        after its health checks fail), or by unregistering first (between tests: quick)."""
+        self.cluster.remove_node(node, allow_graceful=graceful)
         self.nodes.remove(node)
 
     def drain(self, node, seconds: int = 120) -> None:
@@ -83,7 +88,7 @@ class RayTestCluster:
 
     def reset(self) -> None:
         for node in list(self.nodes):
-            self.remove(node)
+            self.remove(node, graceful=True)
 
     def shutdown(self) -> None:
         ray.shutdown()
