@@ -2,8 +2,8 @@
 
 A host is a Ray node, named by its node id (hex): several nodes may share an IP address (a
 test cluster on one machine, pods of one VM), and the launcher pins each worker to its node by
-that id. The decisions are pure functions of what Ray reports (``tests/data/ray/`` holds
-recorded answers of a real cluster, in Ray's own shapes); :class:`RayDiscovery` is the thin
+that id. The decisions are pure functions of what Ray reports (``tests/unit/test_ray_nodes.py``
+feeds them answers in Ray's own shapes); :class:`RayDiscovery` is the thin
 shell that asks Ray every ``--discovery-interval``, and imports ``ray`` only when it runs.
 
 Slots come from a node's **free** resources, not its total: other jobs on the cluster keep
@@ -156,6 +156,22 @@ def describe_node(node: RayNode, need: Mapping[str, float]) -> str:
         left = f" within {max(0.0, node.deadline_ms / 1000 - time.time()):.0f} s" if node.deadline_ms else ""
         state = f", draining (going away{left})"
     return f"{where}: free {free or 'nothing'}{state} -> {slots_on(node, need)} slot(s)"
+
+
+def ray_missing() -> list[str]:
+    """What of the ``elasticrun[ray]`` extra is not installed. A directory named ``ray`` on the
+    path (Ray's own temporary directory, /tmp/ray, when run from /tmp) is no installation."""
+    import importlib.util
+
+    missing = []
+    for name in ("ray", "nacl"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or spec.origin is None:  # absent, or a namespace package (a bare directory)
+            missing.append(name)
+    return missing
 
 
 # --- the shell: asking Ray ---------------------------------------------------------------------

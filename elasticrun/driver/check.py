@@ -234,7 +234,7 @@ def _discovered(a: argparse.Namespace, say: Callable[[str], None]) -> dict[str, 
 def _ray_cluster(a: argparse.Namespace, say: Callable[[str], None]) -> None:
     """--check --ray-address: join the cluster and report each node (id, IP, free resources,
     slots for one worker's needs). Nothing is started there."""
-    from elasticrun.driver.cli import ray_missing
+    from elasticrun.discovery.ray_nodes import ray_missing
 
     if ray_missing():
         say(f"FAIL  {' and '.join(ray_missing())}: not installed (pip install 'elasticrun[ray]')")

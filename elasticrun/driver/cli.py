@@ -149,28 +149,14 @@ def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, 
         **_remote_settings(o, fail), **ray)
 
 
-def ray_missing() -> list[str]:
-    """What of the ``elasticrun[ray]`` extra is not installed. A directory named ``ray`` on the
-    path (Ray's own temporary directory, /tmp/ray, when run from /tmp) is no installation."""
-    import importlib.util
-
-    missing = []
-    for name in ("ray", "nacl"):
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None or spec.origin is None:  # absent, or a namespace package (a bare directory)
-            missing.append(name)
-    return missing
-
-
 def _ray_settings(o: Mapping[str, Any], fail: Fail) -> dict:
     """--ray-address and what each worker needs of a node; {} without --ray-address. Ray is
     an optional extra: its absence is one line saying what to install (it is not imported here)."""
     address = o.get("ray_address")
     if address is None:
         return {}
+    from elasticrun.discovery.ray_nodes import ray_missing
+
     missing = ray_missing()
     if missing:
         fail(f"--ray-address needs {' and '.join(missing)}, which is not installed: "

@@ -55,7 +55,7 @@ def test_a_directory_named_ray_is_no_installation(tmp_path):
     """Ray's temporary directory is /tmp/ray: run from /tmp, it would look like a package."""
     (tmp_path / "ray").mkdir()
     r = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, '.'); sys.modules.pop('ray', None)\n"
-                        "from elasticrun.driver.cli import ray_missing\n"
+                        "from elasticrun.discovery.ray_nodes import ray_missing\n"
                         "import importlib.util\n"
                         "spec = importlib.util.find_spec('ray')\n"
                         "print('ray' in ray_missing() if spec.origin is None else 'installed')"],
