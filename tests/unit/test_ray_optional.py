@@ -74,3 +74,21 @@ def test_the_driver_imports_neither_ray_nor_torch_without_ray_address():
     """)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_ray_address_from_the_flag_the_config_file_and_the_environment(tmp_path, monkeypatch):
+    from elasticrun.discovery.ray_nodes import ray_missing
+    from elasticrun.driver.cli import parse_settings
+
+    if ray_missing():
+        pytest.skip("ray is not installed: pip install 'elasticrun[ray]'")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('ray-address = "auto"\nray-cpus-per-worker = 2\nray-gpus-per-worker = 0.5\n'
+                   "ray-resources = '{\"trainer\": 1}'\n")
+    s = parse_settings(["--config-file", str(cfg), "-np", "2", "python", "x.py"])
+    assert (s.ray_address, s.ray_cpus_per_worker, s.ray_gpus_per_worker, s.ray_resources) == (
+        "auto", 2.0, 0.5, {"trainer": 1.0})
+    assert s.max_np is None  # elastic: every slot Ray has room for
+    monkeypatch.setenv("ELASTICRUN_RAY_ADDRESS", "10.0.0.1:6379")
+    assert parse_settings(["-np", "2", "python", "x.py"]).ray_address == "10.0.0.1:6379"
+    assert parse_settings(["--ray-address", "auto", "-np", "2", "python", "x.py"]).ray_address == "auto"
