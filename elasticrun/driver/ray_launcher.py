@@ -166,9 +166,11 @@ class RayLauncher:
             code = self._lost(a, exc)
         finally:
             a.finished.set()
-            self._kill_actor(a)
             assert self._on_exit is not None
-            self._on_exit(a.worker_id, code)
+            try:  # the driver hears of the exit first: recovery does not wait for Ray's bookkeeping
+                self._on_exit(a.worker_id, code)
+            finally:
+                self._kill_actor(a)
 
     def _start_and_watch(self, a: _Agent, command: list[str], env: dict[str, str], keys: bytes | None) -> int:
         ray = self._ray
