@@ -39,7 +39,7 @@ def run_job(source: list[str], victim_host: str, trials: int) -> dict[str, list[
     driver = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)
     journal = Journal(events)
-    out: dict[str, list[float]] = {"kill": [], "detect": [], "decide": [], "add": []}
+    out: dict[str, list[float]] = {"kill": [], "detect": [], "decide": [], "formed": [], "add": []}
 
     def first_step_of(round_: int) -> dict:
         return journal.wait_for(lambda e: e["kind"] == "first_step" and e.get("round") == round_, 60,
@@ -62,6 +62,7 @@ def run_job(source: list[str], victim_host: str, trials: int) -> dict[str, list[
             detect = [e for e in journal.events if e["t"] >= t_kill and e["kind"] == "failure_detected"]
             out["kill"].append(step["t"] - t_kill)
             out["decide"].append(formed["t"] - t_kill)
+            out["formed"].append(step["t"] - formed["t"])
             if detect:
                 out["detect"].append(min(e["t"] for e in detect) - t_kill)
             back = journal.wait_for(lambda e: e["kind"] == "host_whitelisted" and e["t"] > t_kill, 60,
@@ -115,7 +116,8 @@ def main() -> None:
     print(f"\n2 workers (one per host / Ray node), tiny model, commit every step; {args.blocks} x {args.trials} kills "
           f"per launcher, alternating")
     labels = {"kill": "kill -> first step on the new world", "detect": "  kill -> a survivor's collective fails",
-              "decide": "  kill -> driver forms the next round", "add": "host back -> first step including it"}
+              "decide": "  kill -> driver forms the next round",
+              "formed": "  round formed -> first step", "add": "host back -> first step including it"}
     print(f"{'measure':<40} {'launcher':<7} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8} {'ray/local':>10}")
     for key, label in labels.items():
         base = statistics.median(results["local"][key]) if results["local"].get(key) else None
