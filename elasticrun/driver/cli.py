@@ -163,6 +163,9 @@ def _ray_settings(o: Mapping[str, Any], fail: Fail) -> dict:
              f"pip install 'elasticrun[ray]'")
     if o["launcher"] != "auto":
         fail(f"--launcher {o['launcher']} cannot be used with --ray-address: workers start through Ray")
+    if address.startswith("ray://"):
+        fail(f"--ray-address {address[:80]}: Ray Client addresses are not supported; run elasticrun on a node "
+             f"of the cluster with --ray-address auto (docs/ray.md)")
     need = dict(o["ray_resources"], CPU=o["ray_cpus_per_worker"], GPU=o["ray_gpus_per_worker"])
     if not any(v > 0 for v in need.values()):
         fail("--ray-address: each worker must need some resource (--ray-cpus-per-worker, --ray-gpus-per-worker "

@@ -92,3 +92,14 @@ def test_ray_address_from_the_flag_the_config_file_and_the_environment(tmp_path,
     monkeypatch.setenv("ELASTICRUN_RAY_ADDRESS", "10.0.0.1:6379")
     assert parse_settings(["-np", "2", "python", "x.py"]).ray_address == "10.0.0.1:6379"
     assert parse_settings(["--ray-address", "auto", "-np", "2", "python", "x.py"]).ray_address == "auto"
+
+
+def test_a_ray_client_address_is_refused_in_one_line():
+    from elasticrun.discovery.ray_nodes import ray_missing
+    from elasticrun.driver.cli import parse_settings
+
+    if ray_missing():
+        pytest.skip("ray is not installed: pip install 'elasticrun[ray]'")
+    with pytest.raises(SystemExit) as exc:
+        parse_settings(["--ray-address", "ray://head:10001", "-np", "2", "python", "x.py"])
+    assert exc.value.code == 2
