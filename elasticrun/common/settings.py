@@ -73,6 +73,12 @@ class JobSettings:
     forward_env: bool = True  # remote workers get the driver's environment (as horovodrun does)
     driver_address: str | None = None  # --driver-address, or the address of --network-interface
     network_interface: str | None = None
+    # On a Ray cluster (elasticrun/discovery/ray_nodes.py, driver/ray_launcher.py): hosts are its
+    # nodes, workers start through Ray; what each worker needs of a node's resources.
+    ray_address: str | None = None  # --ray-address: "auto" or the cluster's address
+    ray_cpus_per_worker: float = 1.0
+    ray_gpus_per_worker: float = 0.0
+    ray_resources: dict[str, float] = field(default_factory=dict)  # custom resources per worker
 
     @property
     def elastic_wait_limit(self) -> float:
