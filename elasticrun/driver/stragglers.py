@@ -28,7 +28,8 @@ the slower host only when it is clearly slower; whether evicting it *pays* is a 
 question (:func:`eviction_pays`): with 2 hosts of one slot, dropping one halves the samples
 per step, so it pays only when the straggler more than doubles the step time.
 
-A named host stays named (it is said once) until a full window shows it is no longer slow.
+A named host stays named (it is said once) until a full window shows it is no longer slow;
+its figures (:meth:`StragglerDetector.named`) are those of the latest evaluation.
 """
 
 from __future__ import annotations
@@ -188,10 +189,13 @@ class StragglerDetector:
             # Only the slower half can drag "the rest": of hosts 1, 10, 10 the odd one is fast.
             self._threshold[host] = max(self.ratio * reference, reference + self.min_excess, middle)
             slow = compute > self._threshold[host]
-            if slow and host not in self._named:
+            if slow:
                 s = Straggler(host, compute, reference, step[host], self.window, len(values) - 1)
+                if host not in self._named:
+                    newly.append(s)
+                # The latest figures, also for a host named before: whether evicting it pays is
+                # judged on them (a host named at 1.6x that now computes 10x longer must go).
                 self._named[host] = s
-                newly.append(s)
             elif not slow and host in self._named:
                 del self._named[host]
                 recovered.append(host)

@@ -28,6 +28,9 @@ SAMPLES, BATCH = 1440, 6  # 60 steps an epoch on 4 workers, 80 on 3: no sampler 
 HOSTS = "localhost:1,127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"
 SLOW_FROM = (0, 20)  # the straggler's first slow step (epoch, batch)
 SLOW = "127.0.0.2:0:0.15@0:20"
+# Every worker computes ~40 ms a step (sample_train's --sleep): a model whose step is well above
+# the scheduling noise of 4 workers on a shared 2-core machine (a few ms), as real models are.
+STEP = "0.04"
 
 
 def entries(log_dir: Path) -> list[dict]:
@@ -49,13 +52,13 @@ def assert_exactly_once(history: list[dict], epochs: int) -> None:
         assert not missing and not repeated, f"epoch {epoch}: missing {missing}, repeated {repeated}"
 
 
-def run(job, epochs: int, *flags: str):
+def run(job, epochs: int, *flags: str, slow: str | None = SLOW):
     logs = job.tmp / "samples"
     logs.mkdir()
     r = job.run(["-np", "4", "--min-np", "3", "-H", HOSTS, "--events", str(job.tmp / "events.jsonl"), *flags],
                 [sys.executable, str(SCRIPTS / "sample_train.py"), "--log-dir", str(logs), "--progress",
                  str(job.progress), "--epochs", str(epochs), "--samples", str(SAMPLES), "--batch-size", str(BATCH),
-                 "--slow", SLOW], timeout=200)
+                 "--sleep", STEP, *(["--slow", slow] if slow else [])], timeout=200)
     assert r.returncode == 0, r.output
     return r, entries(logs), events(job.tmp / "events.jsonl")
 
@@ -82,7 +85,7 @@ def test_a_straggler_is_evicted_and_the_pace_recovers(job):
     assert "aborted" not in r.stderr and "exited with code" not in r.stderr, r.stderr  # no rollback, no failure
     assert "127.0.0.2[0]: no place for 127.0.0.2[0] in the next round; exiting." in r.stderr
     named, within = steps_until_named(log, ev)
-    assert named["action"] == "evicted" and named["compute_ms"] > 3 * named["reference_ms"], named
+    assert named["action"] == "evicted" and named["compute_ms"] > 2 * named["reference_ms"], named
     assert within <= 20, f"named after {within} slow steps"
     assert {e["size"] for e in log} == {4, 3}
     assert_exactly_once(log, 2)
@@ -114,8 +117,15 @@ def test_without_the_flag_a_straggler_is_only_named(job):
     r, log, ev = run(job, 1)
     assert "host 127.0.0.2 is a straggler: " in r.stderr and "(--evict-stragglers would move it out)" in r.stderr, \
         r.stderr
-    assert "blacklisted" not in r.stderr and "membership changing" not in r.stderr, r.stderr
+    assert " blacklisted for " not in r.stderr and "membership changing" not in r.stderr, r.stderr
     named, within = steps_until_named(log, ev)
     assert named["action"] == "named" and within <= 20, (named, within)
     assert {e["size"] for e in log} == {4}
     assert_exactly_once(log, 1)
+
+
+def test_a_uniformly_paced_job_names_nobody(job):
+    r, log, ev = run(job, 2, "--evict-stragglers", slow=None)
+    assert "straggler" not in r.stderr and not [e for e in ev if e["kind"] == "straggler"], r.stderr
+    assert {e["size"] for e in log} == {4} and len({e["round"] for e in log}) == 1
+    assert_exactly_once(log, 2)

@@ -1536,6 +1536,19 @@ class TestStragglers:
         job2.start({"a": 1, "b": 1})
         assert of(job2.paces(slow={"b"}), Notify)
 
+    def test_a_straggler_kept_because_it_did_not_pay_goes_once_it_drags_more(self):
+        """Whether eviction pays is judged on the latest figures, not those it was named with."""
+        job = Job(np=2, min_np=1, evict_stragglers=True)
+        job.start({"a": 1, "b": 1})
+        assert [e.fields["action"] for e in events(job.paces(slow={"b"}, compute=0.100, slow_compute=0.160),
+                                                   "straggler")] == ["kept"]
+        assert control(job.paces(slow={"b"}, compute=0.100, slow_compute=0.170, at=1)) == []  # still does not pay
+        acts = job.paces(slow={"b"}, compute=0.100, slow_compute=0.400, at=2)
+        [said] = events(acts, "straggler")
+        assert said.fields["action"] == "evicted" and said.fields["compute_ms"] == 400.0
+        assert "400 ms of compute per step against 100 ms (the other host)" in said.message
+        assert of(acts, Notify) == [Notify(added=False, removed=True)] and events(acts, "host_blacklisted")
+
     def test_a_permanent_blacklist_without_a_cooldown(self):
         job = Job(np=3, min_np=1, evict_stragglers=True)
         job.start({"a": 1, "b": 1, "c": 1})

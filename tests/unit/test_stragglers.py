@@ -193,6 +193,13 @@ def test_a_report_asks_for_a_decision_only_when_it_may_change_one():
     assert det.report("a/0", "a", pace(0.01)) is True  # back to normal
 
 
+def test_a_named_hosts_figures_are_the_latest():
+    det = StragglerDetector()
+    feed(det, {"a": 0.01, "b": 0.01, "c": 0.05})
+    assert feed(det, {"a": 0.01, "b": 0.01, "c": 0.5}) == ([], [])  # not said again ...
+    assert det.named()["c"].compute == 0.5  # ... but its figures are the new ones
+
+
 def test_nothing_new_nothing_to_evaluate():
     det = StragglerDetector()
     feed(det, {"a": 0.01, "b": 0.05})
