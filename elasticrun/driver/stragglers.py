@@ -35,8 +35,9 @@ its figures (:meth:`StragglerDetector.named`) are those of the latest evaluation
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from elasticrun.common.settings import STRAGGLER_WINDOW
 

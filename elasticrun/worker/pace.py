@@ -25,7 +25,7 @@ __all__ = ["StepPace"]
 class StepPace:
     """Ring of the last ``window`` steps of the current round: step time and allreduce wait."""
 
-    __slots__ = ("window", "round", "_steps", "_waits", "_count", "_last", "_generation")
+    __slots__ = ("_count", "_generation", "_last", "_steps", "_waits", "round", "window")
 
     def __init__(self, window: int = STRAGGLER_WINDOW) -> None:
         self.window = window

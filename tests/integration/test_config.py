@@ -114,7 +114,7 @@ def test_evict_stragglers_from_file_env_flag_and_keyword(tmp_path, no_elasticrun
         no_elasticrun_env.setenv("ELASTICRUN_EVICT_STRAGGLERS", text)
         assert parse_settings(["--config-file", cfg, *base, "python", "x.py"]).evict_stragglers is value, text
     no_elasticrun_env.delenv("ELASTICRUN_EVICT_STRAGGLERS")
-    kw = settings_from_keywords(dict(np=1, hosts="localhost", evict_stragglers=True), ["python", "x.py"])
+    kw = settings_from_keywords({"np": 1, "hosts": "localhost", "evict_stragglers": True}, ["python", "x.py"])
     assert kw == parse_settings([*base, "--evict-stragglers", "python", "x.py"])
 
 

@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import SCRIPTS
 
 pytestmark = pytest.mark.timeout(240)
@@ -105,7 +104,7 @@ def test_a_straggler_is_evicted_and_the_pace_recovers(job):
     # The timeline names it: the summary, a marker in the picture, an instant in the trace.
     out = subprocess.run([sys.executable, "-m", "elasticrun", "timeline", str(job.tmp / "events.jsonl"),
                           "-o", str(job.tmp / "t.svg"), "-o", str(job.tmp / "t.json")],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     assert "stragglers:\n" in out.stdout and "host 127.0.0.2 evicted: " in out.stdout, out.stdout
     assert 'class="marker straggler"' in (job.tmp / "t.svg").read_text()
