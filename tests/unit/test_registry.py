@@ -1549,6 +1549,17 @@ class TestStragglers:
         assert "400 ms of compute per step against 100 ms (the other host)" in said.message
         assert of(acts, Notify) == [Notify(added=False, removed=True)] and events(acts, "host_blacklisted")
 
+    def test_paces_of_unknown_or_idle_workers_are_not_kept(self):
+        """What the driver keeps is bounded by the round's members, whatever heartbeats say."""
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        for i in range(1000):
+            job.reg.heartbeat(f"nobody-{i}", 1.0, Pace(0, 20, 0.2, 0.0, 0.2))
+        assert job.reg.stragglers._paces == {} and not job.reg.dirty
+        job.reg.heartbeat("w0", 1.0, Pace(0, 20, 0.2, 0.0, 0.2))
+        job.reg.heartbeat("w0", 1.1, Pace(0, 20, 0.2, 0.0, 0.3))
+        assert list(job.reg.stragglers._paces) == ["w0"]  # the latest pace only
+
     def test_a_permanent_blacklist_without_a_cooldown(self):
         job = Job(np=3, min_np=1, evict_stragglers=True)
         job.start({"a": 1, "b": 1, "c": 1})
