@@ -144,6 +144,7 @@ def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, 
         output_filename=o["output_filename"], events_file=o["events_file"],
         checkpoint_dir=os.path.abspath(o["checkpoint_dir"]) if o["checkpoint_dir"] else None,
         checkpoint_interval=o["checkpoint_interval"], fresh=o["fresh"], sigterm_grace=o["sigterm_grace"],
+        evict_stragglers=o["evict_stragglers"],
         log_level=level,
         worker_log_level=worker_level,
         **_remote_settings(o, fail), **ray)

@@ -38,7 +38,11 @@ ENV_VARS: dict[str, str] = {
     "ELASTICRUN_CHECKPOINT_DIR": "checkpoint_dir",
     "ELASTICRUN_CHECKPOINT_INTERVAL": "checkpoint_interval",
     "ELASTICRUN_RAY_ADDRESS": "ray_address",
+    "ELASTICRUN_EVICT_STRAGGLERS": "evict_stragglers",
 }
+
+#: What an ``ELASTICRUN_*`` variable of a true/false option may say (any case).
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 # Flags that are not options a file can hold.
 _NOT_IN_FILE = {"help", "version", "config_file", "check"}
@@ -171,6 +175,11 @@ def read_environment(parser: argparse.ArgumentParser, environ: Mapping[str, str]
         if text is None or text == "" or dest not in actions:
             continue
         action = actions[dest]
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if text.lower() not in _TRUE + _FALSE:
+                _fail(parser, f"environment variable {name}={text!r}: must be one of " + ", ".join(_TRUE + _FALSE))
+            values[dest] = text.lower() in _TRUE
+            continue
         try:
             value = action.type(text) if action.type is not None else text
         except argparse.ArgumentTypeError as exc:

@@ -39,6 +39,7 @@ from elasticrun.driver.network import DriverEndpoints, driver_bind_address, zmq_
 from elasticrun.driver.notifications import Notifications
 from elasticrun.driver.output import OutputSink
 from elasticrun.driver.resets import ResetTracker
+from elasticrun.driver.stragglers import Pace
 
 log = logging.getLogger("elasticrun")
 
@@ -115,7 +116,8 @@ class ElasticDriver:
             reg.RegistryConfig(np=settings.np, min_np=settings.min_np, max_np=settings.max_np,
                                reset_limit=settings.reset_limit, elastic_timeout=settings.elastic_timeout,
                                start_timeout=settings.start_timeout,
-                               heartbeat_timeout=settings.heartbeat_timeout),
+                               heartbeat_timeout=settings.heartbeat_timeout,
+                               evict_stragglers=settings.evict_stragglers),
             HostManager(cooldown_range=settings.cooldown_range), new_id=lambda: next(self._ids))
         self._sink = OutputSink(self._rank_of, settings.output_filename)
         # It reports each worker's end through worker_exited() and its output to the sink.
@@ -365,7 +367,7 @@ class ElasticDriver:
     def _dispatch(self, identity: bytes, msg: Message) -> None:
         body = msg.body
         if msg.type == "heartbeat":
-            self.registry.heartbeat(str(body.get("worker")), time.monotonic())
+            self.registry.heartbeat(str(body.get("worker")), time.monotonic(), Pace.parse(body.get("pace")))
             self._progress(body)
             self._reply(identity, msg, "heartbeat_ack", {
                 "round": self.registry.round, "aborted": self.registry.aborted,

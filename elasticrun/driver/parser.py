@@ -175,6 +175,11 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
     p.add_argument("--blacklist-cooldown-range", type=positive_seconds, nargs=2, metavar=("LOW", "HIGH"),
                    help="let blacklisted hosts back after a cooldown that doubles on every failure, "
                         "between LOW and HIGH seconds (default: blacklisting is permanent)")
+    p.add_argument("--evict-stragglers", action="store_true",
+                   help="a host whose workers compute persistently slower than the other hosts' (over 1.5x "
+                        "their median for most of the last 20 steps) is always named; with this it is also moved "
+                        "out at the next step, without a rollback, and blacklisted like a failed host (so "
+                        "--blacklist-cooldown-range lets it back later); never below --min-np")
     p.add_argument("--elastic-timeout", type=positive_seconds, default=DEFAULT_ELASTIC_TIMEOUT, metavar="SECONDS",
                    help="after a reset, how long to wait for --min-np slots before failing (default 600)")
     p.add_argument("--start-timeout", type=positive_seconds, default=DEFAULT_START_TIMEOUT, metavar="SECONDS",
