@@ -142,6 +142,7 @@ def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, 
         checkpoint_interval=o["checkpoint_interval"], fresh=o["fresh"], sigterm_grace=o["sigterm_grace"],
         log_level=level,
         worker_log_level=worker_level,
+        warm_start=o["warm_start"], preload=tuple(o["preload"] or ()),
         **_remote_settings(o, fail))
 
 

@@ -173,6 +173,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
                         "horovodrun's TRACE and FATAL mean DEBUG and CRITICAL)")
     p.add_argument("--verbose", action="store_true", help="same as --log-level DEBUG")
     add_remote_arguments(p)
+    add_warm_start_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training command, e.g. python train.py")
     return p
 
@@ -214,6 +215,26 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--network-interface", metavar="NIC",
                        help="use the IPv4 address of interface NIC as --driver-address; also sets "
                             "GLOO_SOCKET_IFNAME=NIC for the workers unless it is set")
+
+
+def module_list(text: str) -> tuple[str, ...]:
+    """``MOD[,MOD...]``: dotted module names (--preload)."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if not all(part.isidentifier() for part in n.split("."))]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{(bad or [text])[0][:60]!r} is not a module name (MOD[,MOD...])")
+    return names
+
+
+def add_warm_start_arguments(p: argparse.ArgumentParser) -> None:
+    """Warm worker start: workers forked from a per-host template (elasticrun/worker/template.py)."""
+    g = p.add_argument_group("warm worker start", "Workers running `python script.py` or `python -m module` are "
+                             "forked from a process per host that has imported torch and elasticrun already, "
+                             "instead of starting a new interpreter (see docs/warm-start.md).")
+    g.add_argument("--no-warm-start", dest="warm_start", action="store_false",
+                   help="start every worker as a new process (also ELASTICRUN_NO_WARM_START=1)")
+    g.add_argument("--preload", type=module_list, default=(), metavar="MOD[,MOD...]",
+                   help="modules the templates also import before forking workers, e.g. transformers")
 
 
 def read_hostfile(path: str) -> str:
