@@ -37,8 +37,11 @@ ENV_VARS: dict[str, str] = {
     "ELASTICRUN_NETWORK_INTERFACE": "network_interface",
     "ELASTICRUN_CHECKPOINT_DIR": "checkpoint_dir",
     "ELASTICRUN_CHECKPOINT_INTERVAL": "checkpoint_interval",
-    "ELASTICRUN_NO_WARM_START": "warm_start",  # a flag: 1/true/yes/on, or 0/false/no/off
+    "ELASTICRUN_WARM_START": "warm_start",  # 1/true/yes/on (the default) or 0/false/no/off
 }
+
+#: Variables naming a setting that a --no-... flag turns off: 1 means on, not "the flag given".
+_SETTING_NAMED = {"ELASTICRUN_WARM_START"}
 
 #: How a variable sets a flag (an option without a value): given, or not given.
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
@@ -177,7 +180,10 @@ def read_environment(parser: argparse.ArgumentParser, environ: Mapping[str, str]
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             if text.strip().lower() not in _TRUE | _FALSE:
                 _fail(parser, f"environment variable {name}={text!r}: must be 1 or 0 (true/false, yes/no, on/off)")
-            values[dest] = action.const if text.strip().lower() in _TRUE else action.default
+            given = text.strip().lower() in _TRUE
+            if name in _SETTING_NAMED:
+                given = not given
+            values[dest] = action.const if given else action.default
             continue
         try:
             value = action.type(text) if action.type is not None else text

@@ -9,6 +9,7 @@ turning the arguments into ``JobSettings`` is ``cli.parse_settings``'s job.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from elasticrun.common.settings import (
     DEFAULT_CHECKPOINT_INTERVAL,
@@ -226,15 +227,25 @@ def module_list(text: str) -> tuple[str, ...]:
     return names
 
 
+class _AddModules(argparse.Action):
+    """``--preload A,B --preload C``: every module named, in order (each flag adds to the list)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        have = tuple(getattr(namespace, self.dest, None) or ())
+        setattr(namespace, self.dest, have + tuple(n for n in values if n not in have))
+
+
 def add_warm_start_arguments(p: argparse.ArgumentParser) -> None:
     """Warm worker start: workers forked from a per-host template (elasticrun/worker/template.py)."""
     g = p.add_argument_group("warm worker start", "Workers running `python script.py` or `python -m module` are "
                              "forked from a process per host that has imported torch and elasticrun already, "
                              "instead of starting a new interpreter (see docs/warm-start.md).")
     g.add_argument("--no-warm-start", dest="warm_start", action="store_false",
-                   help="start every worker as a new process (also ELASTICRUN_NO_WARM_START=1)")
-    g.add_argument("--preload", type=module_list, default=(), metavar="MOD[,MOD...]",
-                   help="modules the templates also import before forking workers, e.g. transformers")
+                   help="start every worker as a new process (also ELASTICRUN_WARM_START=0)")
+    g.add_argument("--preload", type=module_list, action=_AddModules, default=(), metavar="MOD[,MOD...]",
+                   help="modules the templates also import before forking workers, e.g. transformers "
+                        "(repeatable)")
 
 
 def read_hostfile(path: str) -> str:

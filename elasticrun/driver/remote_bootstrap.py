@@ -235,7 +235,8 @@ def warm_spawn(path: str, command: List[str], env: Dict[str, str], cwd: str, gra
         sock.connect(path)
         data = encode_request(command, env, cwd, grace, keys is not None)
         sent = sock.sendmsg([data[:65536]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-        sock.sendall(data[sent:])
+        if sent < len(data):
+            sock.sendall(data[sent:])
         buf = b""
         while b"\n" not in buf:
             chunk = sock.recv(4096)

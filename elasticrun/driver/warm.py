@@ -210,7 +210,8 @@ def start_worker(socket_path: str, command: Sequence[str], env: Mapping[str, str
             sock.connect(socket_path)
             data = warmstart.encode_request(command, env, cwd, grace, keys=len(fds) > 3)
             sent = sock.sendmsg([data[:1 << 16]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-            sock.sendall(data[sent:])
+            if sent < len(data):  # (an empty send to a template that already answered is EPIPE)
+                sock.sendall(data[sent:])
             line = _read_line(sock, b"", deadline)
         except socket.timeout:
             raise Unavailable(f"the template did not answer within {timeout:g} s") from None

@@ -158,13 +158,15 @@ def _settings(argv: list[str], environ: dict[str, str] | None = None, monkeypatc
 
 
 def test_warm_start_is_on_by_default_and_off_by_flag_variable_or_file(monkeypatch, tmp_path):
-    monkeypatch.delenv("ELASTICRUN_NO_WARM_START", raising=False)
+    monkeypatch.delenv("ELASTICRUN_WARM_START", raising=False)
     assert cli.parse_settings(["-np", "1", "python", "t.py"]).warm_start is True
     assert cli.parse_settings(["-np", "1", "--no-warm-start", "python", "t.py"]).warm_start is False
-    for text, warm in (("1", False), ("true", False), ("yes", False), ("0", True), ("off", True)):
-        monkeypatch.setenv("ELASTICRUN_NO_WARM_START", text)
+    for text, warm in (("1", True), ("true", True), ("yes", True), ("0", False), ("off", False), ("No", False)):
+        monkeypatch.setenv("ELASTICRUN_WARM_START", text)
         assert cli.parse_settings(["-np", "1", "python", "t.py"]).warm_start is warm, text
-    monkeypatch.delenv("ELASTICRUN_NO_WARM_START")
+    monkeypatch.setenv("ELASTICRUN_WARM_START", "1")  # the flag is above the variable
+    assert cli.parse_settings(["-np", "1", "--no-warm-start", "python", "t.py"]).warm_start is False
+    monkeypatch.delenv("ELASTICRUN_WARM_START")
     toml = tmp_path / "c.toml"
     toml.write_text("no-warm-start = true\npreload = ['transformers', 'datasets']\n")
     s = cli.parse_settings(["-np", "1", "--config-file", str(toml), "python", "t.py"])
@@ -175,16 +177,18 @@ def test_warm_start_is_on_by_default_and_off_by_flag_variable_or_file(monkeypatc
 
 
 def test_a_bad_flag_variable_is_one_line(monkeypatch, capsys):
-    monkeypatch.setenv("ELASTICRUN_NO_WARM_START", "maybe")
+    monkeypatch.setenv("ELASTICRUN_WARM_START", "maybe")
     with pytest.raises(SystemExit) as exc:
         cli.parse_settings(["-np", "1", "python", "t.py"])
     assert exc.value.code == 2
-    assert "ELASTICRUN_NO_WARM_START='maybe': must be 1 or 0" in capsys.readouterr().err
+    assert "ELASTICRUN_WARM_START='maybe': must be 1 or 0" in capsys.readouterr().err
 
 
 def test_preload_names(capsys):
     assert cli.parse_settings(["-np", "1", "--preload", "transformers, a.b", "python", "t.py"]).preload == (
         "transformers", "a.b")
+    assert cli.parse_settings(["-np", "1", "--preload", "a", "--preload", "b,c", "--preload", "a", "python",
+                               "t.py"]).preload == ("a", "b", "c")  # repeatable
     with pytest.raises(SystemExit):
         cli.parse_settings(["-np", "1", "--preload", "not-a-module", "python", "t.py"])
     assert "'not-a-module' is not a module name" in capsys.readouterr().err
@@ -197,7 +201,7 @@ def test_run_keywords():
 
 
 def test_the_variable_is_in_the_config_table():
-    assert config.ENV_VARS["ELASTICRUN_NO_WARM_START"] == "warm_start"
+    assert config.ENV_VARS["ELASTICRUN_WARM_START"] == "warm_start"
     actions = {a.dest for a in build_parser(ExitingParser)._actions}
     assert {"warm_start", "preload"} <= actions
 
