@@ -149,6 +149,58 @@ def unbuffered(cmd: PythonCommand, env: Mapping[str, str]) -> bool:
     return cmd.unbuffered or bool(env.get("PYTHONUNBUFFERED"))
 
 
+# --- what /proc shows ------------------------------------------------------------------------
+#: A variable of filler a template starts with (last), so that its environment area is large
+#: enough for any worker's environment: see :func:`environ_area`. It never reaches a worker.
+ROOM_VAR = "ELASTICRUN_TEMPLATE_ROOM"
+#: Its size; and the room left after a template's arguments for a worker's command line.
+ROOM_BYTES = 16384
+ARGV_ROOM = 4096
+
+
+def with_room(env: Mapping[str, str]) -> dict[str, str]:
+    """A template's environment: ``env`` and, last, the filler variable."""
+    out = {k: v for k, v in env.items() if k != ROOM_VAR}
+    out[ROOM_VAR] = "." * ROOM_BYTES
+    return out
+
+
+def _entry(name: str, value: str) -> bytes:
+    return os.fsencode(name) + b"=" + os.fsencode(value)
+
+
+def environ_area(original: bytes, env: Mapping[str, str]) -> bytes | None:
+    """What to write over a forked worker's environment area (the template's, ``original``,
+    which ``/proc/PID/environ`` and ``ps e`` read) so that it lists ``env``: the same length,
+    NUL-padded; None if ``env`` does not fit.
+
+    Leading entries that ``env`` has unchanged stay where they are, byte for byte (a library
+    may have kept a pointer from ``getenv`` at start); the rest of ``env`` follows.
+    """
+    want = {os.fsencode(k): _entry(k, v) for k, v in env.items() if k != ROOM_VAR}
+    out = bytearray()
+    kept: set[bytes] = set()
+    for item in original.split(b"\0"):
+        name = item.partition(b"=")[0]
+        if not item or name in kept or want.get(name) != item:
+            break
+        out += item + b"\0"
+        kept.add(name)
+    for name, item in want.items():
+        if name not in kept:
+            out += item + b"\0"
+    if len(out) > len(original):
+        return None
+    return bytes(out) + b"\0" * (len(original) - len(out))
+
+
+def argv_area(size: int, command: Sequence[str]) -> bytes | None:
+    """The worker's command line for its argument area (``/proc/PID/cmdline``, ``ps``): NUL
+    separated and padded to ``size``; None if it does not fit."""
+    out = b"".join(os.fsencode(w) + b"\0" for w in command)
+    return out + b"\0" * (size - len(out)) if len(out) <= size else None
+
+
 # --- wire format -----------------------------------------------------------------------------
 class WireError(ValueError):
     """A malformed request or reply."""

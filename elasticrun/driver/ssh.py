@@ -558,7 +558,7 @@ class SSHLauncher:
             job_id = env.get(envvars.JOB_ID, "-")
             argv = template_argv(cmd.interpreter, f"elasticrun-{job_id}", cmd, self.opts.preload, self.opts.stop_grace)
             chan.exec_command(remote_command(self.opts.python, job_id, "template"))
-            chan.sendall(launch_payload(argv, warmstart.template_environment(env), cwd, self.opts.stop_grace, mark,
+            chan.sendall(launch_payload(argv, warmstart.with_room(warmstart.template_environment(env)), cwd, self.opts.stop_grace, mark,
                                         template=True))
             err = threading.Thread(target=self._template_stderr, args=(t, chan.makefile_stderr("rb")), daemon=True,
                                    name=f"elasticrun-template-{t.host}-err")

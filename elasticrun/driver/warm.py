@@ -48,7 +48,7 @@ def template_argv(python: str, name: str, cmd: PythonCommand, preload: Sequence[
             "--script" if cmd.kind == "script" else "--module", cmd.target]
     if preload:
         argv += ["--preload", ",".join(preload)]
-    return argv
+    return argv + ["--room", " " * warmstart.ARGV_ROOM]  # ps shows a worker's command line there
 
 
 def parse_ready(line: str) -> dict | None:
@@ -73,7 +73,7 @@ class LocalTemplate:
         self._stderr: collections.deque[str] = collections.deque(maxlen=5)
         # Its own session: a Ctrl-C on the driver's terminal is the driver's to handle.
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env=dict(env), start_new_session=True)
+                                     env=warmstart.with_room(env), start_new_session=True)
         self._started = time.monotonic()
         self._threads = [threading.Thread(target=self._read_stdout, name="elasticrun-template-out", daemon=True),
                          threading.Thread(target=self._read_stderr, name="elasticrun-template-err", daemon=True)]

@@ -164,6 +164,35 @@ def make_private_dir(name: str) -> str:
     raise OSError("no directory for the template's socket (XDG_RUNTIME_DIR, TMPDIR, /tmp)")
 
 
+def proc_areas() -> tuple[int, int, int, int] | None:
+    """This process's argument and environment areas (start, end, start, end) from
+    /proc/self/stat, or None (an old kernel, or no /proc)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b") ", 1)[1].split()
+        arg_start, arg_end, env_start, env_end = (int(x) for x in fields[48 - 3:52 - 3])
+    except (OSError, IndexError, ValueError):
+        return None
+    return (arg_start, arg_end, env_start, env_end) if arg_start < arg_end and env_start < env_end else None
+
+
+def show_as(areas: tuple[int, int, int, int] | None, original_env: bytes, command: list[str],
+            env: dict[str, str]) -> None:
+    """In a forked worker: make ``/proc/self/cmdline`` and ``/proc/self/environ`` (what ``ps``,
+    ``top`` and monitoring read) show the worker's command and environment, not the
+    template's, by writing over the areas the kernel reads them from. Left as they are if
+    they do not fit (a template not started with room for them)."""
+    if areas is None:
+        return
+    arg_start, arg_end, env_start, env_end = areas
+    argv = warmstart.argv_area(arg_end - arg_start, command)
+    if argv is not None:
+        ctypes.memmove(arg_start, argv, len(argv))
+    block = warmstart.environ_area(original_env, env)
+    if block is not None and len(original_env) == env_end - env_start:
+        ctypes.memmove(env_start, block, len(block))
+
+
 # --- serving ---------------------------------------------------------------------------------
 @dataclass
 class Client:
@@ -202,7 +231,8 @@ class WorkerJob:
 
 class Template:
     def __init__(self, listener: socket.socket, socket_path: str, grace: float, startup_env: dict[str, str],
-                 handlers: dict[int, Any]):
+                 handlers: dict[int, Any], areas: tuple[int, int, int, int] | None = None,
+                 original_env: bytes = b""):
         """``startup_env``, ``handlers``: the environment and the signal handlers the process
         started with (before any import), which its workers' must match, and get back."""
         self.pid = os.getpid()
@@ -211,6 +241,7 @@ class Template:
         self.grace = grace
         self.startup_env = startup_env
         self.handlers = handlers
+        self.areas, self.original_env = areas, original_env
         # What the imports changed in os.environ: a fresh worker's imports would do it too.
         self.import_env = {k: v for k, v in os.environ.items() if startup_env.get(k) != v}
         self.import_unset = [k for k in startup_env if k not in os.environ]
@@ -490,6 +521,10 @@ class Template:
             os.environ.clear()
             os.environ.update(worker_env)
             time.tzset()
+            try:
+                show_as(self.areas, self.original_env, list(req["command"]), worker_env)
+            except (OSError, ValueError, TypeError):
+                pass  # only what ps shows
             become_main(cmd, req["command"], interpreter, cwd, warmstart.unbuffered(cmd, worker_env))
             return WorkerJob(cmd, script_path(cmd, cwd) if cmd.kind == "script" else "", interpreter)
         except BaseException:
@@ -674,11 +709,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     what.add_argument("--module", metavar="MOD", help="the workers' -m module: sys.path[0] is the cwd")
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM -> SIGKILL when stopping a worker")
     p.add_argument("--bare", action="store_true", help="import nothing but this module (tests)")
+    p.add_argument("--room", default="", help="filler: room for a worker's command line in /proc/PID/cmdline")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
+    areas = proc_areas()
+    original_env = ctypes.string_at(areas[2], areas[3] - areas[2]) if areas is not None else b""
+    os.environ.pop(warmstart.ROOM_VAR, None)
     startup_env = dict(os.environ)
     handlers = {s: signal.getsignal(s) for s in HANDLED}
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -700,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     listener.bind(path)
     listener.listen(128)
     listener.setblocking(False)
-    template = Template(listener, path, args.grace, startup_env, handlers)
+    template = Template(listener, path, args.grace, startup_env, handlers, areas, original_env)
     template.install_handlers()
     threads = thread_names()
     if len(threads) != 1:

@@ -119,6 +119,40 @@ def test_a_script_runs_as_python_would_run_it(template, tmp_path):
     assert warm_["fds"] == [0, 1, 2, 3]  # 3: the listing's own
 
 
+def test_ps_shows_the_workers_command_line_and_environment(tmp_path):
+    """/proc/PID/cmdline and /proc/PID/environ (ps, top, monitoring) are the worker's, not the template's."""
+    env = dict(os.environ, TEMPLATE_ONLY="1", TMPDIR=str(tmp_path))
+    t = warm.LocalTemplate([sys.executable, "-m", warm.TEMPLATE_MODULE, "--bare", "--room", " " * 4096], env)
+    t.env = env
+    try:
+        t.wait_ready(30)
+        (tmp_path / "p.py").write_text("import sys; sys.stdin.read()\n")
+        r, w = os.pipe()
+        out_r, out_w = os.pipe()
+        command = [sys.executable, "p.py", "--an", "argument"]
+        theirs = [r, out_w, out_w]
+        worker = warm.start_worker(t.info["socket"], command, _worker_env(t, FOO="bar"), str(tmp_path), theirs, 1.0)
+        for fd in (r, out_w):
+            os.close(fd)
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # until the child has set itself up
+                cmdline = Path(f"/proc/{worker.pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+                if cmdline == [c.encode() for c in command]:
+                    break
+                time.sleep(0.01)
+            assert cmdline == [c.encode() for c in command]
+            environ = [x for x in Path(f"/proc/{worker.pid}/environ").read_bytes().split(b"\0") if x]
+            assert b"FOO=bar" in environ and b"TEMPLATE_ONLY=1" not in environ
+            assert not any(x.startswith(b"ELASTICRUN_TEMPLATE_ROOM=") for x in environ)
+        finally:
+            os.close(w)
+            os.close(out_r)
+            assert worker.wait() == 0
+    finally:
+        t.stop(10)
+
+
 def test_a_module_runs_as_python_m_would_run_it(template, tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()

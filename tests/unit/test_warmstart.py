@@ -142,9 +142,9 @@ def test_template_command_line_and_ready_line():
     cmd = python_command(["python", "train.py", "--x"])[0]
     assert template_argv("/v/bin/python", "elasticrun-123", cmd, ("transformers", "datasets"), 5.0) == [
         "/v/bin/python", "-m", "elasticrun.worker.template", "--name", "elasticrun-123", "--grace", "5",
-        "--script", "train.py", "--preload", "transformers,datasets"]
+        "--script", "train.py", "--preload", "transformers,datasets", "--room", " " * warmstart.ARGV_ROOM]
     mod = python_command(["python", "-m", "elasticrun.worker.entry"])[0]
-    assert template_argv("python", "n", mod, (), 2.5)[-2:] == ["--module", "elasticrun.worker.entry"]
+    assert template_argv("python", "n", mod, (), 2.5)[-4:-2] == ["--module", "elasticrun.worker.entry"]
     assert parse_ready(warmstart.READY_PREFIX + '{"socket": "/tmp/x/template.sock", "pid": 3}')["pid"] == 3
     assert parse_ready("something else") is None
     assert parse_ready(warmstart.READY_PREFIX + '{"pid": 3}') is None
@@ -225,3 +225,22 @@ def test_no_template_when_none_would_serve(kw):
     launchers.bind(lambda *_: None, _Sink())
     assert launchers.template is None
     launchers.stop_all(1)
+
+
+# --- what /proc shows of a forked worker ----------------------------------------------------------
+def test_the_environment_area_lists_the_workers_environment():
+    original = b"A=1\0B=2\0C=3\0" + warmstart.ROOM_VAR.encode() + b"=" + b"." * 40 + b"\0"
+    block = warmstart.environ_area(original, {"A": "1", "B": "2", "C": "4", "D": "5"})
+    assert len(block) == len(original)
+    assert block.startswith(b"A=1\0B=2\0")  # unchanged leading entries stay where they were
+    assert sorted(x for x in block.split(b"\0") if x) == [b"A=1", b"B=2", b"C=4", b"D=5"]
+    assert warmstart.ROOM_VAR.encode() not in block
+    assert warmstart.environ_area(original, {"A": "1", "X": "y" * 100}) is None  # does not fit
+    assert warmstart.environ_area(b"A=1\0", {}) == b"\0" * 4
+
+
+def test_the_argument_area_holds_the_workers_command_line():
+    assert warmstart.argv_area(20, ["python", "t.py", "-x"]) == b"python\0t.py\0-x\0" + b"\0" * 5
+    assert warmstart.argv_area(5, ["python", "t.py"]) is None
+    assert "." * warmstart.ROOM_BYTES == warmstart.with_room({"A": "1"})[warmstart.ROOM_VAR]
+    assert list(warmstart.with_room({warmstart.ROOM_VAR: "x", "A": "1"})) == ["A", warmstart.ROOM_VAR]
