@@ -30,8 +30,9 @@ import os
 import re
 import shutil
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from elasticrun.common import env as envvars
 

@@ -77,6 +77,7 @@ class LocalLauncher:
         self._ready_timeout = ready_timeout
         self._grace = grace
         self._stopping = False
+        self._warned = False
         self._stop_event = threading.Event()  # set by stop_all: launches waiting for the template give up
 
     def launch(self, worker_id: str, command: list[str], env: dict[str, str], keys: bytes | None = None) -> None:
@@ -86,6 +87,8 @@ class LocalLauncher:
         number in ``ELASTICRUN_SECRET_FD``), never through the environment.
         """
         proc = _Proc(worker_id)
+        if self._template is not None and not self._template.usable and warmstart.python_command(command)[0]:
+            self._warn_gone(None)
         if self._template is not None and self._template.usable and warmstart.python_command(command)[0]:
             with self._lock:
                 self._procs[worker_id] = proc
@@ -132,7 +135,10 @@ class LocalLauncher:
             try:
                 proc.warm = self._ask_template(proc, command, env, keys)
             except Unavailable as exc:
-                log.debug("%s: starting a fresh process, not a warm one: %s", proc.worker_id, exc)
+                if not self._template.usable and not self._stopping:
+                    self._warn_gone(exc)
+                else:
+                    log.debug("%s: starting a fresh process, not a warm one: %s", proc.worker_id, exc)
             if proc.warm is None:
                 if self._stopping or proc.cancel is not None:
                     code = -(proc.cancel or signal.SIGTERM)
@@ -162,6 +168,17 @@ class LocalLauncher:
         finally:
             proc.finished.set()
             self._on_exit(proc.worker_id, code)
+
+    def _warn_gone(self, exc: Exception | None) -> None:
+        """One warning line, the first time a launch finds this machine's template gone."""
+        with self._lock:
+            if self._warned or self._stopping:
+                return
+            self._warned = True
+        assert self._template is not None
+        why = str(exc) if exc is not None else self._template.why_gone()
+        log.warning("warm start: this machine's template is gone (%s); its workers start as new processes",
+                    why[:300])
 
     def _ask_template(self, proc: _Proc, command: list[str], env: dict[str, str], keys: bytes | None) -> WarmWorker:
         assert self._template is not None

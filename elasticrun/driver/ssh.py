@@ -340,6 +340,7 @@ class _Template:
     socket: str | None = None  # once it serves
     failure: str | None = None  # why it never served
     ended: bool = False  # its channel closed
+    warned: bool = False  # its failure was said (once)
     channel: Any = None
     ready: threading.Event = field(default_factory=threading.Event)  # serving, or never will
     stderr_tail: deque = field(default_factory=lambda: deque(maxlen=5))
@@ -540,7 +541,11 @@ class SSHLauncher:
                       wait, r.worker_id)
             return None
         if t.socket is None or t.ended:
-            log.debug("%s: no warm-start template (%s): worker %s starts fresh", r.host, t.failure, r.worker_id)
+            with self._lock:
+                warn, t.warned = not t.warned and not self._stopping, True
+            if warn:
+                log.warning("%s: no warm-start template there (%s); its workers start as new processes", r.host,
+                            str(t.failure)[:300])
             return None
         return t.socket
 

@@ -27,7 +27,7 @@ import socket
 import subprocess
 import threading
 import time
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from elasticrun.common import warmstart
 from elasticrun.common.warmstart import PythonCommand
@@ -119,11 +119,17 @@ class LocalTemplate:
                 raise Unavailable(f"the template was not ready within {timeout:g} s")
             self._ready.wait(min(left, 0.05) if cancel is not None else left)
         if self.info is None or self.ended:
-            code = self.proc.poll()
-            said = " | ".join(self._stderr) or "nothing"
-            raise Unavailable(f"the template exited{f' with code {code}' if code is not None else ''}; it said: "
-                              f"{said}")
+            raise Unavailable(self.why_gone())
         return self.info["socket"]
+
+    def why_gone(self) -> str:
+        """Why it no longer serves (its exit status and last stderr lines)."""
+        try:
+            code = self.proc.wait(1.0) if self.ended else self.proc.poll()  # its stdout closed: exiting
+        except subprocess.TimeoutExpired:
+            code = None
+        said = " | ".join(self._stderr) or "nothing"
+        return f"it exited{f' with code {code}' if code is not None else ''}; it said: {said}"
 
     @property
     def usable(self) -> bool:
@@ -185,7 +191,7 @@ def _read_line(sock: socket.socket, buf: bytes, deadline: float | None) -> bytes
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise socket.timeout("no answer")
+                raise TimeoutError("no answer")
             sock.settimeout(left)
         chunk = sock.recv(4096)
         if not chunk:
@@ -213,7 +219,7 @@ def start_worker(socket_path: str, command: Sequence[str], env: Mapping[str, str
             if sent < len(data):  # (an empty send to a template that already answered is EPIPE)
                 sock.sendall(data[sent:])
             line = _read_line(sock, b"", deadline)
-        except socket.timeout:
+        except TimeoutError:
             raise Unavailable(f"the template did not answer within {timeout:g} s") from None
         except OSError as exc:
             raise Unavailable(f"cannot reach the template at {socket_path}: {exc.strerror or exc}") from None

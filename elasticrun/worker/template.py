@@ -614,7 +614,7 @@ def standard_streams(unbuffered: bool) -> None:
     for fd, name, write, old in ((0, "<stdin>", False, sys.__stdin__), (1, "<stdout>", True, sys.__stdout__),
                                  (2, "<stderr>", True, sys.__stderr__)):
         buffered = not (write and unbuffered)
-        buf = io.open(fd, "wb" if write else "rb", buffering=-1 if buffered else 0, closefd=False)
+        buf = open(fd, "wb" if write else "rb", buffering=-1 if buffered else 0, closefd=False)
         raw = buf.raw if buffered else buf
         raw.name = name
         encoding = getattr(old, "encoding", None) or "utf-8"

@@ -14,8 +14,8 @@ from elasticrun.common.settings import JobSettings
 from elasticrun.common.warmstart import PythonCommand, python_command
 from elasticrun.driver import cli, config
 from elasticrun.driver import remote_bootstrap as rb
-from elasticrun.driver.environment import shared_environment, worker_environment
 from elasticrun.driver.assignment import SlotInfo
+from elasticrun.driver.environment import shared_environment, worker_environment
 from elasticrun.driver.launchers import Launchers
 from elasticrun.driver.parser import ExitingParser, build_parser
 from elasticrun.driver.warm import parse_ready, template_argv
