@@ -144,7 +144,7 @@ def addition_job(mode: str, additions: int, interval: float) -> list[float]:
     journal = Journal(events)
     seconds = []
     try:
-        journal.wait_for(lambda e: e["kind"] == "first_step", 120, "training to start")
+        journal.wait_for(lambda e: e["kind"] == "rendezvous_complete", 120, "training to start")
         for _ in range(additions):
             time.sleep(0.5)
             with open(hosts, "w") as f:
@@ -221,6 +221,19 @@ def main() -> None:
         for mode in (modes if i % 2 == 0 else modes[::-1]):
             results[mode].append(one_job(args.hosts, np, mode, args.steps, args.old_tree))
     names = {"warm": "warm", "cold": "--no-warm-start", "old": "old tree"}
+    if args.repeats:
+        report(args, np, modes, names, results)
+    if args.additions:
+        added = {m: addition_job(m, args.additions, args.discovery_interval) for m in ("warm", "cold")}
+        print(f"host added -> first step including it (discovery interval {args.discovery_interval:g} s, target "
+              f"<= {args.discovery_interval + 0.3:.1f} s):")
+        for m in ("warm", "cold"):
+            print(f"  {names[m]:<16} p50 {statistics.median(added[m]):.3f}  max {max(added[m]):.3f}  all:",
+                  " ".join(f"{v:.3f}" for v in added[m]))
+
+
+def report(args: argparse.Namespace, np: int, modes: list[str], names: dict[str, str],
+           results: dict[str, list[dict[str, float]]]) -> None:
     print(f"-H {args.hosts} (-np {np}), {args.steps} steps, {args.repeats} jobs per mode, alternating")
     print(f"{'measure (s from starting elasticrun)':<36}" + "".join(f" {names[m] + ' p50':>20} {'max':>6}" for m in modes)
           + f" {'warm/cold':>9}")
@@ -235,13 +248,6 @@ def main() -> None:
         print(f"{label:<36}{cells} {ratio:>9.2f}")
     for m in modes:
         print(f"first step per job ({names[m]}):", " ".join(f"{r['first_step']:.3f}" for r in results[m]))
-    if args.additions:
-        added = {m: addition_job(m, args.additions, args.discovery_interval) for m in ("warm", "cold")}
-        print(f"host added -> first step including it (discovery interval {args.discovery_interval:g} s, target "
-              f"<= {args.discovery_interval + 0.3:.1f} s):")
-        for m in ("warm", "cold"):
-            print(f"  {names[m]:<16} p50 {statistics.median(added[m]):.3f}  max {max(added[m]):.3f}  all:",
-                  " ".join(f"{v:.3f}" for v in added[m]))
 
 
 if __name__ == "__main__":
