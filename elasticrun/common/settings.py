@@ -76,6 +76,12 @@ class JobSettings:
     # Warm worker start (elasticrun/worker/template.py): fork workers from a per-host template.
     warm_start: bool = True  # --no-warm-start: every worker a new process
     preload: tuple[str, ...] = ()  # --preload: modules the templates import besides torch and elasticrun
+    # On a Ray cluster (elasticrun/discovery/ray_nodes.py, driver/ray_launcher.py): hosts are its
+    # nodes, workers start through Ray; what each worker needs of a node's resources.
+    ray_address: str | None = None  # --ray-address: "auto" or the cluster's address
+    ray_cpus_per_worker: float = 1.0
+    ray_gpus_per_worker: float = 0.0
+    ray_resources: dict[str, float] = field(default_factory=dict)  # custom resources per worker
 
     @property
     def elastic_wait_limit(self) -> float:

@@ -17,7 +17,13 @@ import argparse
 import os
 from typing import Any, Mapping
 
-from elasticrun.driver.parser import module_list, non_negative_int, positive_int, positive_seconds
+from elasticrun.driver.parser import (
+    module_list,
+    non_negative_int,
+    non_negative_number,
+    positive_int,
+    positive_seconds,
+)
 
 # Per-cluster options settable from the environment: variable -> argparse dest.
 ENV_VARS: dict[str, str] = {
@@ -38,6 +44,7 @@ ENV_VARS: dict[str, str] = {
     "ELASTICRUN_CHECKPOINT_DIR": "checkpoint_dir",
     "ELASTICRUN_CHECKPOINT_INTERVAL": "checkpoint_interval",
     "ELASTICRUN_WARM_START": "warm_start",  # 1/true/yes/on (the default) or 0/false/no/off
+    "ELASTICRUN_RAY_ADDRESS": "ray_address",
 }
 
 #: Variables naming a setting that a --no-... flag turns off: 1 means on, not "the flag given".
@@ -83,6 +90,8 @@ def _type_name(action: argparse.Action) -> str:
         return "a whole number"
     if action.type is positive_seconds:
         return "a number of seconds"
+    if action.type is non_negative_number:
+        return "a number"
     if action.choices:
         return "one of " + ", ".join(repr(c) for c in action.choices)
     return "a string"
@@ -112,7 +121,7 @@ def convert_value(action: argparse.Action, value: Any, named_by_flag: bool = Fal
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(expected)
         return action.type(str(value))
-    if action.type is positive_seconds:
+    if action.type in (positive_seconds, non_negative_number):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(expected)
         return action.type(str(value))

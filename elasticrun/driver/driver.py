@@ -489,11 +489,14 @@ class ElasticDriver:
         remote = self._launcher.is_remote(info.host)
         control_addr, notify_addr = self._control_addr, self._notify_addr
         durable_addr = None
+        # A launcher may name the machine a host's workers run on (Ray: its node's address).
+        route = getattr(self._launcher, "network_address", None)
         try:
+            where = route(info.host) if route is not None else info.host
             if remote:
-                control_addr, notify_addr = self._endpoints.for_host(info.host)
+                control_addr, notify_addr = self._endpoints.for_host(where)
             if self._durable is not None:
-                durable_addr = self._durable.endpoint(zmq_endpoint(self._endpoints.address(info.host if remote else None)))
+                durable_addr = self._durable.endpoint(zmq_endpoint(self._endpoints.address(where if remote else None)))
         except OSError as exc:
             log.error("%s: cannot tell which address of this machine its workers could reach (%s); "
                       "set --driver-address or --network-interface", info.host, exc.strerror or exc)

@@ -52,6 +52,10 @@ class Launcher(Protocol):
         """Whether workers for ``host`` run on another machine: the driver then gives them its
         forwarded environment and the address of this machine that ``host`` reaches."""
 
+    # Optional: ``network_address(host) -> str``, the name or address of the machine that
+    # ``host``'s workers run on, for the driver to pick the address of its own that they reach
+    # (default: ``host`` itself; the Ray launcher's hosts are node ids, it gives the node's IP).
+
     def launch(self, worker_id: str, command: list[str], env: dict[str, str], host: str,
                keys: bytes | None = None) -> None:
         """Start ``command`` with exactly ``env`` on ``host``.

@@ -101,6 +101,23 @@ def find_command(prog: str, path: str) -> Tuple[Optional[str], str]:
     return None, "command not found: %s (searched PATH=%s)" % (prog, path)
 
 
+def die_with(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when the watchdog dies (``PR_SET_PDEATHSIG``, kept
+    across ``exec``): a watchdog killed with SIGKILL (OOM killer, an agent's teardown) can then
+    never leave its worker running unwatched. Elsewhere (no ``prctl``) the watchdog's own
+    handlers are the only guard."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the watchdog died before the request took effect
+        os._exit(127)
+
+
 def spawn(program: str, argv: List[str], env: Dict[str, str], keys: Optional[str]) -> Tuple[int, int, int]:
     """Fork the worker as the leader of a new process group, held before ``exec``.
 
@@ -110,12 +127,14 @@ def spawn(program: str, argv: List[str], env: Dict[str, str], keys: Optional[str
     """
     gate_r, gate_w = os.pipe()
     err_r, err_w = os.pipe()  # close-on-exec: EOF without data means the exec succeeded
+    watchdog = os.getpid()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(gate_w)
             os.close(err_r)
             os.setpgid(0, 0)
+            die_with(watchdog)
             os.read(gate_r, 1)  # wait until the driver knows our group
             os.close(gate_r)
             for name in ("SIGPIPE", "SIGXFSZ"):  # Python ignores them; the worker must not

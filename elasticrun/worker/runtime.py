@@ -311,7 +311,8 @@ class Runtime:
         # the Python object is collected its methods are gone ("Not implemented").
         self._store = DriverStore(self._client, self.collective_timeout, r.abort_reason)
         store = dist.PrefixStore(f"round{r.number}", self._store)
-        r.pg = dist.ProcessGroupGloo(store, r.rank, r.size, timedelta(seconds=self.collective_timeout))
+        with self._store.forming():
+            r.pg = dist.ProcessGroupGloo(store, r.rank, r.size, timedelta(seconds=self.collective_timeout))
 
     def report_failure(self, error: str) -> None:
         """Tell the driver this worker is failing, before the slow interpreter teardown.
