@@ -75,6 +75,9 @@ class JobSettings:
     forward_env: bool = True  # remote workers get the driver's environment (as horovodrun does)
     driver_address: str | None = None  # --driver-address, or the address of --network-interface
     network_interface: str | None = None
+    # Warm worker start (elasticrun/worker/template.py): fork workers from a per-host template.
+    warm_start: bool = True  # --no-warm-start: every worker a new process
+    preload: tuple[str, ...] = ()  # --preload: modules the templates import besides torch and elasticrun
     # On a Ray cluster (elasticrun/discovery/ray_nodes.py, driver/ray_launcher.py): hosts are its
     # nodes, workers start through Ray; what each worker needs of a node's resources.
     ray_address: str | None = None  # --ray-address: "auto" or the cluster's address

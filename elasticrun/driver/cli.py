@@ -147,6 +147,7 @@ def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, 
         evict_stragglers=o["evict_stragglers"],
         log_level=level,
         worker_log_level=worker_level,
+        warm_start=o["warm_start"], preload=tuple(o["preload"] or ()),
         **_remote_settings(o, fail), **ray)
 
 

@@ -161,7 +161,11 @@ class ElasticDriver:
 
     # --- main loop -------------------------------------------------------------------------
     def run(self) -> int:
-        first = self._first_discovery()
+        try:
+            first = self._first_discovery()
+        except BaseException:
+            self._launcher.stop_all(0.0)  # nothing runs yet but, perhaps, a warm-start template
+            raise
         ctx = zmq.Context()
         # Only the job's workers get in: both sockets are CURVE servers, and this ZAP handler
         # (bound before them) admits only the job's client key, so no frame of anyone else ever

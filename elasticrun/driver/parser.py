@@ -9,6 +9,7 @@ turning the arguments into ``JobSettings`` is ``cli.parse_settings``'s job.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from elasticrun.common.settings import (
     DEFAULT_CHECKPOINT_INTERVAL,
@@ -213,6 +214,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
                         "horovodrun's TRACE and FATAL mean DEBUG and CRITICAL)")
     p.add_argument("--verbose", action="store_true", help="same as --log-level DEBUG")
     add_remote_arguments(p)
+    add_warm_start_arguments(p)
     add_ray_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training command, e.g. python train.py")
     return p
@@ -257,6 +259,34 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
                             "GLOO_SOCKET_IFNAME=NIC for the workers unless it is set")
 
 
+def module_list(text: str) -> tuple[str, ...]:
+    """``MOD[,MOD...]``: dotted module names (--preload)."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if not all(part.isidentifier() for part in n.split("."))]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{(bad or [text])[0][:60]!r} is not a module name (MOD[,MOD...])")
+    return names
+
+
+class _AddModules(argparse.Action):
+    """``--preload A,B --preload C``: every module named, in order (each flag adds to the list)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        have = tuple(getattr(namespace, self.dest, None) or ())
+        setattr(namespace, self.dest, have + tuple(n for n in values if n not in have))
+
+
+def add_warm_start_arguments(p: argparse.ArgumentParser) -> None:
+    """Warm worker start: workers forked from a per-host template (elasticrun/worker/template.py)."""
+    g = p.add_argument_group("warm worker start", "Workers running `python script.py` or `python -m module` are "
+                             "forked from a process per host that has imported torch and elasticrun already, "
+                             "instead of starting a new interpreter (see docs/configuration.md).")
+    g.add_argument("--no-warm-start", dest="warm_start", action="store_false",
+                   help="start every worker as a new process (also ELASTICRUN_WARM_START=0)")
+    g.add_argument("--preload", type=module_list, action=_AddModules, default=(), metavar="MOD[,MOD...]",
+                   help="modules the templates also import before forking workers, e.g. transformers "
+                        "(repeatable)")
 def add_ray_arguments(p: argparse.ArgumentParser) -> None:
     """What each worker needs of a Ray node (with --ray-address): a node has as many slots as
     its free resources fit workers."""

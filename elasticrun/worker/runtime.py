@@ -430,7 +430,7 @@ def init() -> Runtime:
                 logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
             rt = Runtime()
             if not rt.standalone:
-                _warm_up()
+                warm_up()
             try:
                 rt.rendezvous()
             except BaseException:
@@ -444,13 +444,14 @@ def init() -> Runtime:
         return _runtime
 
 
-def _warm_up() -> None:
+def warm_up() -> None:
     """Pay torch's one-time lazy costs before joining, not after.
 
     The first optimizer a process builds imports torch._dynamo (~0.9 s here). Scripts build
     theirs right after init(); a worker joining a running job would pay it while the
     survivors already wait for it in sync(). Done before the rendezvous request, the
-    survivors keep training meanwhile.
+    survivors keep training meanwhile. The warm-start template (worker/template.py) calls it
+    once, before it forks any worker.
     """
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
 
