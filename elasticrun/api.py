@@ -69,8 +69,8 @@ def _horovod_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], list[str
             value = nics[0] if nics else None
         if key == "env" and isinstance(value, Mapping) and isinstance(out.get("env"), dict):
             value = {**out["env"], **value}
-        if key == "verbose" and value is not None:
-            value = bool(value)  # horovod.run also takes a level
+        if key == "verbose" and type(value) is int:
+            value = value > 0  # horovod.run also takes a level
         out[name] = value
     executable = out.pop("executable", None)
     command = [str(executable), "-m", "elasticrun.worker.entry"] if executable else None
