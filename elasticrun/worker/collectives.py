@@ -303,7 +303,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     op = _resolve_op(op, average)
     what = f"allreduce {name or tuple(tensor.shape)}"
     if op == Adasum:
-        return _adasum([tensor], what, prescale_factor, postscale_factor, process_set)
+        return _adasum([tensor], what, prescale_factor, postscale_factor, process_set, single=True)
     torch_op = _TORCH_OPS[op]
     if prescale_factor != 1.0:
         _scale(tensor, prescale_factor)
@@ -368,7 +368,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     tensors = list(tensors)
     what = f"grouped allreduce {name or len(tensors)}"
     if op == Adasum:
-        return _adasum(tensors, what, prescale_factor, postscale_factor, process_set)
+        return _adasum(tensors, what, prescale_factor, postscale_factor, process_set, single=False)
     parts: list[tuple[list[int], torch.Tensor, Handle]] = []
     for idx in _flat_groups(tensors):
         flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx]) if len(idx) > 1 else \
@@ -434,14 +434,15 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: in
 
 
 def _adasum(tensors: list[torch.Tensor], what: str, prescale: float, postscale: float,
-            process_set: ProcessSet | None) -> Handle:
+            process_set: ProcessSet | None, single: bool) -> Handle:
     """Adasum of ``tensors`` in place (per tensor), along the pairwise tree of worker/adasum.py:
     one alltoall per step (each rank sends its vector to its partner of that step). Runs to
     completion here; the handle it returns is done."""
     if not _is_global(process_set):
         raise NotImplementedError("Adasum does not support non-global process sets yet.")
+    result: Any = tensors[0] if single else tensors
     if not tensors:
-        return _handle(_DONE, what, lambda: tensors)
+        return Handle(_DONE, what, lambda: result, done=True, result=result)
     dtype = tensors[0].dtype
     if not dtype.is_floating_point or any(t.dtype != dtype for t in tensors):
         raise ValueError(f"Adasum needs floating-point tensors of one dtype, got {[t.dtype for t in tensors]}")
@@ -491,8 +492,7 @@ def _adasum(tensors: list[torch.Tensor], what: str, prescale: float, postscale: 
         for t, (o, k) in zip(tensors, segments):
             t.copy_(flat[o:o + k].view_as(t))
     _traced(r, what, started)
-    return Handle(_DONE, what, lambda: tensors[0] if len(tensors) == 1 else tensors, done=True,
-                  result=tensors[0] if len(tensors) == 1 else tensors)
+    return Handle(_DONE, what, lambda: result, done=True, result=result)
 
 
 # --------------------------------------------------------------------------- broadcast
