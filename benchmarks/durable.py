@@ -47,7 +47,7 @@ def worker(args) -> None:
     @hvd.elastic.run
     def train(state):
         end = time.time() + args.seconds
-        while time.time() < end:
+        while True:
             opt.zero_grad()
             F.mse_loss(model(x), y).backward()
             opt.step()
@@ -55,6 +55,9 @@ def worker(args) -> None:
             times.append(time.perf_counter())
             if state.step % 10 == 0:
                 state.commit()
+                # Every rank stops at the same step: rank 0's clock decides.
+                if hvd.broadcast(torch.tensor([float(time.time() >= end)]), root_rank=0).item():
+                    break
 
     train(state)
     warm = [t for t in times if t >= times[0] + args.warmup]
@@ -126,6 +129,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=70.0, help="training time per job")
     p.add_argument("--warmup", type=float, default=3.0, help="seconds not counted at the start")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--sizes", default="0.01,128", help="state sizes of part (1), MB, comma-separated")
     p.add_argument("--big-gb", type=float, default=1.0, help="state size of part (2), GB (0: skip)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--width", type=int, default=64, help=argparse.SUPPRESS)
@@ -135,8 +139,8 @@ def main() -> None:
         worker(args)
         return
     print("2 ranks (localhost, 127.0.0.1), commit every 10 steps; durable copies at the default interval (60 s)")
-    overhead(args, 0.01)
-    overhead(args, 128)
+    for mb in args.sizes.split(","):
+        overhead(args, float(mb))
     if args.big_gb > 0:
         sustained(args)
 

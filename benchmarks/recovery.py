@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 HERE = os.path.abspath(__file__)
 
@@ -71,6 +72,51 @@ def worker(stop_file: str) -> None:
 
 
 # --- the baseline ---------------------------------------------------------------------------
+def _floor_rank(rank: int, size: int, port: int, repeats: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timedelta(seconds=60))
+    times = []
+    for i in range(repeats):
+        store.add(f"ready{i}", 1)  # a barrier: every rank starts forming at about the same time
+        while int(store.get(f"ready{i}")) < size:
+            time.sleep(0.0005)
+        start = time.perf_counter()
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"r{i}", store), rank, size, timedelta(seconds=30))
+        pg.allreduce([torch.ones(2)]).wait()
+        times.append(time.perf_counter() - start)
+        holder = [pg]
+        threading.Thread(target=holder.clear, daemon=True).start()  # teardown off the clock
+        time.sleep(0.05)
+    if rank == 0:
+        out.put(statistics.median(times))
+
+
+def reform_floor_processes(size: int, repeats: int = 7) -> float:
+    """Median seconds for ``size`` processes (as many as the job has, on the same cores) to
+    form a fresh gloo group on a long-lived store's new prefix and run one tiny allreduce."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_floor_rank, args=(r, size, port, repeats, out)) for r in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        return out.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
 def reform_floor(repeats: int = 15) -> float:
     """Median seconds to form a 2-rank gloo group on a new prefix and run a tiny allreduce."""
     import torch
@@ -246,11 +292,17 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=20, help="kill (and re-add) trials")
     p.add_argument("--graceful", type=int, default=5, help="graceful removal trials")
     p.add_argument("--slots", type=int, default=1, help="workers per host (2 hosts)")
+    p.add_argument("--sweep", metavar="SLOTS,...",
+                   help="instead: kill trials at 2 hosts x each of these slot counts (e.g. 1,2,4,8: 2 to 16 "
+                        "ranks), each against a floor of its own size")
     p.add_argument("--keep-events", metavar="FILE", help="copy the job's event log there (for elasticrun timeline)")
     p.add_argument("--worker", metavar="STOP_FILE", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args.worker)
+        return
+    if args.sweep:
+        sweep(args)
         return
     floor = reform_floor()
     out = run_job(args)
@@ -278,6 +330,30 @@ def main() -> None:
             p50 = statistics.median(values)
             print(f"{label:<46} {p50 * 1000:>8.1f} {pct(values, 0.95) * 1000:>8.1f} {max(values) * 1000:>8.1f} "
                   f"{p50 / floor:>9.2f}")
+
+
+PHASES = ("detect", "decide", "rendezvous", "group", "restore+sync", "first_step")
+
+
+def sweep(args) -> None:
+    """Recovery against world size: 2 hosts x 1, 2, 4, 8 slots (2 .. 16 ranks), each against the
+    floor of its own size measured in the same run."""
+    rows = []
+    for slots in [int(x) for x in args.sweep.split(",")]:
+        n = 2 * slots
+        floor = reform_floor_processes(n)
+        out = run_job(argparse.Namespace(**dict(vars(args), slots=slots, graceful=0)))
+        kill = statistics.median(out["kill"])
+        rows.append((n, floor, kill, pct(out["kill"], 0.95), {k: statistics.median(out[k]) for k in PHASES}))
+        print(f"{n:>3} ranks: kill -> first step p50 {kill * 1000:.1f} ms (p95 {rows[-1][3] * 1000:.1f}); "
+              f"floor {floor * 1000:.1f} ms; " + ", ".join(f"{k} {v * 1000:.1f}" for k, v in rows[-1][4].items()),
+              flush=True)
+    print(f"\n{'ranks':>5} {'floor ms':>9} {'kill->step p50':>15} {'p95':>8} {'/floor':>7} {'/2 ranks':>9}  "
+          + " ".join(f"{k:>12}" for k in PHASES))
+    base = rows[0][2]
+    for n, floor, kill, p95, phases in rows:
+        print(f"{n:>5} {floor * 1000:>9.1f} {kill * 1000:>15.1f} {p95 * 1000:>8.1f} {kill / floor:>7.2f} "
+              f"{kill / base:>9.2f}  " + " ".join(f"{phases[k] * 1000:>12.1f}" for k in PHASES))
 
 
 if __name__ == "__main__":

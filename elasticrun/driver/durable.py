@@ -171,7 +171,8 @@ class DurableService(threading.Thread):
                 return {"error": "there is no durable copy"}, None
             m = d.manifest
             return {"number": m.number, "commit": m.commit, "steps": m.steps, "saved_at": m.saved_at,
-                    "meta_bytes": m.meta_bytes, "data_bytes": m.data_bytes}, None
+                    "meta_bytes": m.meta_bytes, "data_bytes": m.data_bytes, "meta_sha256": m.meta_sha256,
+                    "shards": [[x.offset, x.size, x.sha256] for x in m.shards]}, None
         if msg.type == "ckpt_read":
             d = self.newest
             if d is None or int(b["number"]) != d.manifest.number:

@@ -247,6 +247,7 @@ class DurableSender:
     def __init__(self, ctx: zmq.Context, endpoint: str, keys: WorkerKeys, job_id: str):
         self._channel = _Channel(ctx, endpoint, keys, job_id)
         self._pending: _Copy | None = None
+        self._staging = bytearray()  # reused: a fresh one would page-fault in on the training thread
         self._cv = threading.Condition()
         self._busy = False
         self._closed = False
@@ -269,7 +270,9 @@ class DurableSender:
                 return False
             total = entries[-1].offset + entries[-1].nbytes if entries else 0
             offset, size = shard_range(total, rank, world)
-            staged = bytearray(size)
+            if len(self._staging) != size:
+                self._staging = bytearray(size)
+            staged = self._staging
             copy_range(tensors, entries, offset, memoryview(staged))
             self._pending = _Copy(request, rank, world, commit, steps, time.time(), total, offset, staged,
                                   meta() if rank == 0 else b"")
@@ -331,6 +334,14 @@ def fetch(ctx: zmq.Context, endpoint: str, keys: WorkerKeys, job_id: str) -> tup
                                                     "size": min(CHUNK, size - i)})
                 buf[i:i + len(chunk)] = chunk
             parts[name] = bytes(buf)
+        # The chunks came unauthenticated but for their headers: check them against the
+        # checksums of the manifest, which came in an authenticated message.
+        if hashlib.sha256(parts["meta"]).hexdigest() != info["meta_sha256"]:
+            raise RuntimeError("the durable copy's metadata arrived damaged (checksum mismatch)")
+        view = memoryview(parts["data"])
+        for offset, size, sha in info["shards"]:
+            if hashlib.sha256(view[offset:offset + size]).hexdigest() != sha:
+                raise RuntimeError(f"the durable copy's bytes {offset}..{offset + size} arrived damaged")
         return info, parts["meta"], parts["data"]
     finally:
         ch.close()

@@ -321,3 +321,14 @@ def test_function_the_workers_cannot_import_fails_with_their_traceback(tag, tmp_
     assert "all workers failed" in info.value.reason
     assert "ModuleNotFoundError: No module named 'only_here'" in str(info.value)
     assert isinstance(info.value.__cause__, ModuleNotFoundError)
+
+
+def test_durable_copy_keywords_mean_what_the_flags_mean(tmp_path):
+    from elasticrun.driver.cli import parse_settings, settings_from_keywords
+
+    ckpt = str(tmp_path / "ckpt")
+    kw = settings_from_keywords(dict(np=1, hosts="localhost", checkpoint_dir=ckpt, checkpoint_interval=5,
+                                     fresh=True, sigterm_grace=3), ["cmd"])
+    cli = parse_settings(["-np", "1", "-H", "localhost", "--checkpoint-dir", ckpt, "--checkpoint-interval", "5",
+                          "--fresh", "--sigterm-grace", "3", "cmd"])
+    assert kw == cli and kw.checkpoint_dir == ckpt and kw.fresh and kw.checkpoint_interval == 5.0

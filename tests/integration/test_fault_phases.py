@@ -115,7 +115,7 @@ def read_history(log_dir: Path) -> History:
     for path in log_dir.glob("samples-*.jsonl"):
         for line in path.read_text().splitlines():
             entry = json.loads(line)
-            if "commit" in entry:
+            if "checksum" in entry:  # a fault script's commit record (sample_train.py tags samples with "commit")
                 checksums[entry["commit"]].add(entry["checksum"])
             else:
                 counts[entry["epoch"]].update(entry["indices"])
