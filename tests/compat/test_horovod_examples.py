@@ -65,14 +65,14 @@ def run(job, program: Path, *args: str, launcher: list[str] | None = None, timeo
 @pytest.mark.parametrize("extra", [[], ["--fp16-allreduce"], ["--use-adasum"]], ids=["average", "fp16", "adasum"])
 def test_pytorch_digits(job, tmp_path: Path, extra: list[str]) -> None:
     out = tmp_path / "result.json"
-    run(job, port("pytorch_digits.py", tmp_path), "--epochs", "3", "--result", str(out), *extra)
+    run(job, port("pytorch_digits.py", tmp_path), "--epochs", "5", "--result", str(out), *extra)
     result = json.loads(out.read_text())
     assert result["size"] == 2 and result["accuracy"] > 0.8, result
 
 
 def test_pytorch_digits_elastic(job, tmp_path: Path) -> None:
     out = tmp_path / "result.json"
-    r = run(job, port("pytorch_digits_elastic.py", tmp_path), "--epochs", "3", "--result", str(out),
+    r = run(job, port("pytorch_digits_elastic.py", tmp_path), "--epochs", "5", "--result", str(out),
             launcher=["-np", "2", "--min-np", "1", "--max-np", "2", "-H", "localhost:1,127.0.0.2:1"])
     result = json.loads(out.read_text())
     assert result["size"] == 2 and result["accuracy"] > 0.8, (result, r.output[-2000:])

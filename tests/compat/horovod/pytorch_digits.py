@@ -18,11 +18,11 @@ from sklearn.datasets import load_digits
 import horovod.torch as hvd
 
 parser = argparse.ArgumentParser(description="PyTorch digits example")
-parser.add_argument("--batch-size", type=int, default=32)
+parser.add_argument("--batch-size", type=int, default=16)
 parser.add_argument("--test-batch-size", type=int, default=100)
 parser.add_argument("--epochs", type=int, default=3)
-parser.add_argument("--lr", type=float, default=0.05)
-parser.add_argument("--momentum", type=float, default=0.5)
+parser.add_argument("--lr", type=float, default=0.025)
+parser.add_argument("--momentum", type=float, default=0.9)
 parser.add_argument("--seed", type=int, default=42)
 parser.add_argument("--log-interval", type=int, default=10)
 parser.add_argument("--fp16-allreduce", action="store_true", default=False)
