@@ -208,7 +208,7 @@ def run_job(args) -> dict[str, list[float]]:
 
     def full_world(after: float = 0.0) -> int:
         e = journal.wait_for(lambda e: e["kind"] == "round_formed" and e.get("size") == n and e["t"] > after,
-                             60, f"a round of {n}")
+                             60 + 15 * args.slots, f"a round of {n}")
         return e["round"]
 
     try:
@@ -240,7 +240,7 @@ def run_job(args) -> dict[str, list[float]]:
             # The host comes back after its cooldown: measure the addition.
             back = journal.wait_for(lambda e: e["kind"] == "host_whitelisted" and e["t"] > t_kill, 30, "the host's return")
             grown = journal.wait_for(lambda e: e["kind"] == "round_formed" and e["t"] > back["t"] and e.get("size") == n,
-                                     60, "the world to grow back")
+                                     60 + 15 * args.slots, "the world to grow back")  # slots start at once
             step = first_step_of(grown["round"])
             interrupt = [e for e in journal.events if e["kind"] == "interrupt" and e["t"] > back["t"]]
             out["add"].append(step["t"] - back["t"])

@@ -355,7 +355,8 @@ class Runtime:
         if r.rank == 0:
             master = f"{self.hostname}:{_free_port()}"
             store.set(_MASTER_KEY, master)
-        r.pg = dist.ProcessGroupGloo(store, r.rank, r.size, timedelta(seconds=self.collective_timeout))
+        with self._store.forming():
+            r.pg = dist.ProcessGroupGloo(store, r.rank, r.size, timedelta(seconds=self.collective_timeout))
         r.store = store
         if r.rank != 0:
             master = store.get(_MASTER_KEY).decode()
