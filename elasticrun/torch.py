@@ -19,7 +19,7 @@ from elasticrun.worker import rounds as _rounds
 from elasticrun.worker import runtime as _runtime
 from elasticrun.worker import trace as _trace
 from elasticrun.worker.broadcast import broadcast_optimizer_state, broadcast_parameters
-from elasticrun.worker.collectives import (  # noqa: F401  (re-exported API)
+from elasticrun.worker.collectives import (
     Adasum,
     Average,
     Handle,
@@ -51,7 +51,7 @@ from elasticrun.worker.collectives import (  # noqa: F401  (re-exported API)
 )
 from elasticrun.worker.elastic import ObjectState, State, run
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from elasticrun.worker.functions import (  # noqa: F401  (re-exported API)
+from elasticrun.worker.functions import (
     allgather,
     allreduce,
     alltoall,
@@ -63,7 +63,12 @@ from elasticrun.worker.functions import (  # noqa: F401  (re-exported API)
 )
 from elasticrun.worker.join import join
 from elasticrun.worker.optimizer import Compression, DistributedOptimizer
-from elasticrun.worker.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from elasticrun.worker.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
 from elasticrun.worker.sampler import ElasticSampler
 from elasticrun.worker.sync_batch_norm import SyncBatchNorm
 from elasticrun.worker.torch_state import TorchState
@@ -211,17 +216,81 @@ elastic = types.SimpleNamespace(
 )
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
-    "is_homogeneous", "process_group",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
-    "grouped_allreduce_async", "grouped_allreduce_async_", "sparse_allreduce_async", "allgather", "allgather_async",
-    "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
-    "grouped_reducescatter_async", "broadcast_object", "allgather_object", "barrier", "join", "poll", "synchronize",
-    "Handle", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "ProcessSet", "global_process_set",
-    "add_process_set", "remove_process_set", "SyncBatchNorm", "elastic", "HorovodInternalError",
-    "HostsUpdatedInterrupt", "DistributedOptimizer", "Compression", "broadcast_parameters",
-    "broadcast_optimizer_state", "ElasticSampler", "TorchState", "ObjectState", "State", "run", "gloo_enabled",
-    "gloo_built", "mpi_enabled", "mpi_built", "mpi_threads_supported", "nccl_built", "ddl_built", "ccl_built",
-    "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
+    "Adasum",
+    "Average",
+    "Compression",
+    "DistributedOptimizer",
+    "ElasticSampler",
+    "Handle",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "Max",
+    "Min",
+    "ObjectState",
+    "ProcessSet",
+    "Product",
+    "ReduceOp",
+    "State",
+    "Sum",
+    "SyncBatchNorm",
+    "TorchState",
+    "add_process_set",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "elastic",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
+    "process_group",
+    "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
+    "rocm_built",
+    "run",
+    "shutdown",
+    "size",
+    "sparse_allreduce_async",
+    "start_timeline",
+    "stop_timeline",
+    "synchronize",
 ]

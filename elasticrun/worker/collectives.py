@@ -27,9 +27,9 @@ from __future__ import annotations
 import ctypes
 import pickle
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 import torch

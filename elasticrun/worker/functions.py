@@ -26,8 +26,16 @@ from elasticrun.worker.collectives import Average, Sum
 from elasticrun.worker.optimizer import Compression, Compressor
 from elasticrun.worker.process_sets import ProcessSet, global_process_set
 
-__all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
-           "reducescatter", "grouped_reducescatter"]
+__all__ = [
+    "allgather",
+    "allreduce",
+    "alltoall",
+    "broadcast",
+    "grouped_allgather",
+    "grouped_allreduce",
+    "grouped_reducescatter",
+    "reducescatter",
+]
 
 
 class _Allreduce(torch.autograd.Function):

@@ -22,8 +22,15 @@ import torch.distributed as dist
 from elasticrun.worker import rounds
 from elasticrun.worker.rounds import Round
 
-__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "process_sets",
-           "members", "group"]
+__all__ = [
+    "ProcessSet",
+    "add_process_set",
+    "global_process_set",
+    "group",
+    "members",
+    "process_sets",
+    "remove_process_set",
+]
 
 
 class ProcessSet:

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from elasticrun.worker import collectives, rounds

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["Timeline", "start", "stop", "active"]
+__all__ = ["Timeline", "active", "start", "stop"]
 
 
 class Timeline:

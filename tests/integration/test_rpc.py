@@ -7,7 +7,6 @@ import json
 import sys
 
 import pytest
-
 from conftest import SCRIPTS
 
 pytestmark = pytest.mark.timeout(240)
