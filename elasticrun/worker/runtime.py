@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import logging
 import os
 import signal
@@ -69,7 +70,28 @@ def _drop_in_background(obj: Any, delay: float = _DROP_DELAY) -> None:
     timer = threading.Timer(delay, holder.clear)
     timer.daemon = True
     timer.name = "elasticrun-drop-pg"
+    _pending_drops[:] = [(t, h) for t, h in _pending_drops if h or t.is_alive()]  # forget finished ones
+    _pending_drops.append((timer, holder))
     timer.start()
+
+
+#: Old groups still waiting for their release, as (timer, holder).
+_pending_drops: list[tuple[threading.Timer, list[Any]]] = []
+
+
+def _settle_drops(timeout: float = 5.0) -> None:
+    """At exit: never let an old group's teardown run on a daemon thread while the interpreter
+    finalizes. Python ends such a thread with pthread_exit when it asks for the GIL back, which
+    inside gloo's (noexcept) destructor is std::terminate: "terminate called without an active
+    exception", exit code -6. Releases not started yet are cancelled and the groups kept (the
+    process is ending: the OS closes their sockets); releases under way are waited for."""
+    deadline = time.monotonic() + timeout
+    while _pending_drops:
+        timer, holder = _pending_drops.pop()
+        timer.cancel()
+        if holder:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(holder))  # never freed, not even by finalization
+        timer.join(max(0.0, deadline - time.monotonic()))
 
 
 _MASTER_KEY = "elasticrun/master"
@@ -436,6 +458,7 @@ class Runtime:
                 log.debug("could not report the failed restore: %s", exc)
 
     def shutdown(self) -> None:
+        _settle_drops()
         if self._sender is not None:
             self._sender.close()
             self._sender = None
