@@ -15,6 +15,14 @@ if ! "$PYTHON" -c 'import elasticrun, zmq, cloudpickle, paramiko, pytest, pytest
   "$PYTHON" -m pip install --quiet -e '.[test]'
 fi
 
+# The Ray tests (tests/integration/test_ray.py) start a local multi-node Ray cluster. Ray is an
+# optional extra (elasticrun[ray]), pinned, installed after torch so that it cannot pull another
+# torch. CI must run them: a failed install fails the run (ELASTICRUN_TESTS_WITHOUT_RAY=1 skips it;
+# the Ray tests then skip themselves, saying so).
+if [ "${ELASTICRUN_TESTS_WITHOUT_RAY:-0}" != 1 ] && ! "$PYTHON" -c 'import ray, nacl' 2>/dev/null; then
+  "$PYTHON" -m pip install --quiet 'ray==2.60.0' 'pynacl>=1.5'
+fi
+
 # The SSH tests start a real sshd (tests/integration/sshd.py): install it if missing and we can.
 if ! [ -x /usr/sbin/sshd ] && ! command -v sshd >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \

@@ -138,6 +138,8 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
                                   ("discovery", discovery)) if v is not None]
     if discovery is not None and len(given) > 1:
         raise ValueError(f"discovery= cannot be combined with {given[0]}=: give one host source")
+    if discovery is not None and options.get("ray_address") is not None:
+        raise ValueError("discovery= cannot be combined with ray_address=: give one host source")
 
     from elasticrun.driver.cli import settings_from_keywords
 
@@ -155,19 +157,26 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
     from elasticrun.driver.driver import ElasticDriver
     from elasticrun.driver.launchers import Launchers
 
+    source: Any = None
     if discovery is not None:
-        source: Any = CallableDiscovery(discovery, settings.discovery_timeout)
+        source = CallableDiscovery(discovery, settings.discovery_timeout)
     elif settings.discovery_script:
         source = ScriptDiscovery(settings.discovery_script, settings.slots_per_host, settings.discovery_timeout)
-    else:
+    elif not settings.ray_address:
         assert settings.hosts is not None
         source = FixedHosts(settings.hosts)
 
     threads_before = set(threading.enumerate())
     functions = FunctionService(payload, [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")])
-    with _driver_logging(settings.log_level):
-        driver = ElasticDriver(settings, source, Launchers(settings), services=[functions])
+    with _driver_logging(settings.log_level), contextlib.ExitStack() as stack:
         try:
+            launcher: Any = Launchers(settings)
+            if settings.ray_address:  # ray_address="auto": Ray's nodes are the hosts (docs/ray.md)
+                from elasticrun.driver.ray_launcher import RaySession
+
+                ray = stack.enter_context(RaySession(settings))
+                source, launcher = ray.discovery, ray.launcher
+            driver = ElasticDriver(settings, source, launcher, services=[functions])
             code = driver.run()
         except JobFailed as exc:
             failures = functions.errors()

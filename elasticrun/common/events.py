@@ -34,6 +34,7 @@ class Kind(str, enum.Enum):
     HOST_WHITELISTED = "host_whitelisted"    # back after its cooldown
     HOST_DRAINING = "host_draining"          # discovery says it is about to go
     HOST_LEAVING = "host_leaving"            # one of its workers got SIGTERM: it is going
+    STRAGGLER = "straggler"                  # a host computes persistently slower than the rest
     WORKER_STARTED = "worker_started"
     WORKER_EXITED = "worker_exited"
     WORKER_FAILED = "worker_failed"
@@ -76,6 +77,8 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.HOST_WHITELISTED: ("round", "message", "host"),
     Kind.HOST_DRAINING: ("round", "message", "host"),
     Kind.HOST_LEAVING: ("round", "message", "host", "why"),
+    # action: named (no --evict-stragglers), evicted, kept (--min-np, or it would not pay), recovered
+    Kind.STRAGGLER: ("round", "message", "host", "action", "compute_ms", "reference_ms", "step_ms", "steps"),
     Kind.WORKER_STARTED: ("worker", "host", "slot", "rank"),
     Kind.WORKER_EXITED: ("worker", "code", "host", "slot", "rank"),
     Kind.WORKER_FAILED: ("round", "message", "host", "rank"),

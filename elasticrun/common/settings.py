@@ -20,6 +20,7 @@ DEFAULT_DRIVER_TIMEOUT = 5.0  # a worker that hears nothing from the driver this
 DEFAULT_STOP_GRACE = 5.0  # SIGTERM -> SIGKILL delay when stopping workers
 DEFAULT_CHECKPOINT_INTERVAL = 60.0  # how old a durable copy may get
 DEFAULT_SIGTERM_GRACE = 20.0  # a worker told to stop leaves gracefully within this
+STRAGGLER_WINDOW = 20  # steps: workers report medians over this many, the driver compares full windows
 
 
 def elastic_wait_limit(elastic_timeout: float, start_timeout: float) -> float:
@@ -58,6 +59,7 @@ class JobSettings:
     checkpoint_interval: float = DEFAULT_CHECKPOINT_INTERVAL  # how old the durable copy may get
     fresh: bool = False  # ignore durable copies already in checkpoint_dir
     sigterm_grace: float = DEFAULT_SIGTERM_GRACE  # a worker told to stop leaves gracefully, at most this long
+    evict_stragglers: bool = False  # move hosts that compute persistently slower out (and blacklist them)
     log_level: str = "INFO"
     worker_log_level: str = "WARNING"
     extra_env: dict[str, str] = field(default_factory=dict)  # -x NAME[=VALUE], for every worker
@@ -73,6 +75,15 @@ class JobSettings:
     forward_env: bool = True  # remote workers get the driver's environment (as horovodrun does)
     driver_address: str | None = None  # --driver-address, or the address of --network-interface
     network_interface: str | None = None
+    # Warm worker start (elasticrun/worker/template.py): fork workers from a per-host template.
+    warm_start: bool = True  # --no-warm-start: every worker a new process
+    preload: tuple[str, ...] = ()  # --preload: modules the templates import besides torch and elasticrun
+    # On a Ray cluster (elasticrun/discovery/ray_nodes.py, driver/ray_launcher.py): hosts are its
+    # nodes, workers start through Ray; what each worker needs of a node's resources.
+    ray_address: str | None = None  # --ray-address: "auto" or the cluster's address
+    ray_cpus_per_worker: float = 1.0
+    ray_gpus_per_worker: float = 0.0
+    ray_resources: dict[str, float] = field(default_factory=dict)  # custom resources per worker
 
     @property
     def elastic_wait_limit(self) -> float:

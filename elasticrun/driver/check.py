@@ -231,6 +231,44 @@ def _discovered(a: argparse.Namespace, say: Callable[[str], None]) -> dict[str, 
     return found.hosts
 
 
+def _ray_cluster(a: argparse.Namespace, say: Callable[[str], None]) -> None:
+    """--check --ray-address: join the cluster and report each node (id, IP, free resources,
+    slots for one worker's needs). Nothing is started there."""
+    from elasticrun.discovery.ray_nodes import ray_missing
+
+    if ray_missing():
+        say(f"FAIL  {' and '.join(ray_missing())}: not installed (pip install 'elasticrun[ray]')")
+        return
+    from elasticrun.discovery.ray_nodes import Requirement, ask_ray, describe_node, host_list
+    from elasticrun.driver.ray_launcher import connect
+
+    try:
+        connected = connect(a.ray_address)
+    except ConnectionError as exc:
+        say(f"FAIL  {exc}")
+        return
+    import ray
+
+    try:
+        need = Requirement(a.ray_cpus_per_worker, a.ray_gpus_per_worker, dict(a.ray_resources))
+        say(f"OK    ray {ray.__version__}: joined the cluster at {a.ray_address}; each worker needs "
+            f"{need.describe()}")
+        nodes = ask_ray()
+        hosts = host_list(nodes, need.as_resources())
+        for node in nodes:
+            if node.alive:  # Ray keeps dead nodes in its table for a while: counted, not listed
+                say(f"{'OK  ' if node.node_id in hosts.hosts else 'INFO'}  {describe_node(node, need.as_resources())}")
+        dead = sum(1 for node in nodes if not node.alive)
+        if dead:
+            say(f"INFO  {dead} dead node(s) in Ray's table, not listed")
+        total = sum(hosts.hosts.values())
+        say(f"{'OK  ' if total else 'FAIL'}  {total} slot(s) free on {len(hosts.hosts)} node(s)"
+            + ("" if total else ": no node has the resources one worker needs"))
+    finally:
+        if connected:
+            ray.shutdown()
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     a = config.parse_args(parser, argv, probe_parser=build_parser())
@@ -253,7 +291,10 @@ def main(argv: list[str]) -> int:
         say(f"{'OK  ' if good else 'FAIL'}  {text}")
     if a.host_discovery_script is not None:
         hosts = _discovered(a, say)
-    if hosts is None:
+    if getattr(a, "ray_address", None) is not None:
+        print("ray cluster:", flush=True)
+        _ray_cluster(a, say)
+    elif hosts is None:
         print("hosts: none given (-H, --hostfile or --host-discovery-script)", flush=True)
     else:
         print("hosts:", flush=True)

@@ -8,6 +8,7 @@ job, ``--check`` or ``elasticrun timeline``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -98,7 +99,8 @@ def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, 
     if slots > MAX_SLOTS_PER_HOST:
         fail(f"--slots-per-host {slots}: a host has at most {MAX_SLOTS_PER_HOST} slots")
     given = [f for f, d in (("-H", "hosts"), ("--hostfile", "hostfile"),
-                            ("--host-discovery-script", "host_discovery_script")) if o[d] is not None]
+                            ("--host-discovery-script", "host_discovery_script"),
+                            ("--ray-address", "ray_address")) if o.get(d) is not None]
     if len(given) > 1:
         fail(f"{given[0]} and {given[1]} cannot be used together: give one host source")
     fixed = None
@@ -116,14 +118,16 @@ def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, 
         except ValueError as exc:
             fail(f"--host-discovery-script {exc}")
         script = argv[0] if len(argv) == 1 else script  # a file: by its absolute path
-    if fixed is None and script is None and not callable_discovery:
+    ray = _ray_settings(o, fail)  # --ray-address: hosts are the Ray cluster's nodes
+    if fixed is None and script is None and not callable_discovery and not ray:
         fixed = {"localhost": np}  # horovodrun -np N python train.py: N processes here
     if fixed is not None and sum(fixed.values()) < np:
         fail(f"-np {np} needs {np} slots but the host list has {sum(fixed.values())}")
     # As with horovodrun: an elastic job (--min-np, --max-np or a discovery script) uses every
     # usable slot up to --max-np (unbounded by default), and -np is what it starts with and
     # waits for; otherwise the job is -np processes, fault tolerant but never larger.
-    elastic = o["min_np"] is not None or o["max_np"] is not None or script is not None or callable_discovery
+    elastic = (o["min_np"] is not None or o["max_np"] is not None or script is not None or callable_discovery
+               or bool(ray))
     max_np = o["max_np"] if elastic else np
     level = "DEBUG" if o["verbose"] else (o["log_level"] or "INFO")
     # Workers stay quiet (WARNING) unless the user asked for a level: their lines interleave
@@ -140,9 +144,36 @@ def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, 
         output_filename=o["output_filename"], events_file=o["events_file"],
         checkpoint_dir=os.path.abspath(o["checkpoint_dir"]) if o["checkpoint_dir"] else None,
         checkpoint_interval=o["checkpoint_interval"], fresh=o["fresh"], sigterm_grace=o["sigterm_grace"],
+        evict_stragglers=o["evict_stragglers"],
         log_level=level,
         worker_log_level=worker_level,
-        **_remote_settings(o, fail))
+        warm_start=o["warm_start"], preload=tuple(o["preload"] or ()),
+        **_remote_settings(o, fail), **ray)
+
+
+def _ray_settings(o: Mapping[str, Any], fail: Fail) -> dict:
+    """--ray-address and what each worker needs of a node; {} without --ray-address. Ray is
+    an optional extra: its absence is one line saying what to install (it is not imported here)."""
+    address = o.get("ray_address")
+    if address is None:
+        return {}
+    from elasticrun.discovery.ray_nodes import ray_missing
+
+    missing = ray_missing()
+    if missing:
+        fail(f"--ray-address needs {' and '.join(missing)}, which is not installed: "
+             f"pip install 'elasticrun[ray]'")
+    if o["launcher"] != "auto":
+        fail(f"--launcher {o['launcher']} cannot be used with --ray-address: workers start through Ray")
+    if address.startswith("ray://"):
+        fail(f"--ray-address {address[:80]}: Ray Client addresses are not supported; run elasticrun on a node "
+             f"of the cluster with --ray-address auto (docs/ray.md)")
+    need = dict(o["ray_resources"], CPU=o["ray_cpus_per_worker"], GPU=o["ray_gpus_per_worker"])
+    if not any(v > 0 for v in need.values()):
+        fail("--ray-address: each worker must need some resource (--ray-cpus-per-worker, --ray-gpus-per-worker "
+             "or --ray-resources), or a node would have unlimited slots")
+    return dict(ray_address=address, ray_cpus_per_worker=o["ray_cpus_per_worker"],
+                ray_gpus_per_worker=o["ray_gpus_per_worker"], ray_resources=dict(o["ray_resources"]))
 
 
 def parse_settings(argv: list[str]) -> JobSettings:
@@ -200,6 +231,8 @@ def _keyword_value(name: str, action: argparse.Action, value: Any) -> Any:
     elif isinstance(action, argparse._AppendAction):  # -x NAME[=VALUE]: a dict, a list or one string
         value = ([f"{k}={v}" for k, v in value.items()] if isinstance(value, Mapping)
                  else [value] if isinstance(value, str) else [str(v) for v in value])
+    elif action.dest == "ray_resources" and isinstance(value, Mapping):  # {"trainer": 1}
+        value = json.dumps(dict(value))
     elif action.nargs == 2 and isinstance(value, tuple):
         value = list(value)
     named_by_flag = action.dest != name and isinstance(action, argparse._StoreFalseAction)
@@ -236,12 +269,17 @@ def main(argv: list[str] | None = None) -> int:
     from elasticrun.driver.driver import ElasticDriver, JobFailed
     from elasticrun.driver.launchers import Launchers
 
-    if settings.discovery_script:
-        source = ScriptDiscovery(settings.discovery_script, settings.slots_per_host, settings.discovery_timeout)
-    else:
-        assert settings.hosts is not None
-        source = FixedHosts(settings.hosts)
     try:
+        if settings.ray_address:  # the same driver; Ray's nodes as hosts, workers started through Ray
+            from elasticrun.driver.ray_launcher import RaySession
+
+            with RaySession(settings) as ray:
+                return ElasticDriver(settings, ray.discovery, ray.launcher).run()
+        if settings.discovery_script:
+            source = ScriptDiscovery(settings.discovery_script, settings.slots_per_host, settings.discovery_timeout)
+        else:
+            assert settings.hosts is not None
+            source = FixedHosts(settings.hosts)
         return ElasticDriver(settings, source, Launchers(settings)).run()
     except JobFailed as exc:
         sys.stderr.write(f"elasticrun: {exc}\n")

@@ -17,7 +17,13 @@ import argparse
 import os
 from typing import Any, Mapping
 
-from elasticrun.driver.parser import non_negative_int, positive_int, positive_seconds
+from elasticrun.driver.parser import (
+    module_list,
+    non_negative_int,
+    non_negative_number,
+    positive_int,
+    positive_seconds,
+)
 
 # Per-cluster options settable from the environment: variable -> argparse dest.
 ENV_VARS: dict[str, str] = {
@@ -37,7 +43,16 @@ ENV_VARS: dict[str, str] = {
     "ELASTICRUN_NETWORK_INTERFACE": "network_interface",
     "ELASTICRUN_CHECKPOINT_DIR": "checkpoint_dir",
     "ELASTICRUN_CHECKPOINT_INTERVAL": "checkpoint_interval",
+    "ELASTICRUN_WARM_START": "warm_start",  # 1/true/yes/on (the default) or 0/false/no/off
+    "ELASTICRUN_RAY_ADDRESS": "ray_address",
+    "ELASTICRUN_EVICT_STRAGGLERS": "evict_stragglers",
 }
+
+#: Variables naming a setting that a --no-... flag turns off: 1 means on, not "the flag given".
+_SETTING_NAMED = {"ELASTICRUN_WARM_START"}
+
+#: How a variable sets a flag (an option without a value): given, or not given.
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 # Flags that are not options a file can hold.
 _NOT_IN_FILE = {"help", "version", "config_file", "check"}
@@ -76,6 +91,8 @@ def _type_name(action: argparse.Action) -> str:
         return "a whole number"
     if action.type is positive_seconds:
         return "a number of seconds"
+    if action.type is non_negative_number:
+        return "a number"
     if action.choices:
         return "one of " + ", ".join(repr(c) for c in action.choices)
     return "a string"
@@ -105,10 +122,12 @@ def convert_value(action: argparse.Action, value: Any, named_by_flag: bool = Fal
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(expected)
         return action.type(str(value))
-    if action.type is positive_seconds:
+    if action.type in (positive_seconds, non_negative_number):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(expected)
         return action.type(str(value))
+    if action.type is module_list and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        value = ",".join(value)  # preload = ["transformers", "datasets"]
     if not isinstance(value, str):
         raise ValueError(expected)
     if action.type is not None:
@@ -168,6 +187,14 @@ def read_environment(parser: argparse.ArgumentParser, environ: Mapping[str, str]
         if text is None or text == "" or dest not in actions:
             continue
         action = actions[dest]
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if text.strip().lower() not in _TRUE | _FALSE:
+                _fail(parser, f"environment variable {name}={text!r}: must be 1 or 0 (true/false, yes/no, on/off)")
+            given = text.strip().lower() in _TRUE
+            if name in _SETTING_NAMED:
+                given = not given
+            values[dest] = action.const if given else action.default
+            continue
         try:
             value = action.type(text) if action.type is not None else text
         except argparse.ArgumentTypeError as exc:

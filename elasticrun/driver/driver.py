@@ -39,6 +39,7 @@ from elasticrun.driver.network import DriverEndpoints, driver_bind_address, zmq_
 from elasticrun.driver.notifications import Notifications
 from elasticrun.driver.output import OutputSink
 from elasticrun.driver.resets import ResetTracker
+from elasticrun.driver.stragglers import Pace
 
 log = logging.getLogger("elasticrun")
 
@@ -115,7 +116,8 @@ class ElasticDriver:
             reg.RegistryConfig(np=settings.np, min_np=settings.min_np, max_np=settings.max_np,
                                reset_limit=settings.reset_limit, elastic_timeout=settings.elastic_timeout,
                                start_timeout=settings.start_timeout,
-                               heartbeat_timeout=settings.heartbeat_timeout),
+                               heartbeat_timeout=settings.heartbeat_timeout,
+                               evict_stragglers=settings.evict_stragglers),
             HostManager(cooldown_range=settings.cooldown_range), new_id=lambda: next(self._ids))
         self._sink = OutputSink(self._rank_of, settings.output_filename)
         # It reports each worker's end through worker_exited() and its output to the sink.
@@ -159,7 +161,11 @@ class ElasticDriver:
 
     # --- main loop -------------------------------------------------------------------------
     def run(self) -> int:
-        first = self._first_discovery()
+        try:
+            first = self._first_discovery()
+        except BaseException:
+            self._launcher.stop_all(0.0)  # nothing runs yet but, perhaps, a warm-start template
+            raise
         ctx = zmq.Context()
         # Only the job's workers get in: both sockets are CURVE servers, and this ZAP handler
         # (bound before them) admits only the job's client key, so no frame of anyone else ever
@@ -365,7 +371,7 @@ class ElasticDriver:
     def _dispatch(self, identity: bytes, msg: Message) -> None:
         body = msg.body
         if msg.type == "heartbeat":
-            self.registry.heartbeat(str(body.get("worker")), time.monotonic())
+            self.registry.heartbeat(str(body.get("worker")), time.monotonic(), Pace.parse(body.get("pace")))
             self._progress(body)
             self._reply(identity, msg, "heartbeat_ack", {
                 "round": self.registry.round, "aborted": self.registry.aborted,
@@ -485,11 +491,14 @@ class ElasticDriver:
         remote = self._launcher.is_remote(info.host)
         control_addr, notify_addr = self._control_addr, self._notify_addr
         durable_addr = None
+        # A launcher may name the machine a host's workers run on (Ray: its node's address).
+        route = getattr(self._launcher, "network_address", None)
         try:
+            where = route(info.host) if route is not None else info.host
             if remote:
-                control_addr, notify_addr = self._endpoints.for_host(info.host)
+                control_addr, notify_addr = self._endpoints.for_host(where)
             if self._durable is not None:
-                durable_addr = self._durable.endpoint(zmq_endpoint(self._endpoints.address(info.host if remote else None)))
+                durable_addr = self._durable.endpoint(zmq_endpoint(self._endpoints.address(where if remote else None)))
         except OSError as exc:
             log.error("%s: cannot tell which address of this machine its workers could reach (%s); "
                       "set --driver-address or --network-interface", info.host, exc.strerror or exc)

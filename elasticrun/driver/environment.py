@@ -51,6 +51,19 @@ def horovod_environment(info: SlotInfo) -> dict[str, str]:
     return out
 
 
+def shared_environment(settings: JobSettings, base_env: Mapping[str, str], remote: bool) -> dict[str, str]:
+    """What every worker of a host gets before its own ``ELASTICRUN_*`` variables: also the
+    environment of the host's warm-start template (``worker/template.py``), which must start
+    like its workers would (the remote bootstrap lays the remote login environment under it)."""
+    s = settings
+    shared = forwarded_environment(base_env, s.forward_env) if remote else dict(base_env)
+    if s.network_interface and "GLOO_SOCKET_IFNAME" not in base_env:
+        shared["GLOO_SOCKET_IFNAME"] = s.network_interface
+    shared.update(s.extra_env)
+    shared["PYTHONUNBUFFERED"] = "1"
+    return shared
+
+
 def worker_environment(settings: JobSettings, info: SlotInfo, *, job_id: str, worker_id: str,
                        control_addr: str, notify_addr: str, base_env: Mapping[str, str],
                        remote: bool, durable_addr: str | None = None) -> dict[str, str]:
@@ -62,10 +75,7 @@ def worker_environment(settings: JobSettings, info: SlotInfo, *, job_id: str, wo
     environment has it.
     """
     s = settings
-    worker_env = forwarded_environment(base_env, s.forward_env) if remote else dict(base_env)
-    if s.network_interface and "GLOO_SOCKET_IFNAME" not in base_env:
-        worker_env["GLOO_SOCKET_IFNAME"] = s.network_interface
-    worker_env.update(s.extra_env)
+    worker_env = shared_environment(s, base_env, remote)
     worker_env.update({
         env.HOSTNAME: info.host, env.RANK: str(info.rank), env.SIZE: str(info.size),
         env.LOCAL_RANK: str(info.local_rank), env.LOCAL_SIZE: str(info.local_size),

@@ -3,12 +3,14 @@
 Each worker runs in its own session (and so its own process group), so that stopping it
 signals the whole tree it started (data-loader workers, shells, ``torchrun``-style children),
 and so that a Ctrl-C on the driver's terminal reaches only the driver, which then stops the
-workers in order instead of leaving half of them running.
+workers in order instead of leaving half of them running. Workers start warm (forked by this
+machine's template, ``driver/warm.py``) when they can, as new processes otherwise.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import signal
 import socket
@@ -19,8 +21,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from elasticrun.common import secretpipe
+from elasticrun.common import secretpipe, warmstart
 from elasticrun.driver.output import Output, pump
+from elasticrun.driver.warm import LocalTemplate, Unavailable, WarmWorker, start_worker
+
+log = logging.getLogger("elasticrun")
 
 
 @lru_cache(maxsize=256)
@@ -42,18 +47,38 @@ def is_local_host(host: str) -> bool:
 
 @dataclass
 class _Proc:
-    popen: subprocess.Popen
+    worker_id: str
+    popen: subprocess.Popen | None = None  # a fresh process
+    warm: WarmWorker | None = None  # a worker a template forked
+    pid: int | None = None  # also its process group (its own session), once known
+    cancel: int | None = None  # a signal asked for before the pid was known
     threads: list[threading.Thread] = field(default_factory=list)
+    finished: threading.Event = field(default_factory=threading.Event)
 
 
 class LocalLauncher:
-    """Runs workers as child processes; reports each exit through ``on_exit(worker_id, code)``."""
+    """Runs workers as child processes; reports each exit through ``on_exit(worker_id, code)``.
 
-    def __init__(self, sink: Output, on_exit: Callable[[str, int], None]):
+    With a :class:`~elasticrun.driver.warm.LocalTemplate`, a worker whose command the template
+    can run (``python script.py``, ``python -m module``) is forked by it instead of started as
+    a new interpreter: ``launch`` then returns at once and a thread waits (at most
+    ``ready_timeout``) for the template, asks it, and waits for the worker's exit, which the
+    template reports. Whenever the template cannot (another command, interpreter or start-up
+    environment, threads, the template gone), the worker starts fresh, with one debug line.
+    """
+
+    def __init__(self, sink: Output, on_exit: Callable[[str, int], None], template: LocalTemplate | None = None,
+                 ready_timeout: float = 15.0, grace: float = 5.0):
         self._sink = sink
         self._on_exit = on_exit
         self._procs: dict[str, _Proc] = {}
         self._lock = threading.Lock()
+        self._template = template
+        self._ready_timeout = ready_timeout
+        self._grace = grace
+        self._stopping = False
+        self._warned = False
+        self._stop_event = threading.Event()  # set by stop_all: launches waiting for the template give up
 
     def launch(self, worker_id: str, command: list[str], env: dict[str, str], keys: bytes | None = None) -> None:
         """Start ``command``; raise OSError (e.g. command not found) if it cannot start.
@@ -61,6 +86,23 @@ class LocalLauncher:
         ``keys``: the job's key blob, handed over through an inherited pipe (its descriptor
         number in ``ELASTICRUN_SECRET_FD``), never through the environment.
         """
+        proc = _Proc(worker_id)
+        if self._template is not None and not self._template.usable and warmstart.python_command(command)[0]:
+            self._warn_gone(None)
+        if self._template is not None and self._template.usable and warmstart.python_command(command)[0]:
+            with self._lock:
+                self._procs[worker_id] = proc
+            t = threading.Thread(target=self._launch_warm, args=(proc, command, env, keys),
+                                 name=f"elasticrun-wait-{worker_id}", daemon=True)
+            proc.threads.append(t)
+            t.start()
+            return
+        self._start_fresh(proc, command, env, keys)
+        with self._lock:
+            self._procs[worker_id] = proc
+        threading.Thread(target=self._watch, args=(proc,), name=f"elasticrun-wait-{worker_id}", daemon=True).start()
+
+    def _start_fresh(self, proc: _Proc, command: list[str], env: dict[str, str], keys: bytes | None) -> None:
         fd = secretpipe.hand_over(keys) if keys is not None else None
         try:
             if fd is not None:
@@ -71,57 +113,141 @@ class LocalLauncher:
         finally:
             if fd is not None:
                 os.close(fd)  # the worker holds the only reference now
-        proc = _Proc(popen)
+        proc.popen, proc.pid = popen, popen.pid
         assert popen.stdout is not None and popen.stderr is not None
-        proc.threads = [pump(popen.stdout, worker_id, "stdout", self._sink),
-                        pump(popen.stderr, worker_id, "stderr", self._sink)]
-        with self._lock:
-            self._procs[worker_id] = proc
-        threading.Thread(target=self._watch, args=(worker_id, popen), name=f"elasticrun-wait-{worker_id}",
-                         daemon=True).start()
+        proc.threads += [pump(popen.stdout, proc.worker_id, "stdout", self._sink),
+                         pump(popen.stderr, proc.worker_id, "stderr", self._sink)]
 
-    def _watch(self, worker_id: str, popen: subprocess.Popen) -> None:
-        self._on_exit(worker_id, popen.wait())
+    def _watch(self, proc: _Proc) -> None:
+        assert proc.popen is not None
+        code = proc.popen.wait()
+        proc.finished.set()
+        self._on_exit(proc.worker_id, code)
+
+    def _launch_warm(self, proc: _Proc, command: list[str], env: dict[str, str], keys: bytes | None) -> None:
+        """On the worker's thread: start it warm (or fresh), then wait for its exit."""
+        code = 255
+        try:
+            assert self._template is not None
+            if self._stopping or proc.cancel is not None:
+                code = -(proc.cancel or signal.SIGTERM)
+                return
+            try:
+                proc.warm = self._ask_template(proc, command, env, keys)
+            except Unavailable as exc:
+                if not self._template.usable and not self._stopping:
+                    self._warn_gone(exc)
+                else:
+                    log.debug("%s: starting a fresh process, not a warm one: %s", proc.worker_id, exc)
+            if proc.warm is None:
+                if self._stopping or proc.cancel is not None:
+                    code = -(proc.cancel or signal.SIGTERM)
+                    return
+                try:
+                    self._start_fresh(proc, command, env, keys)
+                except OSError as exc:
+                    log.error("could not start %r: %s", command[0], exc.strerror or exc)
+                    code = 127
+                    return
+                if proc.cancel is not None:
+                    self.signal(proc.worker_id, proc.cancel)
+                assert proc.popen is not None
+                code = proc.popen.wait()
+                return
+            if proc.cancel is not None:
+                self.signal(proc.worker_id, proc.cancel)
+            status = proc.warm.wait()
+            if status is None:  # the template is gone: no one can reap the worker; stop it
+                log.error("%s: the warm-start template exited while worker %s ran; stopping the worker",
+                          "this machine", proc.worker_id)
+                self._killpg(proc, signal.SIGKILL)
+                status = -signal.SIGKILL
+            code = status
+        except Exception as exc:  # a bug here must still end in exactly one on_exit
+            log.error("%s: %s: %s", proc.worker_id, type(exc).__name__, exc)
+        finally:
+            proc.finished.set()
+            self._on_exit(proc.worker_id, code)
+
+    def _warn_gone(self, exc: Exception | None) -> None:
+        """One warning line, the first time a launch finds this machine's template gone."""
+        with self._lock:
+            if self._warned or self._stopping:
+                return
+            self._warned = True
+        assert self._template is not None
+        why = str(exc) if exc is not None else self._template.why_gone()
+        log.warning("warm start: this machine's template is gone (%s); its workers start as new processes",
+                    why[:300])
+
+    def _ask_template(self, proc: _Proc, command: list[str], env: dict[str, str], keys: bytes | None) -> WarmWorker:
+        assert self._template is not None
+        path = self._template.wait_ready(self._ready_timeout, self._stop_event)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        theirs = [os.open(os.devnull, os.O_RDONLY), out_w, err_w]
+        try:
+            if keys is not None:
+                theirs.append(secretpipe.hand_over(keys))
+            worker_env = {k: v for k, v in env.items() if k != secretpipe.FD_VAR}
+            warm = start_worker(path, command, worker_env, os.getcwd(), theirs, self._grace)
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        finally:
+            for fd in theirs:  # sent: the template (and then the worker) holds its own copies
+                os.close(fd)
+        proc.pid = warm.pid
+        proc.threads += [pump(os.fdopen(out_r, "rb"), proc.worker_id, "stdout", self._sink),
+                         pump(os.fdopen(err_r, "rb"), proc.worker_id, "stderr", self._sink)]
+        return warm
 
     def pid(self, worker_id: str) -> int | None:
         proc = self._procs.get(worker_id)
-        return proc.popen.pid if proc else None
+        return proc.pid if proc else None
+
+    @staticmethod
+    def _killpg(proc: _Proc, sig: int) -> None:
+        if proc.pid is not None:
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def signal(self, worker_id: str, sig: int) -> None:
         """Signal the worker's whole process group (it may outlive the worker itself)."""
         proc = self._procs.get(worker_id)
-        if proc is not None:
-            try:
-                os.killpg(proc.popen.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+        if proc is None or proc.finished.is_set():
+            return
+        if proc.pid is None:
+            proc.cancel = sig  # its launch thread sends it once the group exists, or never starts it
+            if proc.pid is None:
+                return
+        self._killpg(proc, sig)
 
     def stop_all(self, grace: float) -> None:
         """SIGTERM every process group the job started, then SIGKILL what is left after ``grace``."""
+        self._stopping = True
+        self._stop_event.set()
         with self._lock:
-            ids = list(self._procs)
-        for wid in ids:
-            self.signal(wid, signal.SIGTERM)
+            procs = list(self._procs.values())
+        for proc in procs:
+            self.signal(proc.worker_id, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        for wid in ids:
-            popen = self._procs[wid].popen
-            try:
-                popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for wid in ids:
+        for proc in procs:
+            proc.finished.wait(max(0.0, deadline - time.monotonic()))
+        for proc in procs:
             # Also reaches children that outlived their worker in the same group.
-            self.signal(wid, signal.SIGKILL)
-        for wid in ids:
-            try:
-                self._procs[wid].popen.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+            self._killpg(proc, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        for proc in procs:
+            proc.finished.wait(max(0.0, deadline - time.monotonic()))
 
     def drain(self, timeout: float) -> None:
         """Wait (bounded) for the output of exited workers to be copied out."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            threads = [t for p in self._procs.values() for t in p.threads]
+            threads = [t for p in self._procs.values() for t in p.threads if t.name.startswith("elasticrun-output")]
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))

@@ -10,14 +10,21 @@ the same way: ``ElasticDriver(settings, source, launcher)``.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from typing import Callable, Protocol, runtime_checkable
 
+from elasticrun.common import warmstart
 from elasticrun.common.settings import JobSettings
+from elasticrun.driver.environment import shared_environment
 from elasticrun.driver.launcher import LocalLauncher, is_local_host
 from elasticrun.driver.output import Output
 from elasticrun.driver.ssh import SSHLauncher, SSHOptions
+from elasticrun.driver.warm import LocalTemplate, template_argv
+
+log = logging.getLogger("elasticrun")
 
 #: What ``--launcher`` accepts (see :class:`Launchers`).
 LAUNCHER_MODES = ("auto", "local", "ssh")
@@ -44,6 +51,10 @@ class Launcher(Protocol):
     def is_remote(self, host: str) -> bool:
         """Whether workers for ``host`` run on another machine: the driver then gives them its
         forwarded environment and the address of this machine that ``host`` reaches."""
+
+    # Optional: ``network_address(host) -> str``, the name or address of the machine that
+    # ``host``'s workers run on, for the driver to pick the address of its own that they reach
+    # (default: ``host`` itself; the Ray launcher's hosts are node ids, it gives the node's IP).
 
     def launch(self, worker_id: str, command: list[str], env: dict[str, str], host: str,
                keys: bytes | None = None) -> None:
@@ -74,6 +85,12 @@ class Launchers:
     SSH; ``local``: never SSH (a host that is not this machine fails to launch); ``ssh``:
     always SSH, even for names of this machine. The SSH launcher (and paramiko) is set up
     only when a first worker needs it.
+
+    Warm start (unless ``--no-warm-start``): when the command is ``python script.py`` or
+    ``python -m module``, ``bind`` starts this machine's template at once (unless every host
+    of a fixed list is another machine), so that it imports torch while the driver discovers
+    hosts; the SSH launcher starts one on each other host at its first worker. ``stop_all``
+    stops them after the workers.
     """
 
     def __init__(self, settings: JobSettings):
@@ -84,12 +101,39 @@ class Launchers:
         self._local: LocalLauncher | None = None
         self._ssh: SSHLauncher | None = None
         self._where: dict[str, LocalLauncher | SSHLauncher] = {}
+        self.template: LocalTemplate | None = None
 
     def bind(self, on_exit: OnExit, output: Output) -> None:
         if self._on_exit is not None:
             raise RuntimeError("this Launchers is bound to a driver already: give each driver its own")
         self._on_exit, self._output = on_exit, output
-        self._local = LocalLauncher(output, on_exit)
+        self.template = self._start_local_template()
+        s = self.settings
+        self._local = LocalLauncher(output, on_exit, self.template, ready_timeout=s.start_timeout / 2,
+                                    grace=s.stop_grace)
+
+    def _start_local_template(self) -> LocalTemplate | None:
+        """This machine's warm-start template, if its workers can use one."""
+        s = self.settings
+        cmd, why = warmstart.python_command(s.command)
+        if not getattr(s, "warm_start", True) or self.mode == "ssh":
+            return None
+        if cmd is None:
+            log.debug("warm start: not for this command (%s): every worker is a new process", why)
+            return None
+        if s.hosts is not None and all(self.is_remote(h) for h in s.hosts):
+            return None  # no worker will run here
+        env = shared_environment(s, os.environ, remote=False)
+        python = warmstart.interpreter_path(cmd, env, os.getcwd())
+        if python is None:
+            return None  # the launch will say the command was not found
+        argv = template_argv(python, f"elasticrun-{os.getpid()}", cmd, getattr(s, "preload", ()), s.stop_grace)
+        try:
+            return LocalTemplate(argv, env)
+        except OSError as exc:
+            log.debug("warm start: cannot start this machine's template (%s): every worker is a new process",
+                      exc.strerror or exc)
+            return None
 
     @property
     def local(self) -> LocalLauncher:
@@ -135,19 +179,22 @@ class Launchers:
         return launcher.pid(worker_id) if launcher is not None else None
 
     def stop_all(self, grace: float) -> None:
-        """Stop local and remote workers at the same time (one grace period, not two)."""
+        """Stop local and remote workers at the same time (one grace period, not two), then
+        this machine's template (remote templates end with their SSH connections)."""
         if self._ssh is None:
             if self._local is not None:
                 self._local.stop_all(grace)
-            return
-        t = None
-        if self._local is not None:
-            t = threading.Thread(target=self._local.stop_all, args=(grace,), name="elasticrun-stop-local",
-                                 daemon=True)
-            t.start()
-        self._ssh.stop_all(grace)
-        if t is not None:
-            t.join(grace + 10)
+        else:
+            t = None
+            if self._local is not None:
+                t = threading.Thread(target=self._local.stop_all, args=(grace,), name="elasticrun-stop-local",
+                                     daemon=True)
+                t.start()
+            self._ssh.stop_all(grace)
+            if t is not None:
+                t.join(grace + 10)
+        if self.template is not None:
+            self.template.stop(grace + 5)
 
     def drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -9,6 +9,7 @@ turning the arguments into ``JobSettings`` is ``cli.parse_settings``'s job.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from elasticrun.common.settings import (
     DEFAULT_CHECKPOINT_INTERVAL,
@@ -87,6 +88,37 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def non_negative_number(text: str) -> float:
+    """An amount that may be 0 or fractional (a worker's share of a Ray node: 0.5 GPU)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number") from None
+    if not 0 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} must be between 0 and {MAX_COUNT:,}")
+    return value
+
+
+def ray_resources(text: str) -> dict[str, float]:
+    """--ray-resources: a JSON object of Ray custom resources per worker, e.g. '{"trainer": 1}'."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:60]!r} is not JSON (e.g. '{{\"trainer\": 1}}')") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text[:60]!r} is not a JSON object of resource names and amounts")
+    out: dict[str, float] = {}
+    for name, amount in value.items():
+        if name in ("CPU", "GPU"):
+            raise argparse.ArgumentTypeError(f"{name}: use --ray-{name.lower()}s-per-worker")
+        if not name or isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0 <= amount <= MAX_COUNT:
+            raise argparse.ArgumentTypeError(f"{name!r:.60}: {amount!r:.40} is not an amount (a number, 0 or more)")
+        out[name] = float(amount)
+    return out
+
+
 class ExitingParser(argparse.ArgumentParser):
     """For the command line: a bad argument is one line and exit status 2."""
 
@@ -129,6 +161,10 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
                             "with horovodrun, a command line run by /bin/sh: \"python discover.py --zone a\")")
     hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="fixed host list, e.g. localhost:2,127.0.0.1:2")
     hosts.add_argument("--hostfile", "-hostfile", metavar="FILE", help="file with one `host[:slots]` or `host slots=N` per line")
+    hosts.add_argument("--ray-address", metavar="ADDRESS",
+                       help="run on a Ray cluster: its nodes are the hosts (slots from their free resources), "
+                            "workers start through Ray; `auto` joins the cluster this machine belongs to "
+                            "(needs pip install 'elasticrun[ray]'; see docs/ray.md)")
     p.add_argument("--slots-per-host", "--slots", dest="slots_per_host", type=positive_int, default=1,
                    help="slots for hosts listed without a count (default 1)")
     p.add_argument("--discovery-interval", type=positive_seconds, default=DEFAULT_DISCOVERY_INTERVAL, metavar="SECONDS",
@@ -140,6 +176,11 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
     p.add_argument("--blacklist-cooldown-range", type=positive_seconds, nargs=2, metavar=("LOW", "HIGH"),
                    help="let blacklisted hosts back after a cooldown that doubles on every failure, "
                         "between LOW and HIGH seconds (default: blacklisting is permanent)")
+    p.add_argument("--evict-stragglers", action="store_true",
+                   help="a host whose workers compute persistently slower than the other hosts' (over 1.5x "
+                        "their median for most of the last 20 steps) is always named; with this it is also moved "
+                        "out at the next step, without a rollback, and blacklisted like a failed host (so "
+                        "--blacklist-cooldown-range lets it back later); never below --min-np")
     p.add_argument("--elastic-timeout", type=positive_seconds, default=DEFAULT_ELASTIC_TIMEOUT, metavar="SECONDS",
                    help="after a reset, how long to wait for --min-np slots before failing (default 600)")
     p.add_argument("--start-timeout", type=positive_seconds, default=DEFAULT_START_TIMEOUT, metavar="SECONDS",
@@ -173,6 +214,8 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
                         "horovodrun's TRACE and FATAL mean DEBUG and CRITICAL)")
     p.add_argument("--verbose", action="store_true", help="same as --log-level DEBUG")
     add_remote_arguments(p)
+    add_warm_start_arguments(p)
+    add_ray_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training command, e.g. python train.py")
     return p
 
@@ -214,6 +257,47 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--network-interface", metavar="NIC",
                        help="use the IPv4 address of interface NIC as --driver-address; also sets "
                             "GLOO_SOCKET_IFNAME=NIC for the workers unless it is set")
+
+
+def module_list(text: str) -> tuple[str, ...]:
+    """``MOD[,MOD...]``: dotted module names (--preload)."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if not all(part.isidentifier() for part in n.split("."))]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{(bad or [text])[0][:60]!r} is not a module name (MOD[,MOD...])")
+    return names
+
+
+class _AddModules(argparse.Action):
+    """``--preload A,B --preload C``: every module named, in order (each flag adds to the list)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        have = tuple(getattr(namespace, self.dest, None) or ())
+        setattr(namespace, self.dest, have + tuple(n for n in values if n not in have))
+
+
+def add_warm_start_arguments(p: argparse.ArgumentParser) -> None:
+    """Warm worker start: workers forked from a per-host template (elasticrun/worker/template.py)."""
+    g = p.add_argument_group("warm worker start", "Workers running `python script.py` or `python -m module` are "
+                             "forked from a process per host that has imported torch and elasticrun already, "
+                             "instead of starting a new interpreter (see docs/configuration.md).")
+    g.add_argument("--no-warm-start", dest="warm_start", action="store_false",
+                   help="start every worker as a new process (also ELASTICRUN_WARM_START=0)")
+    g.add_argument("--preload", type=module_list, action=_AddModules, default=(), metavar="MOD[,MOD...]",
+                   help="modules the templates also import before forking workers, e.g. transformers "
+                        "(repeatable)")
+def add_ray_arguments(p: argparse.ArgumentParser) -> None:
+    """What each worker needs of a Ray node (with --ray-address): a node has as many slots as
+    its free resources fit workers."""
+    g = p.add_argument_group("Ray cluster (--ray-address)", "What each worker needs of a node; a node has as many "
+                             "slots as its free resources (plus those the job's own workers hold) fit.")
+    g.add_argument("--ray-cpus-per-worker", type=non_negative_number, default=1.0, metavar="N",
+                   help="CPUs Ray reserves for each worker (default 1)")
+    g.add_argument("--ray-gpus-per-worker", type=non_negative_number, default=0.0, metavar="N",
+                   help="GPUs Ray reserves for each worker (default 0); a worker sees the GPUs Ray gives it")
+    g.add_argument("--ray-resources", type=ray_resources, default={}, metavar="JSON",
+                   help='custom Ray resources each worker needs, e.g. \'{"trainer": 1}\'')
 
 
 def read_hostfile(path: str) -> str:

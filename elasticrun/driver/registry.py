@@ -60,6 +60,7 @@ from typing import Callable, Collection, Mapping, Union
 from elasticrun.common.events import Kind
 from elasticrun.discovery.host_manager import HostManager
 from elasticrun.driver.assignment import SlotInfo, assign, assign_keys
+from elasticrun.driver.stragglers import Pace, Straggler, StragglerDetector, eviction_pays
 
 
 class WorkerState(enum.Enum):
@@ -189,6 +190,7 @@ class RegistryConfig:
     start_timeout: float
     heartbeat_timeout: float | None = None  # None: never declare a silent worker hung
     fixed_hosts: bool = False  # -H / --hostfile: no host ever appears that is not listed now
+    evict_stragglers: bool = False  # move straggler hosts out (and blacklist them), not only name them
 
 
 class Registry:
@@ -213,6 +215,7 @@ class Registry:
         self._said: set[str] = set()  # one-time messages of the current round
         self._empty_said = False  # an empty discovery listing was reported (until a non-empty one)
         self.durable_commit: int | None = None  # the commit of the newest durable copy (--checkpoint-dir)
+        self.stragglers = StragglerDetector()  # the workers' paces -> hosts that drag the job
 
     # --- events: they only record ----------------------------------------------------------
     def discovered(self, hosts: Mapping[str, int], now: float, draining: Collection[str] = ()) -> None:
@@ -295,11 +298,15 @@ class Registry:
         self.durable_commit = commit
         self._dirty = True
 
-    def heartbeat(self, worker_id: str, now: float) -> None:
-        """A sign of life from a worker (no decision depends on it until it stops)."""
+    def heartbeat(self, worker_id: str, now: float, pace: Pace | None = None) -> None:
+        """A sign of life from a worker, with the pace of its recent steps in this round (a
+        decision follows only when that pace may name a straggler, or when it stops)."""
         w = self.workers.get(worker_id)
         if w is not None:
             w.last_seen = now
+            if (pace is not None and pace.round == self.round and w.state is WorkerState.RUNNING
+                    and w.round == self.round and self.stragglers.report(w.id, w.host, pace)):
+                self._dirty = True
 
     def exited(self, worker_id: str, code: int, now: float, detail: str = "") -> None:
         w = self.workers.get(worker_id)
@@ -343,8 +350,11 @@ class Registry:
         self._outbox = []
         if self._succeeded():
             return acts + self._finishing()
+        running = any(w.state is WorkerState.RUNNING for w in self.workers.values())
+        if running and not self.aborted:
+            acts += self._stragglers(now)  # first: an eviction changes the target
         target = self._target()
-        if any(w.state is WorkerState.RUNNING for w in self.workers.values()):
+        if running:
             return acts + self._during_round(target, now)
         return acts + self._between_rounds(target, now)
 
@@ -573,6 +583,61 @@ class Registry:
             acts.append(Event(Kind.HOSTS_UPDATED, f"{what} from {len(current)} to {len(keys)} worker(s)",
                               {"added": added, "removed": removed, "handover": handover}))
         return acts
+
+    def _stragglers(self, now: float) -> list[Action]:
+        """Name the hosts that drag the round (``stragglers.py`` says which); with
+        --evict-stragglers, move them out like a discovery removal (the next step, no rollback:
+        ``_during_round`` notifies it) and blacklist them with the cooldown, unless that leaves
+        fewer than --min-np workers or fewer samples per second. Holders need nothing more:
+        every member of the round holds the state, and ``_plan`` keeps one as rank 0."""
+        members = {w.id: w.host for w in (self.workers[wid] for wid in self.members.values())
+                   if w.state is WorkerState.RUNNING}
+        newly, recovered = self.stragglers.evaluate(self.round, members)
+        acts: list[Action] = [Event(Kind.STRAGGLER, f"host {h} is no longer a straggler", {"host": h, "action": "recovered"})
+                              for h in recovered]
+        usable = dict(self.hosts.available())
+        going = [s for h, s in sorted(self.stragglers.named().items()) if h in usable]  # not leaving already
+        why = self._keep_stragglers(going, members) if self.config.evict_stragglers and going else None
+        evict = self.config.evict_stragglers and bool(going) and not why
+        for s in newly:
+            if not (evict and s in going):
+                tail = f"; {why}" if why and s in going else ("" if self.config.evict_stragglers else
+                                                             " (--evict-stragglers would move it out)")
+                action = "kept" if why and s in going else "named"
+                acts.append(Event(Kind.STRAGGLER, s.message + tail, self._straggler_fields(s, action), level="warning"))
+        if evict:
+            for s in going:
+                acts.append(Event(Kind.STRAGGLER, f"{s.message}; evicting it (--evict-stragglers): its workers leave "
+                                  f"at their next step, without a rollback", self._straggler_fields(s, "evicted"),
+                                  level="warning"))
+                until = self.hosts.blacklist(s.host, now)
+                when = "permanently" if until is None else f"for {until - now:.1f} s"
+                acts.append(Event(Kind.HOST_BLACKLISTED, f"host {s.host} blacklisted {when} (a straggler)",
+                                  {"host": s.host}))
+        return acts
+
+    def _keep_stragglers(self, going: list[Straggler], members: Mapping[str, str]) -> str:
+        """Why the stragglers ``going`` must stay ("" when they may go): --min-np, or the job
+        would train fewer samples per second without them."""
+        hosts = {s.host for s in going}
+        workers = len(members)
+        leaving = sum(1 for h in members.values() if h in hosts)
+        left = workers - leaving
+        it = "it" if len(going) == 1 else "them"
+        if left < self.config.min_np:
+            return f"not evicted: without {it} {left} worker(s) would be left, fewer than --min-np {self.config.min_np}"
+        rest = [p for h, p in self.stragglers.paces().items() if h not in hosts]
+        compute, step = max(s.compute for s in going), max(s.step for s in going)
+        if rest and not eviction_pays(workers, leaving, step, compute, max(rest)):
+            after = step - max(0.0, compute - max(rest))
+            return (f"not evicted: without {it}, {left} worker(s) at about {after * 1000:.0f} ms a step would train "
+                    f"fewer samples per second than {workers} at {step * 1000:.0f} ms")
+        return ""
+
+    @staticmethod
+    def _straggler_fields(s: Straggler, action: str) -> dict[str, object]:
+        return {"host": s.host, "action": action, "compute_ms": round(s.compute * 1000, 2),
+                "reference_ms": round(s.reference * 1000, 2), "step_ms": round(s.step * 1000, 2), "steps": s.steps}
 
     def _between_rounds(self, target: list[SlotInfo], now: float) -> list[Action]:
         holders = self.holders()

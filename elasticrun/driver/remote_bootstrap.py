@@ -20,22 +20,38 @@ Its second stdin line is the launch request (JSON): ``mark``, ``command``, ``env
    period; when the worker exits on its own, it SIGKILLs what is left of the group (the
    worker's children), reports the worker's exit status (one marker line) and exits.
 
+Warm start (``elasticrun/worker/template.py``). A request with ``"template": true`` starts
+the host's template instead of a worker: after steps 1 (its directory, its interpreter) this
+process *becomes* it (``execve``); its stdin is still the channel, so the template ends when
+the driver's connection does. A worker request with ``"warm": {"socket": PATH}`` first asks
+that template to fork the worker, sending it this process's stdout and stderr (the channel),
+/dev/null and the key pipe as descriptors (the format is ``elasticrun/common/warmstart.py``'s,
+copied here: :func:`encode_request`); this process stays the watchdog of the forked worker's
+group exactly as of its own child, and gets the exit status from the template, the only
+process that can wait for it. A template that answers ``fallback``, or cannot be reached,
+means a fresh worker as in step 2 (reported as ``{"fallback": why}``); a template that goes
+away while its worker runs means that worker is killed and counts as failed.
+
 Report lines are ``mark`` followed by JSON: ``{"pid", "pgid", "watchdog"}`` once the worker's
-group exists, ``{"error", "detail"}`` when the worker could not be started (``error`` is
-``cwd``, ``not_found`` or ``exec``), ``{"exit"}`` with its status as ``subprocess`` gives it
+group exists (with ``"warm": true`` when a template forked it), ``{"error", "detail"}`` when
+the worker could not be started (``error`` is ``cwd``, ``not_found`` or ``exec``),
+``{"fallback"}`` (see above), ``{"exit"}`` with its status as ``subprocess`` gives it
 (negative for a signal). The watchdog's own exit status is the worker's in the shell's
 convention (128+N for signal N), 126/127 when it could not start it, 255 when the worker
 could not be reaped, 125 for a bug here.
 """
 
+import array
 import json
 import os
 import shutil
 import signal
+import socket
+import struct
 import sys
 import threading
 import time
-from typing import IO, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import IO, Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 #: elasticrun.common.env.SECRET_FD (this file imports nothing of elasticrun).
 SECRET_FD = "ELASTICRUN_SECRET_FD"
@@ -85,6 +101,23 @@ def find_command(prog: str, path: str) -> Tuple[Optional[str], str]:
     return None, "command not found: %s (searched PATH=%s)" % (prog, path)
 
 
+def die_with(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when the watchdog dies (``PR_SET_PDEATHSIG``, kept
+    across ``exec``): a watchdog killed with SIGKILL (OOM killer, an agent's teardown) can then
+    never leave its worker running unwatched. Elsewhere (no ``prctl``) the watchdog's own
+    handlers are the only guard."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the watchdog died before the request took effect
+        os._exit(127)
+
+
 def spawn(program: str, argv: List[str], env: Dict[str, str], keys: Optional[str]) -> Tuple[int, int, int]:
     """Fork the worker as the leader of a new process group, held before ``exec``.
 
@@ -94,12 +127,14 @@ def spawn(program: str, argv: List[str], env: Dict[str, str], keys: Optional[str
     """
     gate_r, gate_w = os.pipe()
     err_r, err_w = os.pipe()  # close-on-exec: EOF without data means the exec succeeded
+    watchdog = os.getpid()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(gate_w)
             os.close(err_r)
             os.setpgid(0, 0)
+            die_with(watchdog)
             os.read(gate_r, 1)  # wait until the driver knows our group
             os.close(gate_r)
             for name in ("SIGPIPE", "SIGXFSZ"):  # Python ignores them; the worker must not
@@ -195,6 +230,105 @@ def watch(pid: int, grace: float, stop: threading.Event, driver_fd: int = 0) -> 
     return status[0] if status else None
 
 
+def encode_request(command: List[str], env: Mapping[str, str], cwd: str, grace: float, keys: bool) -> bytes:
+    """A template request (elasticrun.common.warmstart.encode_request, byte for byte)."""
+    body = json.dumps({"v": 1, "command": list(command), "env": dict(env), "cwd": cwd, "grace": float(grace),
+                       "keys": bool(keys)}, sort_keys=True).encode("ascii")
+    return struct.pack(">I", len(body)) + body
+
+
+def warm_spawn(path: str, command: List[str], env: Dict[str, str], cwd: str, grace: float,
+               keys: Optional[str], timeout: float = 10.0) -> Any:
+    """Ask the template at ``path`` to fork the worker: (connection, pid, what followed the
+    answer) or, when it will not, why (a string; then the worker starts fresh)."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    fds = [null, 1, 2]  # the worker's stdin; stdout and stderr are this channel's
+    if keys is not None:  # tiny: fits the pipe's buffer
+        key_r, key_w = os.pipe()
+        os.write(key_w, keys.encode("ascii"))
+        os.close(key_w)
+        fds.append(key_r)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        data = encode_request(command, env, cwd, grace, keys is not None)
+        sent = sock.sendmsg([data[:65536]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        if sent < len(data):
+            sock.sendall(data[sent:])
+        buf = b""
+        while b"\n" not in buf:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return "the template closed the connection without an answer"
+            buf += chunk
+        line, _, rest = buf.partition(b"\n")
+        answer = json.loads(line.decode("ascii"))
+        if "fallback" in answer:
+            return str(answer["fallback"])
+        pid = int(answer["pid"])
+        conn, sock = sock, None
+        return conn, pid, rest
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return "cannot use the template at %s: %s" % (path, exc)
+    finally:
+        for fd in fds[:1] + fds[3:]:
+            os.close(fd)
+        if sock is not None:
+            sock.close()
+
+
+def watch_warm(pid: int, conn: socket.socket, rest: bytes, grace: float, stop: threading.Event,
+               driver_fd: int = 0) -> Optional[int]:
+    """:func:`watch` for a worker the template forked: its exit status (``subprocess``-style)
+    comes from ``conn``. None if the template went away first (the worker is then killed)."""
+    status = []  # type: List[int]
+    gone = threading.Event()  # the template answered, or is gone
+
+    def wait_template() -> None:
+        buf = rest
+        try:
+            conn.settimeout(None)
+            while b"\n" not in buf:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                buf += chunk
+            if b"\n" in buf:
+                status.append(int(json.loads(buf.partition(b"\n")[0].decode("ascii"))["exit"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        gone.set()
+        stop.set()
+
+    def watch_driver() -> None:
+        try:
+            while os.read(driver_fd, 4096):
+                pass
+        except OSError:
+            pass
+        stop.set()
+
+    threading.Thread(target=wait_template, name="bootstrap-template", daemon=True).start()
+    threading.Thread(target=watch_driver, name="bootstrap-driver", daemon=True).start()
+    while not stop.wait(1.0):
+        pass
+
+    def killpg(sig: int) -> None:
+        try:
+            os.killpg(pid, sig)
+        except OSError:
+            pass
+
+    if not gone.is_set():  # asked to stop, or the driver is gone
+        killpg(signal.SIGTERM)
+        gone.wait(grace)
+    killpg(signal.SIGKILL)  # whatever is left of the group
+    gone.wait(REAP_SECONDS)
+    conn.close()
+    return status[0] if status else None
+
+
 def exit_code(status: int) -> int:
     """A wait status as ``subprocess`` reports it: the exit code, or -N for signal N."""
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
@@ -215,6 +349,27 @@ def main(stdin: IO[str], stdout: IO[str]) -> int:
     if found is None:
         report(error="not_found", detail=problem)
         return 127
+    if cfg.get("template"):  # become the host's warm-start template
+        return become(found, command, env, report)
+
+    warm = cfg.get("warm")
+    if warm:
+        started = warm_spawn(str(warm["socket"]), command, env, os.getcwd(), grace, keys)
+        if isinstance(started, str):
+            report(fallback=started)
+        else:
+            conn, pid, rest = started
+            keys = cfg = None
+            report(pid=pid, pgid=pid, watchdog=os.getpid(), warm=True)
+            stop = threading.Event()
+            stop_on_signals(stop)
+            code = watch_warm(pid, conn, rest, grace, stop)
+            if code is None:
+                sys.stderr.write("elasticrun: the warm-start template on this host went away while the worker "
+                                 "ran; the worker was stopped\n")
+                return 255
+            report(exit=code)
+            return code if code >= 0 else 128 - code
 
     pid, gate, errors = spawn(found, command, env, keys)
     keys = cfg = None  # the watchdog keeps no copy
@@ -233,6 +388,19 @@ def main(stdin: IO[str], stdout: IO[str]) -> int:
     code = exit_code(status)
     report(exit=code)
     return code if code >= 0 else 128 - code
+
+
+def become(program: str, argv: List[str], env: Dict[str, str], report: Callable[..., None]) -> int:
+    """``execve`` the template (it only returns if that failed)."""
+    for name in ("SIGPIPE", "SIGXFSZ"):  # as spawn() leaves them for a worker
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    sys.stdout.flush()
+    try:
+        os.execve(program, argv, env)
+    except OSError as exc:
+        report(error="exec", detail="%s: %s" % (argv[0], exc.strerror or exc))
+    return 126
 
 
 def run() -> None:

@@ -39,6 +39,18 @@ connection dropping (a network partition) exits by itself after ``ELASTICRUN_DRI
 without heartbeat answers; the watchdog then kills the rest of its group. Processes that call
 ``setsid()`` themselves leave the group and escape this, as they do with the local launcher.
 
+Warm start
+----------
+A host's first Python worker also starts the host's template (``elasticrun/worker/template.py``)
+on a channel of its own: the same loader and bootstrap, asked to ``exec`` the workers'
+interpreter as ``python -m elasticrun.worker.template`` with the job's shared environment.
+It imports torch once and serves on a unix socket in a private directory named after the job.
+Later launches on that host pass the socket to their bootstrap, which asks the template to
+fork the worker (see remote_bootstrap.py) and stays its watchdog. The template lives until the
+connection closes (at the job's end, or the driver's death: its stdin reaches EOF). A launch
+waits at most half of ``--start-timeout`` for a template that is still starting; a template that
+fails to start is not tried again on that host, and its workers start fresh.
+
 Exit statuses: the watchdog reports the worker's status like ``subprocess`` does (negative for a
 signal). If that report is lost with the connection, the SSH exit status is used with the
 shell's convention (128+N means signal N); with no status at all the worker counts as failed
@@ -63,7 +75,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from elasticrun.common import env as envvars
+from elasticrun.common import warmstart
 from elasticrun.driver.output import Output
+from elasticrun.driver.warm import parse_ready, template_argv
 
 if TYPE_CHECKING:
     import paramiko
@@ -106,15 +120,20 @@ def remote_command(python: str, job_id: str, worker_id: str) -> str:
 
 
 def launch_payload(command: list[str], env: Mapping[str, str], cwd: str, grace: float, mark: str,
-                   keys: bytes | None = None) -> bytes:
+                   keys: bytes | None = None, warm: str | None = None, template: bool = False) -> bytes:
     """What the driver writes to the channel's stdin: the bootstrap source, then the request.
 
     ASCII-only JSON (``ensure_ascii``), so the remote locale cannot garble it, and values that
     are not valid UTF-8 (lone surrogates from ``os.environ``) come out byte-for-byte the same.
     ``keys`` (the job's key blob, ASCII) reach the worker through a pipe, not its environment.
+    ``warm``: the socket of the host's warm-start template; ``template``: the command *is* it.
     """
     request = {"mark": mark, "command": list(command), "env": dict(env), "cwd": cwd, "grace": grace,
                "keys": keys.decode("ascii") if keys is not None else None}
+    if warm is not None:  # the host's template socket: ask it to fork the worker first
+        request["warm"] = {"socket": warm}
+    if template:  # this command is the host's template: the bootstrap becomes it
+        request["template"] = True
     return (json.dumps(bootstrap_source()) + "\n" + json.dumps(request) + "\n").encode("ascii")
 
 
@@ -137,13 +156,15 @@ class SSHOptions:
     remote_cwd: str | None = None  # default: the driver's working directory
     python: str = "python3"
     stop_grace: float = 5.0
+    warm_start: bool = True  # start each host's template, fork its workers from it
+    preload: tuple[str, ...] = ()
 
     @classmethod
     def from_settings(cls, s: "JobSettings") -> "SSHOptions":
         return cls(port=s.ssh_port, user=s.ssh_user, identity_file=s.ssh_identity_file,
                    known_hosts=s.ssh_known_hosts, accept_unknown_hosts=s.ssh_accept_unknown_hosts,
                    connect_timeout=s.start_timeout, remote_cwd=s.remote_cwd, python=s.remote_python,
-                   stop_grace=s.stop_grace)
+                   stop_grace=s.stop_grace, warm_start=s.warm_start, preload=tuple(s.preload))
 
     @property
     def known_hosts_path(self) -> str:
@@ -311,6 +332,20 @@ class _Remote:
     stderr_pump: threading.Thread | None = None
 
 
+@dataclass
+class _Template:
+    """A host's warm-start template, as the driver sees it."""
+
+    host: str
+    socket: str | None = None  # once it serves
+    failure: str | None = None  # why it never served
+    ended: bool = False  # its channel closed
+    warned: bool = False  # its failure was said (once)
+    channel: Any = None
+    ready: threading.Event = field(default_factory=threading.Event)  # serving, or never will
+    stderr_tail: deque = field(default_factory=lambda: deque(maxlen=5))
+
+
 class SSHLauncher:
     """Runs workers on remote hosts; same interface as :class:`LocalLauncher` plus ``host``.
 
@@ -332,6 +367,7 @@ class SSHLauncher:
         self.opts = options
         self._hosts: dict[str, HostConnections] = {}
         self._remotes: dict[str, _Remote] = {}
+        self._templates: dict[str, _Template] = {}
         self._lock = threading.Lock()
         self._stopping = False
 
@@ -385,9 +421,12 @@ class SSHLauncher:
             return -(r.cancel or 15)
         job_id = env.get(envvars.JOB_ID, "-")
         cwd = self.opts.remote_cwd or os.getcwd()
+        warm = self._template_socket(r, command, env, cwd, deadline)
+        if self._stopping or r.cancel is not None:
+            return -(r.cancel or 15)
         try:
             chan.exec_command(remote_command(self.opts.python, job_id, r.worker_id))
-            chan.sendall(launch_payload(command, env, cwd, self.opts.stop_grace, r.mark, keys))
+            chan.sendall(launch_payload(command, env, cwd, self.opts.stop_grace, r.mark, keys, warm=warm))
         except (OSError, EOFError, paramiko.SSHException) as exc:
             raise LaunchError(f"{conns.target} did not run the bootstrap: {exc or type(exc).__name__}") from None
         out = threading.Thread(target=self._pump_stdout, args=(r, chan.makefile("rb")),
@@ -458,6 +497,9 @@ class SSHLauncher:
                     if "pid" in msg:
                         r.pgid = int(msg["pgid"])
                         r.started.set()
+                    elif "fallback" in msg:
+                        log.debug("%s: worker %s starts fresh, not from the warm-start template: %s", r.host,
+                                  r.worker_id, msg["fallback"])
                     elif "error" in msg:
                         r.error = msg
                         r.started.set()
@@ -479,6 +521,91 @@ class SSHLauncher:
                 self._sink.write(r.worker_id, "stderr", line)
         except Exception as exc:
             log.debug("%s: stderr of %s: %s", r.host, r.worker_id, exc)
+
+    # --- warm start ------------------------------------------------------------------------
+    def _template_socket(self, r: _Remote, command: list[str], env: dict[str, str], cwd: str,
+                         deadline: float) -> str | None:
+        """The socket of ``r.host``'s template (started now if need be), or None: fresh."""
+        cmd, _ = warmstart.python_command(command)
+        if not self.opts.warm_start or cmd is None:
+            return None
+        with self._lock:
+            t = self._templates.get(r.host)
+            if t is None or (t.ended and t.socket is not None):  # none yet, or it served and died
+                t = self._templates[r.host] = _Template(r.host)
+                threading.Thread(target=self._run_template, args=(t, cmd, env, cwd), daemon=True,
+                                 name=f"elasticrun-template-{r.host}").start()
+        wait = min(self.opts.connect_timeout / 2, max(0.0, deadline - time.monotonic()))
+        if not t.ready.wait(wait):
+            log.debug("%s: the warm-start template is not ready after %.1f s: worker %s starts fresh", r.host,
+                      wait, r.worker_id)
+            return None
+        if t.socket is None or t.ended:
+            with self._lock:
+                warn, t.warned = not t.warned and not self._stopping, True
+            if warn:
+                log.warning("%s: no warm-start template there (%s); its workers start as new processes", r.host,
+                            str(t.failure)[:300])
+            return None
+        return t.socket
+
+    def _run_template(self, t: _Template, cmd: warmstart.PythonCommand, env: dict[str, str], cwd: str) -> None:
+        """The template's channel, from its start to its end (on its own thread)."""
+        import paramiko
+
+        mark = f"@@elasticrun:{secrets.token_hex(8)}@@ "
+        try:
+            conns = self.connections(t.host)
+            chan = conns.open_session(time.monotonic() + self.opts.connect_timeout)
+            t.channel = chan
+            if self._stopping:
+                return
+            job_id = env.get(envvars.JOB_ID, "-")
+            argv = template_argv(cmd.interpreter, f"elasticrun-{job_id}", cmd, self.opts.preload, self.opts.stop_grace)
+            chan.exec_command(remote_command(self.opts.python, job_id, "template"))
+            chan.sendall(launch_payload(argv, warmstart.with_room(warmstart.template_environment(env)), cwd, self.opts.stop_grace, mark,
+                                        template=True))
+            err = threading.Thread(target=self._template_stderr, args=(t, chan.makefile_stderr("rb")), daemon=True,
+                                   name=f"elasticrun-template-{t.host}-err")
+            err.start()
+            for raw in iter(chan.makefile("rb").readline, b""):
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                info = parse_ready(line)
+                if info is not None and t.socket is None:
+                    t.socket = info["socket"]
+                    log.debug("%s: the warm-start template is ready (%s s): %s", t.host, info.get("seconds"), t.socket)
+                    for module, why in (info.get("failed") or {}).items():
+                        log.warning("--preload %s: the warm-start template on %s cannot import it: %s", module,
+                                    t.host, why)
+                    t.ready.set()
+                elif mark in line:
+                    try:
+                        t.failure = json.loads(line.partition(mark)[2]).get("detail")
+                    except ValueError:
+                        pass
+                else:
+                    log.debug("%s: template: %s", t.host, line)
+            err.join(1.0)
+        except (LaunchError, OSError, EOFError, paramiko.SSHException) as exc:
+            t.failure = str(exc) or type(exc).__name__
+        except Exception as exc:  # never a reason for a job to fail: its workers start fresh
+            t.failure = f"{type(exc).__name__}: {exc}"
+        finally:
+            t.ended = True
+            if t.socket is None:
+                t.failure = t.failure or f"it exited: {' | '.join(t.stderr_tail) or 'no message'}"
+            t.ready.set()
+            if t.channel is not None:
+                t.channel.close()
+
+    def _template_stderr(self, t: _Template, f: Any) -> None:
+        try:
+            for raw in iter(f.readline, b""):
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                t.stderr_tail.append(line)
+                log.debug("%s: template: %s", t.host, line)
+        except Exception as exc:
+            log.debug("%s: template stderr: %s", t.host, exc)
 
     # --- stopping --------------------------------------------------------------------------
     def _send_signal(self, r: _Remote, sig: int) -> None:

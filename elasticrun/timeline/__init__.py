@@ -5,13 +5,16 @@ The event log (``--events``, see elasticrun/common/events.py) becomes:
 * ``.json``: a Chrome-trace / Perfetto file (chrome://tracing, ui.perfetto.dev). The driver is
   one process with tracks for rounds, resets, the phases of each reset, and host/failure
   instants; every host is a process with one track per worker slot, holding that worker's
-  rendezvous, group formation, restore, sync and training spans. Times are microseconds since
-  the first event of the job.
+  rendezvous, group formation, restore, sync and training spans, and a track of its own for
+  the host when it was named a straggler. Times are microseconds since the first event of
+  the job.
 * ``.svg`` (no dependency), ``.html`` (the SVG and the summary tables in one page) or
   ``.png`` (needs matplotlib): the world size over time with markers for hosts added,
-  removed, blacklisted and failures, and one bar per reset split into its phases.
+  removed, blacklisted, named stragglers and failures, and one bar per reset split into its
+  phases.
 
-and a text summary (rounds; resets with cause and cost) is printed.
+and a text summary (rounds; stragglers named, evicted or kept; resets with cause and cost) is
+printed.
 
 Phases of a reset, as in benchmarks/recovery.py but laid end to end on one clock so that they
 add up to the reset's cost as the driver reported it (from its trigger: a round aborted or a

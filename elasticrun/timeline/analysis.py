@@ -21,6 +21,7 @@ MARKERS = {
     Kind.HOST_BLACKLISTED: ("host blacklisted", "#000000", "cross"),
     Kind.HOST_WHITELISTED: ("host back from blacklist", "#9467bd", "diamond"),
     Kind.WORKER_FAILED: ("worker failed", "#d62728", "circle"),
+    Kind.STRAGGLER: ("straggler", "#e377c2", "square"),
 }
 
 
@@ -187,6 +188,13 @@ def summary(a: Analysis) -> str:
         for r in a.rounds:
             lines.append(f"  round {r.round:<3} {r.size:>3} worker(s)  {r.start - a.t0:7.1f} s -> "
                          f"{r.end - a.t0:7.1f} s  on {', '.join(r.hosts)}")
+    said = stragglers(a)
+    if said:
+        lines.append("stragglers:")
+        for e in said:
+            figures = (f": {e['compute_ms']:.0f} ms of compute per step against {e['reference_ms']:.0f} ms over the "
+                       f"last {e.get('steps', '?')} steps" if "compute_ms" in e and "reference_ms" in e else "")
+            lines.append(f"  at {e['t'] - a.t0:.1f} s: host {e.get('host', '?')} {e.get('action', 'named')}{figures}")
     if a.resets:
         lines.append("resets (phases in ms: " + " / ".join(PHASES) + "):")
         for rs in a.resets:
@@ -199,6 +207,11 @@ def summary(a: Analysis) -> str:
             lines.append(f"  {cause}: {len(items)} reset(s), {format_ms(sum(secs))} in all, median "
                          f"{format_ms(statistics.median(secs))}, max {format_ms(max(secs))}")
     return "\n".join(lines)
+
+
+def stragglers(a: Analysis) -> list[dict[str, Any]]:
+    """The driver's straggler events (named, evicted, kept, recovered), in time order."""
+    return [e for e in a.events if e["kind"] == Kind.STRAGGLER and e["source"] == "driver"]
 
 
 def by_cause(resets: list[Reset]) -> dict[str, list[Reset]]:

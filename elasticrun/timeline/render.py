@@ -12,7 +12,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 from elasticrun.common.events import Kind
 from elasticrun.timeline.analysis import (
-    MARKERS, PHASES, Marker, TimelineError, analyze, by_cause, size_of, summary,
+    MARKERS, PHASES, Marker, TimelineError, analyze, by_cause, size_of, stragglers, summary,
 )
 
 PHASE_COLORS = {
@@ -138,6 +138,15 @@ def to_chrome_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
                 instant(k.replace("_", " "), pid, tid, t, "reset", **where)
         if train_from is not None:
             span("training", pid, tid, train_from[0], a.t_end, "training", **train_from[1])
+    # Stragglers: an instant on their host's own track (tid 0), with the figures that named them.
+    for e in stragglers(a):
+        host = str(e.get("host", ""))
+        pid = track(host, 0)[0]
+        if (host, -1) not in tids:
+            tids[(host, -1)] = 0
+            meta("thread_name", pid, 0, f"{host}: stragglers")
+        instant(f"straggler {e.get('action', 'named')}", pid, 0, e["t"], "straggler",
+                **{x: e[x] for x in ("round", "message", "compute_ms", "reference_ms", "step_ms", "steps") if x in e})
     _unoverlap(out)
     return {"traceEvents": out, "displayTimeUnit": "ms",
             "otherData": {"generator": "elasticrun timeline", "job_start_unix_s": a.t0,
@@ -187,6 +196,9 @@ def _marker_shape(shape: str, x: float, y: float, color: str, r: float = 5) -> s
     if shape == "cross":
         return (f'<path d="M{_num(x - r)} {_num(y - r)} L{_num(x + r)} {_num(y + r)} M{_num(x + r)} {_num(y - r)} '
                 f'L{_num(x - r)} {_num(y + r)}" stroke="{color}" stroke-width="2.5" fill="none"')
+    if shape == "square":
+        return (f'<rect x="{_num(x - r + 0.5)}" y="{_num(y - r + 0.5)}" width="{_num(2 * r - 1)}" '
+                f'height="{_num(2 * r - 1)}" fill="{color}"')
     if shape == "diamond":
         return (f'<path d="M{X} {_num(y - r)} L{_num(x + r)} {Y} L{X} {_num(y + r)} L{_num(x - r)} {Y} Z" '
                 f'fill="{color}"')
@@ -392,7 +404,7 @@ def write_png(events: list[dict[str, Any]], path: str, title: str = "elasticrun 
         ax.axvspan(rs.start - a.t0, rs.end - a.t0, color="#ff7f0e", alpha=0.35, linewidth=0)
     top = max(ys + [1]) + 0.6
     seen = set()
-    shapes = {"up": "^", "down": "v", "cross": "x", "diamond": "D", "circle": "o"}
+    shapes = {"up": "^", "down": "v", "cross": "x", "diamond": "D", "circle": "o", "square": "s"}
     for m in a.markers:
         label, color, shape = MARKERS[m.kind]
         ax.plot([m.t - a.t0], [top], shapes[shape], color=color, label=None if m.kind in seen else label)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -408,11 +409,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize(). Use the skip_synchronize() context to make the "
                               "intent explicit.", stacklevel=2)
             else:
+                started = time.perf_counter()
                 self.synchronize()
                 r = rounds.current()
                 if r.step_done is not None:  # may raise HostsUpdatedInterrupt: this step is not applied
                     self._synchronized = False
-                    r.step_done()
+                    r.step_done(time.perf_counter() - started)  # the wait tells a straggler apart
         self._synchronized = False
         original = self._dist_original()
         if original is not None:

@@ -49,7 +49,7 @@ class Round:
                  host_updates: HostUpdates, aborted: Mapping[int, str],
                  emit: Callable[..., None], pg: dist.ProcessGroup | None = None,
                  copy_requests: CopyRequests | None = None, copy_busy: Callable[[], bool] = lambda: False,
-                 step_done: Callable[[], None] | None = None) -> None:
+                 step_done: Callable[[float], None] | None = None) -> None:
         self.number = number
         self.rank = rank
         self.size = size
@@ -61,8 +61,9 @@ class Round:
         self.copy_requests = copy_requests
         self.copy_busy = copy_busy  # this rank's previous shard is still being sent
         #: Called by the DistributedOptimizer once the gradients of a step are reduced, before
-        #: they are applied: the runtime counts steps there, and takes a host update agreed
-        #: in that very allreduce at once (see Runtime.step_done).
+        #: they are applied, with the seconds it waited for them: the runtime counts and times
+        #: steps there, and takes a host update agreed in that very allreduce at once (see
+        #: Runtime.step_done).
         self.step_done = step_done
         self.awaiting_first_step = False
         #: The round's key/value store (namespaced to this round), once the group is formed:

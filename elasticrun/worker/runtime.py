@@ -46,6 +46,7 @@ from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from elasticrun.worker.durable import CopyRequests, DurableSender
 from elasticrun.worker.host_updates import HostUpdates
+from elasticrun.worker.pace import StepPace
 from elasticrun.worker.rounds import Round
 from elasticrun.worker.store import DriverStore
 
@@ -133,6 +134,7 @@ class Runtime:
         self.host_updates = HostUpdates()
         self.copy_requests = CopyRequests()  # the driver's requests for a durable copy
         self.steps = 0  # optimizer steps applied in this job (restored with a durable copy)
+        self.pace = StepPace()  # this round's recent step and allreduce-wait times, for the heartbeats
         self.restore = False  # the driver's word for this round: load the newest durable copy first
         self.active_state: Any = None  # the state elastic.run is training (for interrupts at a step)
         self._sender: DurableSender | None = None
@@ -163,13 +165,19 @@ class Runtime:
             self._sender = DurableSender(self._ctx, os.environ[env.DURABLE_ADDR], keys, job_id)
         self._control = ControlChannel(
             self._ctx, os.environ[env.CONTROL_ADDR], os.environ[env.NOTIFY_ADDR], keys, job_id,
-            heartbeat_body=lambda: {"worker": self.worker_id, "round": self.round, "steps": self.steps,
-                                    "commit": self.commit_seq()},
+            heartbeat_body=self._heartbeat_body,
             on_message=self._on_message, on_driver_lost=self._on_driver_lost,
             interval=_seconds(env.HEARTBEAT_INTERVAL, settings.DEFAULT_HEARTBEAT_INTERVAL),
             driver_timeout=_seconds(env.DRIVER_TIMEOUT, settings.DEFAULT_DRIVER_TIMEOUT),
             take_events=self._take_events)
         self._control.start()
+
+    def _heartbeat_body(self) -> dict[str, Any]:
+        body = {"worker": self.worker_id, "round": self.round, "steps": self.steps, "commit": self.commit_seq()}
+        pace = self.pace.summary()  # medians of the recent steps: the driver names stragglers from them
+        if pace is not None:
+            body["pace"] = pace
+        return body
 
     # --- the current round ------------------------------------------------------------------
     @property
@@ -206,14 +214,16 @@ class Runtime:
     def copy_busy(self) -> bool:
         return self._sender is not None and self._sender.busy
 
-    def step_done(self) -> None:
-        """The DistributedOptimizer reduced a step's gradients (with the agreed flags) and is
-        about to apply them. A host update agreed in that allreduce is taken here, on every
+    def step_done(self, wait: float = 0.0) -> None:
+        """The DistributedOptimizer reduced a step's gradients (with the agreed flags), after
+        waiting ``wait`` s for them, and is about to apply them. The step's time and wait go
+        to :attr:`pace`. A host update agreed in that allreduce is taken here, on every
         rank at once, instead of at the next check point: the state is committed as it was
         after the previous step (whose batch the script has recorded) and the interrupt
         raised, so this step is neither applied nor recorded, and is trained after the reset.
         A worker told to leave (SIGTERM) is then out at its next step, not only its next commit.
         """
+        self.pace.record(time.perf_counter(), wait)
         state = self.active_state
         if state is not None and self.host_updates.agreed_pending(self._round.number):
             state.check_host_updates()  # commits, then raises HostsUpdatedInterrupt
@@ -230,6 +240,7 @@ class Runtime:
             _drop_in_background((old.pg, dict(old.subgroups)))
         self._round = self._new_round(number, rank, size, pg)
         self._round.store = store
+        self.pace.new_round(number)
         rounds.install(self._round)
         return self._round
 
@@ -490,7 +501,7 @@ def init() -> Runtime:
                 logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
             rt = Runtime()
             if not rt.standalone:
-                _warm_up()
+                warm_up()
             try:
                 rt.rendezvous()
             except BaseException:
@@ -504,13 +515,14 @@ def init() -> Runtime:
         return _runtime
 
 
-def _warm_up() -> None:
+def warm_up() -> None:
     """Pay torch's one-time lazy costs before joining, not after.
 
     The first optimizer a process builds imports torch._dynamo (~0.9 s here). Scripts build
     theirs right after init(); a worker joining a running job would pay it while the
     survivors already wait for it in sync(). Done before the rendezvous request, the
-    survivors keep training meanwhile.
+    survivors keep training meanwhile. The warm-start template (worker/template.py) calls it
+    once, before it forks any worker.
     """
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
 

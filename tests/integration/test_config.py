@@ -100,6 +100,31 @@ def test_protocol_variables_in_the_environment_are_not_read(tmp_path, no_elastic
     assert (s.log_level, s.worker_log_level, s.collective_timeout) == ("INFO", "WARNING", 60.0)
 
 
+def test_evict_stragglers_from_file_env_flag_and_keyword(tmp_path, no_elasticrun_env):
+    """Issue 16: --evict-stragglers, ``evict-stragglers = true``, ELASTICRUN_EVICT_STRAGGLERS and
+    ``elasticrun.run(evict_stragglers=True)`` mean one thing."""
+    from elasticrun.driver.cli import settings_from_keywords
+
+    base = ["-np", "1", "-H", "localhost"]
+    assert parse_settings([*base, "python", "x.py"]).evict_stragglers is False
+    assert parse_settings([*base, "--evict-stragglers", "python", "x.py"]).evict_stragglers is True
+    cfg = write(tmp_path / "job.toml", "evict-stragglers = true\n")
+    assert parse_settings(["--config-file", cfg, *base, "python", "x.py"]).evict_stragglers is True
+    for text, value in (("1", True), ("TRUE", True), ("on", True), ("0", False), ("no", False)):
+        no_elasticrun_env.setenv("ELASTICRUN_EVICT_STRAGGLERS", text)
+        assert parse_settings(["--config-file", cfg, *base, "python", "x.py"]).evict_stragglers is value, text
+    no_elasticrun_env.delenv("ELASTICRUN_EVICT_STRAGGLERS")
+    kw = settings_from_keywords({"np": 1, "hosts": "localhost", "evict_stragglers": True}, ["python", "x.py"])
+    assert kw == parse_settings([*base, "--evict-stragglers", "python", "x.py"])
+
+
+def test_a_bad_true_false_variable_is_one_line():
+    r = elasticrun("-np", "1", "-H", "localhost", "true", env=clean_env(ELASTICRUN_EVICT_STRAGGLERS="maybe"))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r
+    assert "ELASTICRUN_EVICT_STRAGGLERS='maybe': must be 1 or 0 (true/false, yes/no, on/off)" in lines[0], r
+
+
 # --- errors: exit 2, one line ------------------------------------------------------------------
 @pytest.mark.parametrize("toml,expected", [
     ("min-np = 1\nbogus-option = 3\n", "unknown key 'bogus-option'"),

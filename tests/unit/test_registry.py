@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from elasticrun.discovery.host_manager import HostManager, cooldown_delay
 from elasticrun.driver.assignment import assign
+from elasticrun.driver.stragglers import Pace
 from elasticrun.driver.registry import (
     AbortRound,
     Assign,
@@ -58,13 +59,14 @@ class Job:
     """A registry with an injected clock and worker ids w0, w1, ... in launch order."""
 
     def __init__(self, np=1, min_np=None, max_np=None, reset_limit=None, elastic_timeout=600.0,
-                 start_timeout=30.0, cooldown=None, seed=0, heartbeat_timeout=None):
+                 start_timeout=30.0, cooldown=None, seed=0, heartbeat_timeout=None, evict_stragglers=False):
         self.now = 0.0
         self._ids = itertools.count()
         self.hosts = HostManager(cooldown_range=cooldown, rng=random.Random(seed))
         self.config = RegistryConfig(np=np, min_np=np if min_np is None else min_np, max_np=max_np,
                                      reset_limit=reset_limit, elastic_timeout=elastic_timeout,
-                                     start_timeout=start_timeout, heartbeat_timeout=heartbeat_timeout)
+                                     start_timeout=start_timeout, heartbeat_timeout=heartbeat_timeout,
+                                     evict_stragglers=evict_stragglers)
         self.reg = Registry(self.config, self.hosts, lambda: f"w{next(self._ids)}")
 
     def _at(self, at):
@@ -94,6 +96,18 @@ class Job:
 
     def tick(self, at):
         self._at(at)
+        return self.reg.decide(self.now)
+
+    def paces(self, slow=(), compute=0.010, slow_compute=0.200, steps=20, at=None):
+        """Every member of the current round sends a heartbeat with the pace of its last
+        ``steps`` steps: hosts in ``slow`` compute ``slow_compute`` a step, the others
+        ``compute``, and all steps take as long as the slowest's (they wait for it)."""
+        self._at(at)
+        members = [self.reg.workers[wid] for wid in self.reg.members.values()]
+        step = (slow_compute if slow else compute) + 0.002
+        for w in members:
+            c = slow_compute if w.host in slow else compute
+            self.reg.heartbeat(w.id, self.now, Pace(self.reg.round, steps, step, step - c, c))
         return self.reg.decide(self.now)
 
     # queries
@@ -947,7 +961,8 @@ class RegistryMachine(RuleBasedStateMachine):
                        elastic_timeout=data.draw(st.sampled_from([60.0, 20.0]), label="elastic_timeout"),
                        start_timeout=data.draw(st.sampled_from([30.0, 10.0]), label="start_timeout"),
                        cooldown=cooldown, seed=data.draw(st.integers(0, 100), label="seed"),
-                       heartbeat_timeout=data.draw(st.sampled_from([None, 40.0]), label="heartbeat_timeout"))
+                       heartbeat_timeout=data.draw(st.sampled_from([None, 40.0]), label="heartbeat_timeout"),
+                       evict_stragglers=data.draw(st.booleans(), label="evict_stragglers"))
         self.reg = self.job.reg
         self.cfg = self.job.config
         self.strict = cooldown is None or self.STRICT_WITH_COOLDOWN
@@ -1089,6 +1104,22 @@ class RegistryMachine(RuleBasedStateMachine):
         self.before = {w for w in self.holders if self.reg.workers[w].state in LIVE_STATES}
         self.reg.discovered(self.current_hosts, self.job.now, draining)
         self.step(self.reg.decide(self.job.now))
+
+    @precondition(lambda self: any(w.state is WorkerState.RUNNING for w in self.reg.workers.values()))
+    @rule(data=st.data(), dt=st.integers(0, 3))
+    def straggler(self, data, dt):
+        """The members report their paces: one host computes 20x slower than the others."""
+        slow = data.draw(st.sampled_from(sorted({self.reg.workers[wid].host for wid in self.reg.members.values()})),
+                         label="straggler")
+        self.before = {w for w in self.holders if self.reg.workers[w].state in LIVE_STATES}
+        acts = self.job.paces(slow={slow}, at=self.job.now + dt)
+        self.step(acts)
+        evicted = {e.fields["host"] for e in events(acts, "straggler") if e.fields["action"] == "evicted"}
+        if evicted:
+            assert self.cfg.evict_stragglers and evicted == {slow}
+            assert not of(acts, AbortRound)  # graceful: no rollback
+            left = [w for w in self.reg.workers.values() if w.state is WorkerState.RUNNING and w.host not in evicted]
+            assert len(left) >= self.cfg.min_np
 
     @rule(commit=st.integers(1, 100))
     def durable_copy(self, commit):
@@ -1397,3 +1428,140 @@ class TestDurableCopies:
         job.exit("w1", -9, at=1)
         assigns = of(job.rdv("w0", at=2), Assign)
         assert [a.restore for a in assigns] == [False]
+
+
+class TestStragglers:
+    """Issue 16: hosts that drag every step are named, and with --evict-stragglers moved out
+    like a discovery removal (the next step, no rollback) and blacklisted with the cooldown."""
+
+    def test_a_straggler_is_named_and_nothing_else_happens_without_the_flag(self):
+        job = Job(np=4, min_np=2)
+        job.start({"a": 1, "b": 1, "c": 1, "d": 1})
+        acts = job.paces(slow={"c"})
+        [said] = events(acts, "straggler")
+        assert said.message == ("host c is a straggler: 200 ms of compute per step against 10 ms (median of the "
+                                "others) over the last 20 steps (--evict-stragglers would move it out)")
+        assert said.level == "warning" and said.fields["action"] == "named" and said.fields["compute_ms"] == 200.0
+        assert control(acts) == [] and not job.hosts.blacklisted()
+        assert not events(job.paces(slow={"c"}), "straggler")  # said once
+
+    def test_a_heartbeat_that_names_a_straggler_asks_for_a_decision(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        job.reg.decide(job.now)
+        assert not job.reg.dirty
+        job.reg.heartbeat("w0", 1.0, Pace(0, 20, 0.2, 0.19, 0.01))
+        job.reg.heartbeat("w1", 1.0, Pace(0, 20, 0.2, 0.0, 0.2))
+        assert job.reg.dirty
+        job.reg.decide(1.0)
+        job.reg.heartbeat("w1", 1.5, Pace(0, 20, 0.2, 0.0, 0.2))  # nothing new
+        assert not job.reg.dirty
+
+    def test_paces_of_an_old_round_or_while_aborted_name_nobody(self):
+        job = Job(np=3, min_np=1)
+        job.start({"a": 1, "b": 1, "c": 1})
+        for wid, c in (("w0", 0.01), ("w1", 0.01), ("w2", 0.3)):
+            job.reg.heartbeat(wid, 1.0, Pace(-1, 20, 0.31, 0.31 - c, c))
+        assert not events(job.tick(1), "straggler")
+        job.exit("w0", 1, at=2)  # the round is aborted
+        for wid, c in (("w1", 0.01), ("w2", 0.3)):
+            job.reg.heartbeat(wid, 2.5, Pace(0, 20, 0.31, 0.31 - c, c))
+        assert not events(job.tick(3), "straggler")
+
+    def test_evicted_at_the_next_step_without_a_rollback_and_blacklisted_with_the_cooldown(self):
+        job = Job(np=4, min_np=2, cooldown=(30.0, 300.0), evict_stragglers=True)
+        job.start({"a": 1, "b": 1, "c": 1, "d": 1})
+        acts = job.paces(slow={"c"}, at=5)
+        [said] = events(acts, "straggler")
+        assert said.message.endswith("; evicting it (--evict-stragglers): its workers leave at their next step, "
+                                     "without a rollback") and said.fields["action"] == "evicted"
+        [black] = events(acts, "host_blacklisted")
+        assert black.message.startswith("host c blacklisted for ") and black.message.endswith(" s (a straggler)")
+        assert of(acts, Notify) == [Notify(added=False, removed=True)] and not of(acts, AbortRound)
+        acts = job.rdv_all(["w0", "w1", "w2", "w3"], at=6)  # the interrupt at the next step
+        assert [d.worker_id for d in of(acts, Dismiss)] == ["w2"]
+        assigns = of(acts, Assign)
+        assert ranks(assigns) == {("a", 0): ("w0", 0), ("b", 0): ("w1", 1), ("d", 0): ("w3", 2)}
+        assert not any(a.must_sync or a.restore for a in assigns)  # a removal only: nothing to sync
+        assert not events(job.exit("w2", 0, at=7), "worker_failed")
+        # The cooldown ends: c is back, a new worker starts there and joins.
+        acts = job.tick(job.hosts.next_expiry() + 0.1)
+        assert events(acts, "host_whitelisted") and [l.info.key for l in of(acts, Launch)] == [("c", 0)]
+
+    def test_evicting_the_host_of_rank_0_keeps_the_state(self):
+        """The registry's hand-over rule: a survivor that holds the state becomes rank 0."""
+        job = Job(np=3, min_np=1, evict_stragglers=True)
+        job.start({"a": 1, "b": 1, "c": 1})
+        acts = job.paces(slow={"a"})
+        assert events(acts, "host_blacklisted") and of(acts, Notify)
+        acts = job.rdv_all(["w0", "w1", "w2"], at=1)
+        assigns = of(acts, Assign)
+        assert ranks(assigns) == {("b", 0): ("w1", 0), ("c", 0): ("w2", 1)}
+        assert not events(acts, "state_lost") and not any(a.restore for a in assigns)
+
+    def test_never_below_min_np(self):
+        job = Job(np=3, min_np=3, evict_stragglers=True)
+        job.start({"a": 1, "b": 1, "c": 1})
+        acts = job.paces(slow={"c"})
+        [said] = events(acts, "straggler")
+        assert said.message.endswith("; not evicted: without it 2 worker(s) would be left, fewer than --min-np 3")
+        assert said.fields["action"] == "kept"
+        assert control(acts) == [] and not job.hosts.blacklisted()
+
+    def test_a_straggler_kept_for_min_np_goes_once_it_can(self):
+        job = Job(np=3, min_np=3, max_np=4, evict_stragglers=True)
+        job.start({"a": 1, "b": 1, "c": 1})
+        job.paces(slow={"c"})
+        launch = of(job.discover({"a": 1, "b": 1, "c": 1, "d": 1}, at=1), Launch)
+        acts = job.rdv(launch[0].worker_id, at=2)  # the newcomer is ready: everyone re-forms
+        assert of(acts, Notify)
+        acts = job.rdv_all(["w0", "w1", "w2"], at=3)
+        assert job.reg.round == 1 and len(of(acts, Assign)) == 4
+        acts = job.paces(slow={"c"}, at=4)  # still slow in the new round: now it can go
+        assert [e.fields["action"] for e in events(acts, "straggler")] == ["evicted"]
+        assert of(acts, Notify) == [Notify(added=False, removed=True)]
+
+    def test_two_hosts_eviction_must_pay(self):
+        """With 2 hosts of one slot, evicting one halves the samples per step: at 1.6x it would
+        not pay and the straggler is only named; at 20x it goes."""
+        job = Job(np=2, min_np=1, evict_stragglers=True)
+        job.start({"a": 1, "b": 1})
+        acts = job.paces(slow={"b"}, compute=0.100, slow_compute=0.160)
+        [said] = events(acts, "straggler")
+        assert "against 100 ms (the other host)" in said.message
+        assert said.message.endswith("; not evicted: without it, 1 worker(s) at about 102 ms a step would train "
+                                     "fewer samples per second than 2 at 162 ms")
+        assert control(acts) == []
+        job2 = Job(np=2, min_np=1, evict_stragglers=True)
+        job2.start({"a": 1, "b": 1})
+        assert of(job2.paces(slow={"b"}), Notify)
+
+    def test_a_straggler_kept_because_it_did_not_pay_goes_once_it_drags_more(self):
+        """Whether eviction pays is judged on the latest figures, not those it was named with."""
+        job = Job(np=2, min_np=1, evict_stragglers=True)
+        job.start({"a": 1, "b": 1})
+        assert [e.fields["action"] for e in events(job.paces(slow={"b"}, compute=0.100, slow_compute=0.160),
+                                                   "straggler")] == ["kept"]
+        assert control(job.paces(slow={"b"}, compute=0.100, slow_compute=0.170, at=1)) == []  # still does not pay
+        acts = job.paces(slow={"b"}, compute=0.100, slow_compute=0.400, at=2)
+        [said] = events(acts, "straggler")
+        assert said.fields["action"] == "evicted" and said.fields["compute_ms"] == 400.0
+        assert "400 ms of compute per step against 100 ms (the other host)" in said.message
+        assert of(acts, Notify) == [Notify(added=False, removed=True)] and events(acts, "host_blacklisted")
+
+    def test_paces_of_unknown_or_idle_workers_are_not_kept(self):
+        """What the driver keeps is bounded by the round's members, whatever heartbeats say."""
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        for i in range(1000):
+            job.reg.heartbeat(f"nobody-{i}", 1.0, Pace(0, 20, 0.2, 0.0, 0.2))
+        assert job.reg.stragglers._paces == {} and not job.reg.dirty
+        job.reg.heartbeat("w0", 1.0, Pace(0, 20, 0.2, 0.0, 0.2))
+        job.reg.heartbeat("w0", 1.1, Pace(0, 20, 0.2, 0.0, 0.3))
+        assert list(job.reg.stragglers._paces) == ["w0"]  # the latest pace only
+
+    def test_a_permanent_blacklist_without_a_cooldown(self):
+        job = Job(np=3, min_np=1, evict_stragglers=True)
+        job.start({"a": 1, "b": 1, "c": 1})
+        acts = job.paces(slow={"b"})
+        assert [e.message for e in events(acts, "host_blacklisted")] == ["host b blacklisted permanently (a straggler)"]

@@ -364,3 +364,22 @@ def test_bootstrap_kills_the_whole_group_when_the_driver_goes(how, tmp_path):
     assert elapsed < 2.0, elapsed  # SIGTERM is enough for these; SIGKILL only after the grace
     assert _reports(out)[0][-1] == {"exit": -15}
     assert proc.returncode == 128 + 15
+
+
+def test_a_worker_never_outlives_a_watchdog_killed_with_sigkill(tmp_path):
+    """No handler runs on SIGKILL (the OOM killer, an agent torn down): the worker must go too."""
+    ready = tmp_path / "ready"
+    proc = _start(["sh", "-c", f"touch {ready}; exec sleep 300"], {"PATH": os.environ["PATH"]})
+    deadline = time.monotonic() + 20
+    while not ready.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+        time.sleep(0.02)
+    line = proc.stdout.readline().decode()
+    worker = json.loads(line.partition(MARK)[2])["pid"]
+    assert _alive(worker)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 5
+    while _alive(worker):
+        assert time.monotonic() < deadline, "the worker outlived its watchdog"
+        time.sleep(0.02)

@@ -278,3 +278,30 @@ def test_png_of_a_real_demo_log_is_produced(tmp_path):
     assert timeline.main([str(DATA / "events_demo.jsonl"), "-o", str(out), "-q"]) == 0
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+# --- stragglers (issue 16) ------------------------------------------------------------------
+def with_a_straggler() -> list[dict]:
+    msg = ("host b is a straggler: 160 ms of compute per step against 11 ms (median of the others) over the last "
+           "20 steps; evicting it (--evict-stragglers): its workers leave at their next step, without a rollback")
+    return sorted(hand_written() + [
+        _d(1001.8, "straggler", round=0, host="b", action="evicted", message=msg, compute_ms=160.0,
+           reference_ms=11.0, step_ms=172.0, steps=20),
+        _d(1001.8, "host_blacklisted", round=0, host="b", message="host b blacklisted for 30.0 s (a straggler)"),
+    ], key=lambda e: e["t"])
+
+
+def test_a_straggler_is_in_the_summary_the_picture_and_the_trace():
+    ev = with_a_straggler()
+    text = timeline.summary(timeline.analyze(ev))
+    assert "stragglers:\n  at 1.8 s: host b evicted: 160 ms of compute per step against 11 ms over the last 20 steps" \
+        in text, text
+    root = _parse_svg(timeline.to_svg(ev))
+    [marker] = [g for g in root.iter(f"{SVG}g") if g.get("class") == "marker straggler"]
+    assert "is a straggler: 160 ms" in "".join(marker.itertext())
+    trace = timeline.to_chrome_trace(ev)["traceEvents"]
+    [on_host] = [e for e in trace if e["name"] == "straggler evicted"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in trace if e["name"] == "thread_name"}
+    assert names[(on_host["pid"], 0)] == "b: stragglers" and on_host["args"]["compute_ms"] == 160.0
+    assert any(e["name"] == "straggler: b" and e["ph"] == "i" for e in trace)  # the driver's track too
+    assert "stragglers:" not in timeline.summary(timeline.analyze(hand_written()))

@@ -42,6 +42,8 @@ p.add_argument("--kill-all", default=None, metavar="EPOCH:BATCH",
 p.add_argument("--classes", type=int, default=2, help="the model's outputs (a different model to resume into)")
 p.add_argument("--slow-start", default=None, metavar="HOST:SECONDS",
                help="workers on HOST take that much longer to start (before hvd.init())")
+p.add_argument("--slow", default=None, metavar="HOST:SLOT:SECONDS[@EPOCH:BATCH]",
+               help="that worker sleeps SECONDS in every step (a straggler), from that step on")
 args = p.parse_args()
 
 if args.slow_start:
@@ -127,6 +129,16 @@ def maybe_signal(epoch: int, batch: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def maybe_slow(epoch: int, batch: int) -> None:
+    """A straggler: this worker computes SECONDS longer in every step (from EPOCH:BATCH on)."""
+    if not args.slow:
+        return
+    who, _, since = args.slow.partition("@")
+    host, slot, seconds = who.rsplit(":", 2)
+    if f"{rt.hostname}:{rt.slot}" == f"{host}:{slot}" and (epoch, batch) >= tuple(map(int, (since or "0:0").split(":"))):
+        time.sleep(float(seconds))
+
+
 def maybe_kill(epoch: int, batch: int) -> None:
     maybe_signal(epoch, batch)
     if not args.kill:
@@ -158,6 +170,7 @@ def train(state):
         for idx, (xb, yb, ib) in enumerate(loader):
             state.batch = offset + idx + 1
             optimizer.zero_grad()
+            maybe_slow(state.epoch, state.batch)
             F.cross_entropy(model(xb), yb).backward()
             optimizer.step()
             state.sampler.record_batch(idx, args.batch_size)

@@ -1,0 +1,242 @@
+"""The Ray side of one worker: an actor on the worker's node that starts it and watches over it.
+
+The Ray launcher (``ray_launcher.py``) makes one :class:`WorkerAgent` actor per worker,
+pinned to the worker's node and holding the worker's share of its resources (so Ray's
+accounting, and the GPUs it hands out, are the worker's). The actor runs this class in a Ray
+worker process on that node; it imports neither torch nor ray at module level.
+
+What the agent does, in order:
+
+1. At creation it makes a key pair for this launch only (X25519, libsodium's sealed boxes
+   through PyNaCl). :meth:`hello` returns the public key.
+2. :meth:`start` receives the job's key blob **sealed to that public key** (only this process
+   can open it: the sealed bytes may sit in Ray's task table or logs, the keys never do), the
+   worker's command and environment. It starts the worker the way the SSH launcher does on a
+   remote host: through ``remote_bootstrap.py``, which puts the worker in its own process
+   group, hands it the keys through a pipe (``ELASTICRUN_SECRET_FD``, never its environment)
+   and stays behind as its watchdog. The request goes over the bootstrap's stdin, a pipe
+   between two processes of this node.
+3. The bootstrap is *detached* (a double fork, its own session): it is neither a child nor in
+   the process group of this actor, so when Ray kills the actor (the job's driver died, the
+   actor was killed) it does not kill the watchdog with it. The watchdog then sees its stdin
+   reach EOF and stops the worker's whole group: SIGTERM, SIGKILL after the grace period.
+4. :meth:`poll` hands the driver the worker's output lines and, at the end, its exit status.
+   The driver calls it continuously; each call is its heartbeat. A watchdog thread here
+   stops the worker and ends this process when no call came for ``silence_limit`` seconds
+   (the driver is gone but Ray has not noticed, or a network partition).
+5. :meth:`signal` sends a signal to the worker's process group.
+
+Exit statuses are as ``subprocess`` gives them (-N: signal N), from the watchdog's report; 255
+when the watchdog vanished without one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any
+
+#: The watchdog that starts one worker (the file the SSH launcher sends to remote hosts).
+BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote_bootstrap.py")
+#: Runs its arguments as a detached process: fork, and the parent exits at once, so the
+#: grandchild is adopted by init (or the nearest subreaper), not by this actor.
+DETACH = "import os,sys\nif os.fork(): os._exit(0)\nos.execv(sys.executable, [sys.executable] + sys.argv[1:])"
+#: Lines kept for the driver between two polls; beyond this the oldest are dropped (counted).
+MAX_BUFFERED_LINES = 20_000
+#: Lines handed over per poll (a Ray reply stays small).
+LINES_PER_POLL = 2_000
+#: Variables Ray sets for the actor that must win over the forwarded environment.
+RAY_OWNED = ("CUDA_VISIBLE_DEVICES",)
+
+
+def seal(public_key: bytes, blob: bytes) -> bytes:
+    """``blob`` encrypted for the holder of ``public_key``'s private key (a sealed box)."""
+    from nacl.public import PublicKey, SealedBox
+
+    return SealedBox(PublicKey(public_key)).encrypt(blob)
+
+
+class WorkerAgent:
+    """Starts and watches one worker on this node (see the module docstring)."""
+
+    def __init__(self, job_id: str, worker_id: str, silence_limit: float):
+        from nacl.public import PrivateKey
+
+        self.job_id, self.worker_id = job_id, worker_id
+        self._key = PrivateKey.generate()
+        self._silence_limit = silence_limit
+        self._last_contact = time.monotonic()
+        self._cv = threading.Condition()
+        self._lines: deque[tuple[str, str]] = deque()
+        self._dropped = 0
+        self._exit: int | None = None
+        self._done = False  # the watchdog's output has ended: nothing more will come
+        self._open_streams = 2
+        self._stdin: Any = None
+        self._pgid: int | None = None
+        self._started = threading.Event()
+        self._report: dict[str, Any] = {}
+        self._mark = f"@@elasticrun:{secrets.token_hex(8)}@@ "
+        threading.Thread(target=self._watch_driver, name="elasticrun-agent-watchdog", daemon=True).start()
+
+    def __repr__(self) -> str:  # how Ray's tools name this actor
+        return f"WorkerAgent({self.job_id} {self.worker_id})"
+
+    # --- called by the driver ---------------------------------------------------------------
+    def hello(self) -> dict[str, Any]:
+        """This launch's public key and where the agent runs."""
+        self._contact()
+        return {"public_key": bytes(self._key.public_key), "pid": os.getpid(),
+                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def start(self, command: list[str], env: dict[str, str], cwd: str, grace: float,
+              sealed_keys: bytes | None, timeout: float = 30.0) -> dict[str, Any]:
+        """Start the worker; ``{"pgid": N}``, or ``{"error": kind, "detail": why}``."""
+        from nacl.public import SealedBox
+
+        self._contact()
+        keys = SealedBox(self._key).decrypt(sealed_keys).decode("ascii") if sealed_keys else None
+        merged = dict(os.environ)
+        merged.update(env)
+        for name in RAY_OWNED:  # the GPUs Ray gave this actor are the worker's
+            if name in os.environ:
+                merged[name] = os.environ[name]
+        merged.pop("ELASTICRUN_SECRET_FD", None)
+        request = json.dumps({"mark": self._mark, "command": list(command), "env": merged, "cwd": cwd,
+                              "grace": grace, "keys": keys})
+        keys = None
+        try:
+            # The watchdog runs in this actor's environment; the worker's travels in the request
+            # (so the watchdog is no process of the worker's for tools that look at environments).
+            proc = subprocess.Popen([sys.executable, "-c", DETACH, BOOTSTRAP], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ),
+                                    cwd="/", start_new_session=True)
+        except OSError as exc:
+            return {"error": "exec", "detail": f"cannot start {sys.executable}: {exc.strerror or exc}"}
+        proc.wait()  # the intermediate exits at once; the detached watchdog keeps the pipes
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        self._stdin = proc.stdin
+        threading.Thread(target=self._read_stdout, args=(proc.stdout,), name="elasticrun-agent-stdout",
+                         daemon=True).start()
+        threading.Thread(target=self._read_stderr, args=(proc.stderr,), name="elasticrun-agent-stderr",
+                         daemon=True).start()
+        try:
+            proc.stdin.write(request.encode("ascii") + b"\n")
+            proc.stdin.flush()
+        except OSError as exc:
+            return {"error": "exec", "detail": f"the watchdog did not take the request: {exc}"}
+        finally:
+            request = ""
+        if not self._started.wait(timeout):
+            self.stop()
+            return {"error": "exec", "detail": f"the watchdog did not start the worker within {timeout:g} s"}
+        if "pgid" in self._report:
+            self._pgid = int(self._report["pgid"])
+            return {"pgid": self._pgid, "watchdog": self._report.get("watchdog")}
+        return {"error": str(self._report.get("error", "exec")),
+                "detail": str(self._report.get("detail", "the watchdog ended without starting the worker"))}
+
+    def poll(self, wait: float = 1.0) -> dict[str, Any]:
+        """Output since the last poll and, once the worker has ended, its exit status (the
+        driver's heartbeat too). Waits up to ``wait`` seconds for something to say."""
+        self._contact()
+        with self._cv:
+            self._cv.wait_for(lambda: self._lines or self._done, timeout=max(0.0, wait))
+            n = min(len(self._lines), LINES_PER_POLL)
+            lines = [self._lines.popleft() for _ in range(n)]
+            dropped, self._dropped = self._dropped, 0
+            done = self._done and not self._lines
+        self._contact()
+        return {"lines": lines, "dropped": dropped, "exit": (self._exit if self._exit is not None else 255)
+                if done else None}
+
+    def signal(self, sig: int) -> bool:
+        """Send ``sig`` to the worker's process group; False if it is gone."""
+        self._contact()
+        if self._pgid is None:
+            return False
+        try:
+            os.killpg(self._pgid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def stop(self) -> None:
+        """Let the watchdog stop the worker: SIGTERM to its group, SIGKILL after the grace."""
+        stdin, self._stdin = self._stdin, None
+        if stdin is not None:
+            try:
+                stdin.close()
+            except OSError:
+                pass
+
+    # --- inside ------------------------------------------------------------------------------
+    def _contact(self) -> None:
+        self._last_contact = time.monotonic()
+
+    def _watch_driver(self) -> None:
+        while True:
+            time.sleep(0.5)
+            silent = time.monotonic() - self._last_contact
+            if silent < self._silence_limit:
+                continue
+            sys.stderr.write(f"elasticrun agent {self.worker_id}: no word from the driver for {silent:.0f} s; "
+                             f"stopping the worker and this actor\n")
+            self.stop()  # the watchdog stops the worker's group
+            with self._cv:
+                self._cv.wait_for(lambda: self._done, timeout=30.0)
+            sys.stderr.flush()
+            os._exit(1)
+
+    def _add(self, stream: str, line: str) -> None:
+        with self._cv:
+            if len(self._lines) >= MAX_BUFFERED_LINES:
+                self._lines.popleft()
+                self._dropped += 1
+            self._lines.append((stream, line))
+            self._cv.notify_all()
+
+    def _read_stdout(self, f: Any) -> None:
+        try:
+            for raw in iter(f.readline, b""):
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                if self._mark not in line:
+                    self._add("stdout", line)
+                    continue
+                before, _, rest = line.partition(self._mark)
+                if before:
+                    self._add("stdout", before)
+                try:
+                    report = json.loads(rest)
+                except ValueError:
+                    continue
+                if "exit" in report:
+                    self._exit = int(report["exit"])
+                else:
+                    self._report = report
+                    self._started.set()
+        finally:
+            f.close()
+            self._started.set()
+            self._stream_ended()
+
+    def _read_stderr(self, f: Any) -> None:
+        try:
+            for raw in iter(f.readline, b""):
+                self._add("stderr", raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+        finally:
+            f.close()
+            self._stream_ended()
+
+    def _stream_ended(self) -> None:
+        with self._cv:
+            self._open_streams -= 1
+            if self._open_streams == 0:  # both pipes closed: the watchdog and the worker's group are gone
+                self._done = True
+            self._cv.notify_all()

@@ -1,0 +1,309 @@
+"""Workers on a Ray cluster (``--ray-address``): Ray's nodes are the hosts, Ray starts the workers.
+
+The driver is the same as everywhere else (registry, rounds, heartbeats, event log,
+in-process recovery); only its host source and its launcher change:
+
+* discovery (``elasticrun/discovery/ray_nodes.py``): Ray's alive nodes, by node id, with slots
+  from their free resources; nodes Ray drains are listed ``draining``;
+* :class:`RayLauncher`: one :class:`~elasticrun.driver.ray_agent.WorkerAgent` actor per worker,
+  pinned to its node (``NodeAffinitySchedulingStrategy(node_id, soft=False)``) and holding the
+  worker's resources; the agent starts the worker as a child process tree of its own (through
+  the same watchdog as SSH launches) and streams its output and exit back.
+
+How the job's keys reach a worker: the agent makes a key pair when it is created and sends
+its public key; the driver seals the key blob to it (``ray_agent.seal``) and passes only the
+sealed bytes through Ray. Neither the actor's arguments (``ray list actors``, the dashboard,
+the GCS's tables) nor Ray's logs ever hold the keys; the worker reads them from a pipe.
+
+Nothing is left behind: the actors belong to the driver's Ray job (never ``detached``), so
+Ray destroys them when the driver exits or dies; each agent also stops its worker and exits
+when the driver has not polled it for a while; and each worker's watchdog stops the worker's
+process group when its agent is gone. ``ray`` is imported only here and only when
+``--ray-address`` is used (``pip install 'elasticrun[ray]'``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from elasticrun.common.settings import JobSettings
+from elasticrun.discovery.ray_nodes import SETTLE_SECONDS, Held, RayDiscovery, Requirement
+from elasticrun.driver.output import Output
+from elasticrun.driver.ray_agent import WorkerAgent, seal
+
+log = logging.getLogger("elasticrun")
+
+#: How long one poll of an agent waits for output (the driver's heartbeat to it, too).
+POLL_SECONDS = 1.0
+#: A poll that has not come back after this long means the agent (or its node) is gone.
+POLL_TIMEOUT = 30.0
+
+
+def requirement(settings: JobSettings) -> Requirement:
+    return Requirement(settings.ray_cpus_per_worker, settings.ray_gpus_per_worker, dict(settings.ray_resources))
+
+
+def agent_silence_limit(settings: JobSettings) -> float:
+    """How long an agent waits for the driver's next poll before it stops its worker."""
+    return max(10.0, 2 * settings.driver_timeout)
+
+
+def held_on_nodes(agents: list[tuple[str, float | None]], now: float, settle: float = SETTLE_SECONDS) -> dict[str, Held]:
+    """What the job's live workers hold per node, from (node, when its agent answered or None)."""
+    live: dict[str, int] = {}
+    settled: dict[str, int] = {}
+    for node, started in agents:
+        live[node] = live.get(node, 0) + 1
+        if started is not None and now - started >= settle:
+            settled[node] = settled.get(node, 0) + 1
+    return {node: Held(settled.get(node, 0), n) for node, n in live.items()}
+
+
+def connect(address: str) -> bool:
+    """Join the Ray cluster at ``address`` as a driver (its own Ray job, whose actors Ray
+    destroys when this process ends); True if this call connected (then ``ray.shutdown``
+    is ours to call). Raises ConnectionError with one line when there is no cluster there."""
+    import ray
+
+    if ray.is_initialized():  # elasticrun.run() from a program that is already a Ray driver
+        return False
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
+                 namespace="elasticrun")
+    except ConnectionError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConnectionError(f"--ray-address {address}: cannot join a Ray cluster there: {first}") from None
+    return True
+
+
+@dataclass
+class _Agent:
+    worker_id: str
+    node: str
+    handle: Any
+    launched_at: float
+    started_at: float | None = None  # when the agent answered: its resources are Ray's to count
+    pgid: int | None = None
+    cancel: int | None = None  # a signal asked for before the worker started
+    killed: bool = False  # the actor was killed on purpose
+    finished: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+
+class RayLauncher:
+    """Starts each worker through a :class:`WorkerAgent` actor on its node (the ``Launcher``
+    protocol of ``launchers.py``). Hosts are Ray node ids."""
+
+    def __init__(self, settings: JobSettings, discovery: RayDiscovery | None = None):
+        import ray
+
+        self._ray = ray
+        self.settings = settings
+        self.need = requirement(settings)
+        self.discovery = discovery
+        self._on_exit: Callable[[str, int], None] | None = None
+        self._sink: Output | None = None
+        self._agents: dict[str, _Agent] = {}
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._remote = ray.remote(WorkerAgent)
+
+    def bind(self, on_exit: Callable[[str, int], None], output: Output) -> None:
+        if self._on_exit is not None:
+            raise RuntimeError("this RayLauncher is bound to a driver already: give each driver its own")
+        self._on_exit, self._sink = on_exit, output
+
+    def is_remote(self, host: str) -> bool:
+        return True  # every worker runs in a Ray node's environment: it gets the forwarded one
+
+    def network_address(self, host: str) -> str:
+        """The address of ``host``'s node: the driver listens where that address routes from."""
+        ip = self.discovery.ip_of(host) if self.discovery is not None else None
+        if not ip:
+            raise OSError(f"Ray node {host} is not (or no longer) in the cluster")
+        return ip
+
+    def held(self) -> dict[str, Held]:
+        """What the job's live workers hold on each node (for discovery's slot counts)."""
+        with self._lock:
+            agents = [(a.node, a.started_at) for a in self._agents.values() if not a.finished.is_set()]
+        return held_on_nodes(agents, time.monotonic())
+
+    # --- launching --------------------------------------------------------------------------
+    def launch(self, worker_id: str, command: list[str], env: dict[str, str], host: str,
+               keys: bytes | None = None) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if self._on_exit is None:
+            raise RuntimeError("RayLauncher.bind() must be called before launching")
+        need = self.need
+        try:
+            handle = self._remote.options(
+                num_cpus=need.cpus, num_gpus=need.gpus, resources=dict(need.resources) or None,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=host, soft=False),
+                max_restarts=0, max_task_retries=0, max_concurrency=4,
+            ).remote(env.get("ELASTICRUN_JOB_ID", "-"), worker_id, agent_silence_limit(self.settings))
+        except Exception as exc:  # a bad node id, Ray shutting down
+            raise OSError(f"Ray could not create the worker's actor: {type(exc).__name__}: {exc}") from None
+        a = _Agent(worker_id, host, handle, time.monotonic())
+        with self._lock:
+            self._agents[worker_id] = a
+        a.thread = threading.Thread(target=self._run, args=(a, command, env, keys), name=f"elasticrun-ray-{worker_id}",
+                                    daemon=True)
+        a.thread.start()
+
+    def _run(self, a: _Agent, command: list[str], env: dict[str, str], keys: bytes | None) -> None:
+        code = 255
+        try:
+            code = self._start_and_watch(a, command, env, keys)
+        except Exception as exc:
+            code = self._lost(a, exc)
+        finally:
+            a.finished.set()
+            assert self._on_exit is not None
+            try:  # the driver hears of the exit first: recovery does not wait for Ray's bookkeeping
+                self._on_exit(a.worker_id, code)
+            finally:
+                self._kill_actor(a)
+
+    def _start_and_watch(self, a: _Agent, command: list[str], env: dict[str, str], keys: bytes | None) -> int:
+        ray = self._ray
+        timeout = self.settings.start_timeout
+        try:
+            hello = ray.get(a.handle.hello.remote(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            if a.killed or self._stopping:
+                return -(a.cancel or signal.SIGTERM)
+            log.error("%s: Ray did not start worker %s's actor there within --start-timeout %g s (it needs %s; "
+                      "is the node full, or gone?)", a.node, a.worker_id, timeout, self.need.describe())
+            return 255
+        a.started_at = time.monotonic()
+        if a.killed or self._stopping:
+            return -(a.cancel or signal.SIGTERM)
+        sealed = seal(hello["public_key"], keys) if keys is not None else None
+        cwd = self.settings.remote_cwd or os.getcwd()
+        started = ray.get(a.handle.start.remote(list(command), dict(env), cwd, self.settings.stop_grace, sealed,
+                                                timeout), timeout=timeout + 10)
+        sealed = None
+        if "error" in started:
+            kind, detail = started["error"], started.get("detail", "")
+            if kind == "cwd":
+                log.error("%s: could not start worker %s: %s (workers start in the driver's directory unless "
+                          "--remote-cwd is given)", a.node, a.worker_id, detail)
+                return 126
+            log.error("%s: could not start worker %s: %s", a.node, a.worker_id, detail)
+            return 127 if kind == "not_found" else 126
+        a.pgid = int(started["pgid"])
+        if a.cancel is not None:
+            a.handle.signal.remote(a.cancel)
+        assert self._sink is not None
+        while True:
+            ref = a.handle.poll.remote(POLL_SECONDS)
+            try:
+                reply = ray.get(ref, timeout=POLL_TIMEOUT)
+            except ray.exceptions.GetTimeoutError:
+                raise ConnectionError(f"its agent did not answer for {POLL_TIMEOUT:g} s") from None
+            for stream, line in reply["lines"]:
+                self._sink.write(a.worker_id, stream, line)
+            if reply.get("dropped"):
+                self._sink.write(a.worker_id, "stderr", f"[elasticrun: {reply['dropped']} lines of output dropped]")
+            if reply["exit"] is not None:
+                return int(reply["exit"])
+
+    def _lost(self, a: _Agent, exc: BaseException) -> int:
+        """The agent died or became unreachable: its node died, or it was killed."""
+        if a.killed or self._stopping:
+            return -(a.cancel or signal.SIGKILL)
+        why = str(exc).strip().splitlines()
+        cause = next((line for line in why if "node" in line.lower() or "died" in line.lower()), why[0] if why else "")
+        log.error("%s: lost worker %s: its Ray actor is gone (%s: %s); counting it as failed", a.node, a.worker_id,
+                  type(exc).__name__, cause[:300])
+        return 255
+
+    def _kill_actor(self, a: _Agent) -> None:
+        try:
+            self._ray.kill(a.handle, no_restart=True)
+        except Exception:  # already dead, or Ray is shutting down
+            pass
+
+    # --- stopping ---------------------------------------------------------------------------
+    def signal(self, worker_id: str, sig: int) -> None:
+        a = self._agents.get(worker_id)
+        if a is None or a.finished.is_set():
+            return
+        if a.pgid is None:
+            a.cancel = sig
+            if sig == signal.SIGKILL or a.started_at is None:
+                a.killed = True  # not started yet: the actor goes, and its launch ends
+                self._kill_actor(a)
+            return
+        try:
+            a.handle.signal.remote(int(sig))
+        except Exception:
+            pass
+
+    def pid(self, worker_id: str) -> int | None:
+        a = self._agents.get(worker_id)
+        return a.pgid if a else None
+
+    def stop_all(self, grace: float) -> None:
+        """SIGTERM every worker, SIGKILL after ``grace``; then the actors themselves go."""
+        self._stopping = True
+        with self._lock:
+            live = [a for a in self._agents.values() if not a.finished.is_set()]
+        for a in live:
+            self.signal(a.worker_id, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for a in live:
+            a.finished.wait(max(0.0, deadline - time.monotonic()))
+        left = [a for a in live if not a.finished.is_set()]
+        for a in left:
+            self.signal(a.worker_id, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        for a in left:
+            a.finished.wait(max(0.0, deadline - time.monotonic()))
+        for a in left:  # still no exit: the actor goes (its watchdog stops what is left)
+            a.killed = True
+            self._kill_actor(a)
+
+    def drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads = [a.thread for a in self._agents.values() if a.thread is not None]
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
+class RaySession:
+    """``--ray-address``: join the cluster, make the discovery source and the launcher, and
+    leave the cluster when the job is over (as a context manager). Raises ``JobFailed``
+    (exit 2) with one line when the cluster cannot be joined."""
+
+    def __init__(self, settings: JobSettings):
+        self.settings = settings
+        self._connected = False
+
+    def __enter__(self) -> "RaySession":
+        from elasticrun.driver.driver import JobFailed
+
+        assert self.settings.ray_address is not None
+        try:
+            self._connected = connect(self.settings.ray_address)
+        except ConnectionError as exc:
+            raise JobFailed(str(exc), 2) from None
+        self.discovery = RayDiscovery(requirement(self.settings), held=lambda: self.launcher.held(),
+                                      address=self.settings.ray_address)
+        self.launcher = RayLauncher(self.settings, self.discovery)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._connected:
+            import ray
+
+            ray.shutdown()

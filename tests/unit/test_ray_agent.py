@@ -1,0 +1,182 @@
+"""The worker agent of the Ray launcher (elasticrun/driver/ray_agent.py), without Ray: it is a
+plain class that Ray runs as an actor. It starts a worker through the detached watchdog,
+hands it the keys sealed for this agent only, streams its output, reports its exit, signals
+its group, and leaves nothing behind when it dies or the driver goes silent."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytest.importorskip("nacl", reason="PyNaCl is not installed: pip install 'elasticrun[ray]'")
+
+from elasticrun.driver.ray_agent import WorkerAgent, seal  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+KEYS = b'{"v": 1, "secret": "' + b"cd" * 32 + b'"}'
+
+# Reads its keys from the pipe as a worker does, prints their hash and whether the environment
+# holds them, then a child in its own group's tree, then waits or exits.
+WORKER = textwrap.dedent("""
+    import hashlib, os, subprocess, sys, time
+    from elasticrun.common import secretpipe
+    keys = secretpipe.receive()
+    print("sha", hashlib.sha256(keys).hexdigest(), flush=True)
+    print("env-has-keys", any(keys.decode() in v for v in os.environ.values()), flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    print("child", child.pid, flush=True)
+    if sys.argv[1] == "exit":
+        sys.exit(3)
+    time.sleep(60)
+""")
+
+
+def _collect(agent: WorkerAgent, until, timeout: float = 20.0) -> tuple[list[tuple[str, str]], int | None]:
+    lines: list[tuple[str, str]] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reply = agent.poll(0.2)
+        lines += [tuple(x) for x in reply["lines"]]
+        if reply["exit"] is not None or until(lines):
+            return lines, reply["exit"]
+    pytest.fail(f"nothing conclusive within {timeout} s: {lines}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().split(b") ")[-1][:1] != b"Z"
+    except OSError:
+        return False
+
+
+def _start(agent: WorkerAgent, how: str, tmp_path) -> dict:
+    hello = agent.hello()
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path), "MARK": "x"}
+    return agent.start([sys.executable, "-c", WORKER, how], env, str(tmp_path), 2.0,
+                       seal(hello["public_key"], KEYS))
+
+
+def test_the_worker_gets_its_keys_through_a_pipe_and_its_output_and_exit_come_back(tmp_path):
+    agent = WorkerAgent("job", "w1", silence_limit=60)
+    started = _start(agent, "exit", tmp_path)
+    assert "pgid" in started, started
+    lines, code = _collect(agent, lambda lines: False)
+    assert code == 3
+    assert ("stdout", "sha " + hashlib.sha256(KEYS).hexdigest()) in lines
+    assert ("stdout", "env-has-keys False") in lines
+    assert ("stderr", "to stderr") in lines
+    child = int(next(line for s, line in lines if line.startswith("child "))[6:])
+    assert not _alive(child)  # the watchdog kills what the worker left in its group
+
+
+def test_the_sealed_keys_open_only_with_this_agents_key():
+    a, b = WorkerAgent("job", "w1", 60), WorkerAgent("job", "w2", 60)
+    sealed = seal(a.hello()["public_key"], KEYS)
+    assert KEYS not in sealed
+    from nacl.exceptions import CryptoError
+    from nacl.public import SealedBox
+
+    with pytest.raises(CryptoError):
+        SealedBox(b._key).decrypt(sealed)
+
+
+def test_a_signal_reaches_the_whole_group(tmp_path):
+    agent = WorkerAgent("job", "w1", silence_limit=60)
+    assert "pgid" in _start(agent, "wait", tmp_path)
+    lines, _ = _collect(agent, lambda lines: any(x.startswith("child ") for _, x in lines))
+    child = int(next(x for _, x in lines if x.startswith("child "))[6:])
+    assert agent.signal(signal.SIGKILL)
+    _, code = _collect(agent, lambda lines: False)
+    assert code == -signal.SIGKILL
+    assert not _alive(child)
+
+
+def test_a_missing_directory_or_command_is_reported_not_raised(tmp_path):
+    agent = WorkerAgent("job", "w1", silence_limit=60)
+    hello = agent.hello()
+    r = agent.start(["python3", "-c", "pass"], {"PATH": os.environ["PATH"]}, str(tmp_path / "nope"), 1.0,
+                    seal(hello["public_key"], KEYS))
+    assert r["error"] == "cwd" and "nope" in r["detail"]
+    agent = WorkerAgent("job", "w2", silence_limit=60)
+    hello = agent.hello()
+    r = agent.start(["no-such-command-xyz"], {"PATH": os.environ["PATH"]}, str(tmp_path), 1.0, None)
+    assert r["error"] == "not_found"
+
+
+AGENT_PROCESS = textwrap.dedent("""
+    import os, sys, time
+    from elasticrun.driver.ray_agent import WorkerAgent, seal
+    agent = WorkerAgent("job", "w1", silence_limit=float(sys.argv[2]))
+    hello = agent.hello()
+    agent.start([sys.executable, "-c", sys.argv[1], "wait"],
+                {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path)}, "/", 2.0,
+                seal(hello["public_key"], b"k" * 40))
+    # "poll": the driver keeps polling; "silent": it stops once the worker's child is up.
+    while True:
+        lines = agent.poll(0.2)["lines"]
+        for stream, line in lines:
+            print(line, flush=True)
+        if sys.argv[3] == "silent" and any(line.startswith("child ") for _, line in lines):
+            time.sleep(3600)
+""")
+
+
+def _agent_process(silence: float, mode: str) -> tuple[subprocess.Popen, int, int]:
+    """An agent in a process of its own (as Ray runs it); (process, worker pid, worker's child)."""
+    keyed = WORKER.replace("keys = secretpipe.receive()", "keys = secretpipe.receive()\nprint('worker', os.getpid(), flush=True)")
+    proc = subprocess.Popen([sys.executable, "-c", AGENT_PROCESS, keyed, str(silence), mode], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    worker = child = 0
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("worker "):
+            worker = int(line.split()[1])
+        if line.startswith("child "):
+            child = int(line.split()[1])
+            break
+    assert worker and child
+    return proc, worker, child
+
+
+def _gone(pids: list[int], within: float) -> bool:
+    deadline = time.monotonic() + within
+    while any(_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            for p in pids:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except OSError:
+                    pass
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_the_agent_killed_with_sigkill_leaves_nothing_behind():
+    """Ray kills an actor's process (and its own process group) when the driver's job ends:
+    the worker's watchdog is detached from both, sees its stdin close and stops the group."""
+    proc, worker, child = _agent_process(silence=60, mode="poll")
+    os.killpg(proc.pid, signal.SIGKILL)  # the agent and everything in its own group
+    proc.wait()
+    assert _gone([worker, child], within=10), "the worker outlived its agent"
+
+
+def test_an_agent_that_hears_nothing_from_the_driver_stops_its_worker_and_exits():
+    proc, worker, child = _agent_process(silence=1.0, mode="silent")
+    try:
+        assert proc.wait(timeout=20) == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert _gone([worker, child], within=10)

@@ -1,0 +1,313 @@
+"""The warm-start template (elasticrun/worker/template.py) as a real process, asked through the
+driver's client (elasticrun/driver/warm.py). ``--bare`` templates import nothing heavy (the
+imports of torch are the integration tests'); the mechanics are the same: a forked worker runs
+its script as ``python script.py`` would, in its own session, with its own descriptors and
+environment, and reports its exit; everything else starts fresh; nothing outlives the template."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from elasticrun.common import env as envvars
+from elasticrun.common import secretpipe
+from elasticrun.driver import warm
+
+pytestmark = pytest.mark.timeout(60)
+
+PROBE = textwrap.dedent("""\
+    import json, os, re, sys, random
+    g = {k: re.sub("0x[0-9a-f]+", "0x", repr(v)) if k != "__loader__" else type(v).__name__
+         for k, v in globals().items() if k not in ("json", "os", "re", "sys", "random")}
+    fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+    print(json.dumps({
+        "globals": g, "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
+        "main_is_me": sys.modules["__main__"].__dict__ is globals(), "orig_argv": sys.orig_argv[1:],
+        "executable": sys.executable, "sid_is_pid": os.getsid(0) == os.getpid(),
+        "pgid_is_pid": os.getpgid(0) == os.getpid(), "env_foo": os.environ.get("FOO"),
+        "template_only": os.environ.get("TEMPLATE_ONLY"), "stdout_line_buffering": sys.stdout.line_buffering,
+        "stdout_write_through": sys.stdout.write_through, "stderr_line_buffering": sys.stderr.line_buffering,
+        "stdin": sys.stdin.read(), "stdout_name": sys.stdout.buffer.name if hasattr(sys.stdout, "buffer") else None,
+        "sigint": repr(__import__("signal").getsignal(2)), "sigterm": repr(__import__("signal").getsignal(15)),
+        "sigchld": repr(__import__("signal").getsignal(17)), "fds": fds, "random": random.random(),
+        "keys": sorted(g),
+    }))
+    print("to stderr", file=sys.stderr)
+    sys.exit(int(os.environ.get("EXIT", "0")))
+""")
+
+
+class Worker:
+    def __init__(self, warm_worker: warm.WarmWorker, out: int, err: int):
+        self.w = warm_worker
+        self.pid = warm_worker.pid
+        self._out, self._err = out, err
+
+    def finish(self, timeout: float = 20) -> tuple[int | None, str, str]:
+        code = self.w.wait()
+        out = os.fdopen(self._out, "rb").read().decode()
+        err = os.fdopen(self._err, "rb").read().decode()
+        return code, out, err
+
+
+def _ask(sock: str, command: list[str], env: dict[str, str], cwd: str, keys: bytes | None = None,
+         grace: float = 2.0) -> Worker:
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    theirs = [os.open(os.devnull, os.O_RDONLY), out_w, err_w]
+    if keys is not None:
+        theirs.append(secretpipe.hand_over(keys))
+    try:
+        w = warm.start_worker(sock, command, env, cwd, theirs, grace)
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
+    finally:
+        for fd in theirs:
+            os.close(fd)
+    return Worker(w, out_r, err_r)
+
+
+@pytest.fixture
+def template(tmp_path):
+    """A bare template started as the driver starts one (its env: this one plus TEMPLATE_ONLY)."""
+    env = dict(os.environ, TEMPLATE_ONLY="1", TMPDIR=str(tmp_path))
+    t = warm.LocalTemplate([sys.executable, "-m", warm.TEMPLATE_MODULE, "--name", "elasticrun-test", "--bare",
+                            "--grace", "1"], env)
+    t.env = env
+    t.wait_ready(30)
+    yield t
+    t.stop(10)
+    assert t.proc.returncode == 0
+    assert not Path(t.info["socket"]).parent.exists()  # it removed its directory
+
+
+def _worker_env(t, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in t.env.items() if k != "TEMPLATE_ONLY"}
+    env.update(extra)
+    return env
+
+
+def test_a_script_runs_as_python_would_run_it(template, tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "probe.py").write_text(PROBE)
+    (tmp_path / "link").symlink_to(real)
+    command = [sys.executable, "link/probe.py", "a", "-u"]
+    env = _worker_env(template, FOO="bar", EXIT="3")
+    fresh = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                           start_new_session=True)
+    w = _ask(template.info["socket"], command, env, str(tmp_path))
+    code, out, err = w.finish()
+    assert (code, fresh.returncode) == (3, 3)
+    assert err == fresh.stderr == "to stderr\n"
+    warm_, cold = json.loads(out), json.loads(fresh.stdout)
+    assert warm_.pop("random") != cold.pop("random")
+    assert warm_ == cold, {k: (warm_[k], cold[k]) for k in warm_ if warm_[k] != cold.get(k)}
+    assert warm_["argv"] == ["link/probe.py", "a", "-u"] and warm_["path0"] == str(real)
+    assert warm_["globals"]["__file__"] == repr(str(tmp_path / "link/probe.py"))
+    assert warm_["sid_is_pid"] and warm_["env_foo"] == "bar" and warm_["template_only"] is None
+    assert warm_["fds"] == [0, 1, 2, 3]  # 3: the listing's own
+
+
+def test_ps_shows_the_workers_command_line_and_environment(tmp_path):
+    """/proc/PID/cmdline and /proc/PID/environ (ps, top, monitoring) are the worker's, not the template's."""
+    env = dict(os.environ, TEMPLATE_ONLY="1", TMPDIR=str(tmp_path))
+    t = warm.LocalTemplate([sys.executable, "-m", warm.TEMPLATE_MODULE, "--bare", "--room", " " * 4096], env)
+    t.env = env
+    try:
+        t.wait_ready(30)
+        (tmp_path / "p.py").write_text("import sys; sys.stdin.read()\n")
+        r, w = os.pipe()
+        out_r, out_w = os.pipe()
+        command = [sys.executable, "p.py", "--an", "argument"]
+        theirs = [r, out_w, out_w]
+        worker = warm.start_worker(t.info["socket"], command, _worker_env(t, FOO="bar"), str(tmp_path), theirs, 1.0)
+        for fd in (r, out_w):
+            os.close(fd)
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # until the child has set itself up
+                cmdline = Path(f"/proc/{worker.pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+                if cmdline == [c.encode() for c in command]:
+                    break
+                time.sleep(0.01)
+            assert cmdline == [c.encode() for c in command]
+            environ = [x for x in Path(f"/proc/{worker.pid}/environ").read_bytes().split(b"\0") if x]
+            assert b"FOO=bar" in environ and b"TEMPLATE_ONLY=1" not in environ
+            assert not any(x.startswith(b"ELASTICRUN_TEMPLATE_ROOM=") for x in environ)
+        finally:
+            os.close(w)
+            os.close(out_r)
+            assert worker.wait() == 0
+    finally:
+        t.stop(10)
+
+
+def test_a_module_runs_as_python_m_would_run_it(template, tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "probe.py").write_text(PROBE)
+    command = [sys.executable, "-m", "pkg.probe", "x"]
+    env = _worker_env(template, PYTHONUNBUFFERED="1")
+    fresh = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                           start_new_session=True)
+    code, out, err = _ask(template.info["socket"], command, env, str(tmp_path)).finish()
+    warm_, cold = json.loads(out), json.loads(fresh.stdout)
+    warm_.pop("random"), cold.pop("random")
+    assert code == fresh.returncode == 0 and err == fresh.stderr
+    assert warm_ == cold, {k: (warm_[k], cold[k]) for k in warm_ if warm_[k] != cold.get(k)}
+    assert warm_["argv"] == [str(pkg / "probe.py"), "x"] and warm_["stdout_write_through"] is True
+
+
+def test_an_uncaught_exception_is_its_traceback_and_1(template, tmp_path):
+    script = tmp_path / "boom.py"
+    script.write_text("import atexit\natexit.register(print, 'atexit ran')\n\ndef f():\n    raise ValueError('boom')\n\nf()\n")
+    command = [sys.executable, str(script)]
+    env = _worker_env(template)
+    fresh = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True)
+    code, out, err = _ask(template.info["socket"], command, env, str(tmp_path)).finish()
+    assert code == fresh.returncode == 1
+    assert out == fresh.stdout == "atexit ran\n"
+    assert err == fresh.stderr and err.startswith("Traceback (most recent call last):\n  File \"" + str(script))
+
+
+def test_a_syntax_error_and_a_missing_module(template, tmp_path):
+    (tmp_path / "bad.py").write_text("def (:\n")
+    env = _worker_env(template)
+    for command in ([sys.executable, "bad.py"], [sys.executable, "-m", "no_such_module_here"]):
+        fresh = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True)
+        code, out, err = _ask(template.info["socket"], command, env, str(tmp_path)).finish()
+        assert (code, out, err) == (fresh.returncode, fresh.stdout, fresh.stderr), command
+
+
+def test_non_daemon_threads_are_joined_before_the_exit(template, tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("import threading, time\n"
+                      "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done', flush=True))).start()\n"
+                      "raise SystemExit(5)\n")
+    code, out, _ = _ask(template.info["socket"], [sys.executable, str(script)], _worker_env(template),
+                        str(tmp_path)).finish()
+    assert (code, out) == (5, "thread done\n")
+
+
+def test_the_keys_arrive_through_the_pipe(template, tmp_path):
+    script = tmp_path / "k.py"
+    script.write_text("from elasticrun.common import secretpipe\nimport os\n"
+                      "print(secretpipe.receive().decode(), os.environ.get('ELASTICRUN_SECRET_FD'))\n")
+    env = _worker_env(template, **{envvars.SECRET_FD: "99"})  # a stale number is replaced
+    code, out, _ = _ask(template.info["socket"], [sys.executable, str(script)], env, str(tmp_path),
+                        keys=b"the-keys").finish()
+    assert (code, out) == (0, "the-keys None\n")
+
+
+def test_a_signal_is_a_negative_status_and_reaches_the_group(template, tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("import subprocess, time\nsubprocess.Popen(['sleep', '300'])\nprint('up', flush=True)\n"
+                      "time.sleep(300)\n")
+    w = _ask(template.info["socket"], [sys.executable, str(script)], _worker_env(template), str(tmp_path))
+    with os.fdopen(os.dup(w._out), "rb") as f:
+        assert f.readline() == b"up\n"
+    os.killpg(w.pid, signal.SIGKILL)
+    code, _, _ = w.finish()
+    assert code == -signal.SIGKILL
+
+
+def test_a_client_that_goes_away_gets_its_worker_stopped(template, tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    w = _ask(template.info["socket"], [sys.executable, str(script)], _worker_env(template), str(tmp_path))
+    with os.fdopen(os.dup(w._out), "rb") as f:
+        assert f.readline() == b"up\n"
+    w.w.close()
+    _wait_gone(w.pid, 10)
+
+
+@pytest.mark.parametrize("command,extra,why", [
+    (["bash", "-c", "true"], {}, "'bash' is not a Python interpreter"),
+    (["python3", "-c", "pass"], {}, "'-c'"),
+    ([sys.executable, "missing.py"], {}, "missing.py is not a file"),
+    ([sys.executable, "t.py"], {"PYTHONPATH": "/elsewhere"}, "PYTHONPATH differs from the template's"),
+    ([sys.executable, "t.py"], {"OMP_NUM_THREADS": "7", "LC_ALL": "C"}, "LC_ALL, OMP_NUM_THREADS differ"),
+    (["/usr/bin/python3", "t.py"], {}, "is not this template's interpreter"),
+])
+def test_what_starts_fresh(template, tmp_path, command, extra, why):
+    (tmp_path / "t.py").write_text("pass\n")
+    if not os.path.exists(command[0]) and command[0].startswith("/"):
+        pytest.skip(f"no {command[0]} here")
+    with pytest.raises(warm.Unavailable, match=why):
+        _ask(template.info["socket"], command, _worker_env(template, **extra), str(tmp_path))
+
+
+def test_a_template_with_a_thread_forks_nothing(tmp_path):
+    (tmp_path / "threaded.py").write_text("import threading, time\n"
+                                          "threading.Thread(target=time.sleep, args=(300,), daemon=True).start()\n")
+    (tmp_path / "t.py").write_text("pass\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), TMPDIR=str(tmp_path))
+    t = warm.LocalTemplate([sys.executable, "-m", warm.TEMPLATE_MODULE, "--bare", "--preload", "threaded"], env)
+    try:
+        t.wait_ready(30)
+        assert t.info["threads"] == 2 and t.info["preloaded"] == ["threaded"]
+        with pytest.raises(warm.Unavailable, match="the template has 2 threads .*forking it is not safe"):
+            _ask(t.info["socket"], [sys.executable, "t.py"], env, str(tmp_path))
+    finally:
+        t.stop(10)
+
+
+def test_a_failed_preload_is_reported_and_the_template_serves(tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    t = warm.LocalTemplate([sys.executable, "-m", warm.TEMPLATE_MODULE, "--bare", "--preload", "no_such_mod_x"], env)
+    try:
+        t.wait_ready(30)
+        assert "ModuleNotFoundError" in t.info["failed"]["no_such_mod_x"]
+    finally:
+        t.stop(10)
+
+
+def test_a_template_that_cannot_start_is_unavailable(tmp_path):
+    t = warm.LocalTemplate([sys.executable, "-c", "import sys; sys.exit('no torch here')"], dict(os.environ))
+    with pytest.raises(warm.Unavailable, match="exited with code 1; it said: no torch here"):
+        t.wait_ready(30)
+    assert not t.usable
+    t.stop(5)
+
+
+def test_the_driver_going_away_stops_the_template_and_its_workers(tmp_path):
+    """The template's stdin is the driver's pipe: EOF (the driver exited, even by SIGKILL) stops
+    its workers (SIGTERM, SIGKILL after the grace period) and the template."""
+    (tmp_path / "stubborn.py").write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                          "print('up', flush=True)\ntime.sleep(300)\n")
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    t = warm.LocalTemplate([sys.executable, "-m", warm.TEMPLATE_MODULE, "--bare", "--grace", "0.5"], env)
+    t.wait_ready(30)
+    w = _ask(t.info["socket"], [sys.executable, "stubborn.py"], env, str(tmp_path), grace=0.5)
+    with os.fdopen(os.dup(w._out), "rb") as f:
+        assert f.readline() == b"up\n"
+    t.proc.stdin.close()  # what the driver's death does
+    assert w.w.wait() == -signal.SIGKILL  # its exit is still reported to a client that stays
+    assert t.proc.wait(15) == 0
+    _wait_gone(w.pid, 5)
+    t.stop(5)
+
+
+def _wait_gone(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if f.read().split(b") ")[-1][:1] == b"Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} still runs")
