@@ -30,7 +30,51 @@ from elasticrun.driver.registry import WorkerRecord
 __all__ = ["run", "RunError"]
 
 WORKER_COMMAND = [sys.executable, "-m", "elasticrun.worker.entry"]
-_ALIASES = {"discovery_script": "host_discovery_script"}
+#: horovod.run's keywords (and ours) named otherwise by the command line.
+_ALIASES = {"discovery_script": "host_discovery_script", "cooldown_range": "blacklist_cooldown_range",
+            "num_proc": "np", "min_num_proc": "min_np", "max_num_proc": "max_np", "slots": "slots_per_host",
+            "network_interfaces": "network_interface", "nics": "network_interface"}
+#: horovod.run's keywords that change nothing here (a check cache, the controller's name).
+_ACCEPTED = {"disable_cache", "use_gloo", "prefix_output_with_timestamp"}
+
+
+def _horovod_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], list[str] | None]:
+    """Translate horovod.run's keywords to ours: aliases, the ones that change nothing, the
+    ones that need MPI (refused); ``executable`` becomes the workers' Python. Returns the
+    options and the worker command (None: the default)."""
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        name = _ALIASES.get(key, key)
+        if value is None and name in out:  # run(num_proc=2) leaves np=None: the alias wins
+            continue
+        if name in out and out[name] is not None and value is not None and out[name] != value:
+            raise ValueError(f"{key}= and another name of the same option disagree ({out[name]!r} vs {value!r})")
+        if key == "use_mpi":
+            if value:
+                raise ValueError("use_mpi=True: elasticrun has no MPI controller; its workers always talk over gloo "
+                                 "(leave use_mpi out, or pass use_gloo=True)")
+            continue
+        if key in ("mpi_args", "use_jsrun"):
+            if value:
+                raise ValueError(f"{key}=: elasticrun has no MPI (nor jsrun) launcher")
+            continue
+        if key in _ACCEPTED:
+            continue
+        if name == "network_interface" and value is not None:
+            nics = [n.strip() for n in (value.split(",") if isinstance(value, str) else value) if n.strip()]
+            if len(nics) > 1:  # the driver listens on the first; gloo may use them all
+                env = dict(out.get("env") or {})
+                env.setdefault("GLOO_SOCKET_IFNAME", ",".join(nics))
+                out["env"] = env
+            value = nics[0] if nics else None
+        if key == "env" and isinstance(value, Mapping) and isinstance(out.get("env"), dict):
+            value = {**out["env"], **value}
+        if key == "verbose" and type(value) is int:
+            value = value > 0  # horovod.run also takes a level
+        out[name] = value
+    executable = out.pop("executable", None)
+    command = [str(executable), "-m", "elasticrun.worker.entry"] if executable else None
+    return out, command
 
 
 class RunError(JobFailed):
@@ -74,6 +118,13 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
     ``elasticrun`` command is a keyword named like its long flag (``elastic_timeout=60``,
     ``reset_limit=3``, ``env={"NAME": "value"}``, ``verbose=True``, ...).
 
+    ``horovod.run``'s keywords work too: ``num_proc``, ``min_num_proc``, ``max_num_proc``,
+    ``slots``, ``cooldown_range``, ``host_discovery_script``, ``network_interface(s)``/``nics``
+    (several: the driver listens on the first, gloo gets them all), ``executable`` (the
+    workers' Python), ``np`` defaulting to 1; ``use_gloo``, ``disable_cache`` and
+    ``prefix_output_with_timestamp`` are accepted and change nothing; ``use_mpi=True`` and
+    ``mpi_args`` are refused (there is no MPI here).
+
     Raises ValueError for bad options (the command line's message), TypeError for an unknown
     keyword or something that cannot be pickled, and :class:`RunError` when the job fails or a
     rank of the final round returned no value. Worker output streams to ``sys.stdout`` /
@@ -92,10 +143,11 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
 
     from elasticrun.driver.cli import settings_from_keywords
 
-    keywords = {_ALIASES.get(k, k): v for k, v in options.items()}
-    keywords.update(np=np, min_np=min_np, max_np=max_np, hosts=hosts, hostfile=hostfile,
-                    host_discovery_script=discovery_script)
-    settings = settings_from_keywords(keywords, WORKER_COMMAND, callable_discovery=discovery is not None)
+    keywords, command = _horovod_keywords(dict(options, np=np, min_np=min_np, max_np=max_np, hosts=hosts,
+                                               hostfile=hostfile, discovery_script=discovery_script))
+    if keywords.get("np") is None:
+        keywords["np"] = 1  # horovod.run's default
+    settings = settings_from_keywords(keywords, command or WORKER_COMMAND, callable_discovery=discovery is not None)
     try:
         payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
     except Exception as exc:

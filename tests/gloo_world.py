@@ -40,9 +40,9 @@ def join(rank: int, size: int, store_file: str | Path, timeout: float = 30.0) ->
 def reform(rank: int, size: int, store_file: str | Path) -> runtime.Runtime:
     """Replace the runtime's round as a reset does: the next round, with a new group (new store)."""
     rt = runtime.get()
-    pg = dist.ProcessGroupGloo(dist.FileStore(str(store_file), size), rank, size,
-                               timedelta(seconds=rt.collective_timeout))
-    rt.enter_round(rt.round + 1, rank, size, pg)  # the old group is released in the background
+    store = dist.FileStore(str(store_file), size)
+    pg = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=rt.collective_timeout))
+    rt.enter_round(rt.round + 1, rank, size, pg, store)  # the old group is released in the background
     return rt
 
 

@@ -136,12 +136,16 @@ def interpreter_path(cmd: PythonCommand, env: Mapping[str, str], cwd: str) -> st
 
 #: The driver->worker variables of one worker (elasticrun.common.env): not a template's.
 _PER_WORKER = frozenset(v for k, v in vars(envvars).items()
-                        if k.isupper() and isinstance(v, str) and v.startswith("ELASTICRUN_"))
+                        if k.isupper() and isinstance(v, str) and v.startswith("ELASTICRUN_")) | frozenset(
+    # the same placement under Horovod's and torch.distributed's names (driver/environment.py)
+    [f"HOROVOD_{k}" for k in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")]
+    + ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"])
 
 
 def template_environment(worker_env: Mapping[str, str]) -> dict[str, str]:
     """A host's template environment from one of its workers': without the worker's own
-    ``ELASTICRUN_*`` variables (rank, addresses, the key pipe's number, ...)."""
+    ``ELASTICRUN_*`` variables (rank, addresses, the key pipe's number, ...) and their
+    Horovod/torch.distributed twins (``HOROVOD_RANK``, ``RANK``, ...)."""
     return {k: v for k, v in worker_env.items() if k not in _PER_WORKER}
 
 

@@ -40,6 +40,17 @@ def forwarded_environment(environ: Mapping[str, str], forward: bool) -> dict[str
             if k not in _NOT_FORWARDED and not k.startswith(_NOT_FORWARDED_PREFIXES)}
 
 
+def horovod_environment(info: SlotInfo) -> dict[str, str]:
+    """The placement under ``HOROVOD_*`` names (as horovodrun's Gloo launcher sets them) and
+    torch.distributed's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``."""
+    place = {"RANK": info.rank, "SIZE": info.size, "LOCAL_RANK": info.local_rank, "LOCAL_SIZE": info.local_size,
+             "CROSS_RANK": info.cross_rank, "CROSS_SIZE": info.cross_size, "HOSTNAME": info.host}
+    out = {f"HOROVOD_{k}": str(v) for k, v in place.items()}
+    out.update(RANK=str(info.rank), WORLD_SIZE=str(info.size), LOCAL_RANK=str(info.local_rank),
+               LOCAL_WORLD_SIZE=str(info.local_size))
+    return out
+
+
 def shared_environment(settings: JobSettings, base_env: Mapping[str, str], remote: bool) -> dict[str, str]:
     """What every worker of a host gets before its own ``ELASTICRUN_*`` variables: also the
     environment of the host's warm-start template (``worker/template.py``), which must start
@@ -75,6 +86,9 @@ def worker_environment(settings: JobSettings, info: SlotInfo, *, job_id: str, wo
         env.HEARTBEAT_INTERVAL: str(s.heartbeat_interval), env.DRIVER_TIMEOUT: str(s.driver_timeout),
         env.LOG_LEVEL: s.worker_log_level, env.SIGTERM_GRACE: str(s.sigterm_grace), "PYTHONUNBUFFERED": "1",
     })
+    # Horovod's names and torch.distributed's, for scripts and libraries that read them; the
+    # worker updates them (and sets MASTER_ADDR/MASTER_PORT) whenever it enters a new round.
+    worker_env.update(horovod_environment(info))
     if durable_addr is not None:  # --checkpoint-dir: where this worker sends its shards
         worker_env[env.DURABLE_ADDR] = durable_addr
     return worker_env

@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from elasticrun.worker import collectives, rounds
+from elasticrun.worker import collectives, process_sets, rounds
+from elasticrun.worker.process_sets import ProcessSet, global_process_set
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
 
@@ -47,11 +48,12 @@ def _plan(sizes: list[int]) -> list[list[tuple[int, int, int]]]:
     return chunks
 
 
-def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, name: str) -> None:
+def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, name: str,
+                       process_set: ProcessSet = global_process_set) -> None:
     """Overwrite ``tensors`` in place with root's, packed as raw bytes into few broadcasts
     (so any dtype, bool included, goes through, and a model costs a handful of messages)."""
     r = rounds.current()
-    if r.size == 1:
+    if len(process_sets.members(process_set, r)) == 1:
         return
     is_root = r.rank == root_rank
     sizes = [_nbytes(t.shape, t.dtype) for t in tensors]
@@ -62,19 +64,20 @@ def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, name: str) -
             if is_root:
                 for i, off, nb in chunk:
                     buf[off:off + nb].copy_(tensors[i].detach().reshape(-1).view(torch.uint8))
-            collectives.broadcast_(buf, root_rank, f"{name}[{n}]")
+            collectives.broadcast_(buf, root_rank, f"{name}[{n}]", process_set)
             if not is_root:
                 for i, off, nb in chunk:
                     t = tensors[i]
                     t.copy_(buf[off:off + nb].view(t.dtype).view(t.shape))
 
 
-def broadcast_parameters(params: Mapping[str, Any] | Iterable[Any], root_rank: int) -> None:
+def broadcast_parameters(params: Mapping[str, Any] | Iterable[Any], root_rank: int, prefix: str | None = None,
+                         process_set: ProcessSet = global_process_set) -> None:
     """Overwrite parameters/buffers in place with ``root_rank``'s.
 
     ``params`` is ``model.state_dict()`` (sorted by name, so every rank agrees on the
     order) or ``model.named_parameters()`` / a list of tensors. Non-tensor entries (module
-    extra state) are skipped.
+    extra state) are skipped. ``prefix`` only names the operations (errors, the timeline).
     """
     if isinstance(params, Mapping):
         items = sorted(params.items(), key=lambda kv: str(kv[0]))
@@ -83,7 +86,7 @@ def broadcast_parameters(params: Mapping[str, Any] | Iterable[Any], root_rank: i
     else:
         raise ValueError(f"invalid params of type {type(params).__name__}")
     tensors = [t for _, t in items if isinstance(t, torch.Tensor)]
-    _broadcast_tensors(tensors, root_rank, "broadcast_parameters")
+    _broadcast_tensors(tensors, root_rank, f"{prefix or ''}broadcast_parameters", process_set)
 
 
 class _TensorSpec(NamedTuple):
@@ -119,25 +122,31 @@ def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: torch.nn.Module | None = None,
+                              process_set: ProcessSet = global_process_set) -> None:
     """Make every rank's optimizer state (per-parameter tensors such as momentum buffers
     and step counts, and every param_group option such as lr) equal to ``root_rank``'s.
 
     The structure goes by ``broadcast_object``, the tensors as raw bytes; receivers load
     the result with ``load_state_dict``, so a rank that never stepped (a newcomer with
-    empty state) gets complete state without a dummy step.
+    empty state) gets complete state without a dummy step. That is also why ``model``
+    (which Horovod uses to give parameters whose state is still empty a name, so that
+    every rank broadcasts the same entries) is accepted but not needed: the state dict of
+    the root is what every rank loads.
     """
+    del model
     r = rounds.current()
-    if r.size == 1:
+    if len(process_sets.members(process_set, r)) == 1:
         return
     tensors: list[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors)
-    skeleton = collectives.broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.skeleton")
+    skeleton = collectives.broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.skeleton", process_set)
     if r.rank != root_rank:
         specs: list[_TensorSpec] = []
         _collect_specs(skeleton, specs)
         tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(specs, key=lambda s: s.index)]
-    _broadcast_tensors(tensors, root_rank, "broadcast_optimizer_state")
+    _broadcast_tensors(tensors, root_rank, "broadcast_optimizer_state", process_set)
     if r.rank != root_rank:
         optimizer.load_state_dict(_fill(skeleton, tensors))
 

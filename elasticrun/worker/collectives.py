@@ -4,41 +4,62 @@ Every collective is issued asynchronously and then waited on by polling, because
 gloo collective cannot be interrupted (gloo's abort() does not unblock it): polling lets a
 worker give up the moment the driver says the round is dead, or when the collective timeout
 passes. Either way the caller gets :class:`HorovodInternalError`, never a hang or a crash.
+Only gloo operations whose work reports completion while it runs are used (allreduce,
+broadcast, allgather, alltoall); gloo's reduce_scatter and send/recv complete only inside
+a blocking wait, so reducescatter and Adasum's pairwise exchanges are built on alltoall.
 
 Each operation looks the current :class:`~elasticrun.worker.rounds.Round` up once and takes
 everything from it: the process group, rank and size, the abort check, the timeout, and the
-first-step event after a reset.
+first-step event after a reset. ``process_set=`` runs an operation on a process set's own
+group instead (``worker/process_sets.py``).
+
+Every operation on the round's group passes a *descriptor* to :func:`_issue` (its kind,
+shapes, dtype, reduction): rounds keep the recent ones, so that a rank in ``hvd.join()`` can
+take part in operations it never called (``worker/join.py``).
+
+The op constants are Horovod's integers (``hvd.Average`` is 0, ``hvd.Sum`` 1, ``hvd.Adasum``
+2, ``hvd.Min`` 3, ``hvd.Max`` 4, ``hvd.Product`` 5); the names earlier versions used
+(``"average"``, ``"sum"``, ...) are still accepted.
 """
 
 from __future__ import annotations
 
 import ctypes
+import pickle
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 import torch
 import torch.distributed as dist
 
-from elasticrun.worker import rounds
+from elasticrun.worker import adasum, process_sets, rounds, trace
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
+from elasticrun.worker.process_sets import ProcessSet, global_process_set
 from elasticrun.worker.rounds import Round
 
 
 class ReduceOp:
-    """horovod's reduction operators (``hvd.Average``, ``hvd.Sum``, ...)."""
+    """horovod's reduction operators (``hvd.Average``, ``hvd.Sum``, ...), with Horovod's values."""
 
-    AVERAGE = "average"
-    SUM = "sum"
-    MIN = "min"
-    MAX = "max"
-    PRODUCT = "product"
+    AVERAGE = 0
+    SUM = 1
+    ADASUM = 2
+    MIN = 3
+    MAX = 4
+    PRODUCT = 5
 
 
-Average, Sum, Min, Max, Product = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
+Average, Sum, Adasum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM, ReduceOp.MIN,
+                                           ReduceOp.MAX, ReduceOp.PRODUCT)
+_BY_NAME = {"average": Average, "sum": Sum, "adasum": Adasum, "min": Min, "max": Max, "product": Product}
 _TORCH_OPS = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
               Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
+#: gloo reduction -> its name in descriptors (what a joined rank contributes depends on it).
+_TORCH_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max",
+                   dist.ReduceOp.PRODUCT: "product"}
 
 # Poll every 100 us, and every 1 ms once a collective has taken 50 ms. Measured on 2 cores
 # (13 MB allreduce, 2 ranks): this matches a blocking work.wait() (7.9 vs 8.0 ms); a spinning
@@ -47,12 +68,30 @@ _TORCH_OPS = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.Redu
 _POLL = 0.0001
 _SLOW_POLL = 0.001
 _SLOW_AFTER = 0.05
+# A collective waiting this long looks (on the round's store) whether a peer called join()
+# and now waits for descriptors; then again after as long as it has waited, at most 0.2 s.
+_JOIN_CHECK = 0.01
+_JOIN_CHECK_MAX = 0.2
+
+
+def op_value(op: int | str) -> int:
+    """Horovod's integer for ``op`` (an ``hvd`` constant, or its name as earlier versions had)."""
+    if type(op) is int and 0 <= op <= 5:
+        return op
+    if isinstance(op, str) and op.lower() in _BY_NAME:
+        return _BY_NAME[op.lower()]
+    raise ValueError(f"unsupported reduction op {op!r}: use hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max "
+                     f"or hvd.Product")
+
+
+# --------------------------------------------------------------------------- waiting
 
 
 def _wait(r: Round, work: Any, what: str) -> None:
     """Wait for ``work``; give up when round ``r`` is aborted or the collective timeout passes."""
     start = time.monotonic()
     deadline = start + r.collective_timeout
+    check = start + _JOIN_CHECK
     while not work.is_completed():
         reason = r.abort_reason()
         if reason:
@@ -61,6 +100,9 @@ def _wait(r: Round, work: Any, what: str) -> None:
         if now > deadline:
             raise CollectiveTimeout(f"{what} did not complete within the collective timeout "
                                     f"({r.collective_timeout:g} s); a peer is hung or unreachable")
+        if now > check:
+            check = now + min(_JOIN_CHECK_MAX, now - start)
+            _look_for_join(r)
         time.sleep(_POLL if now - start < _SLOW_AFTER else _SLOW_POLL)
     try:
         work.wait()
@@ -70,25 +112,110 @@ def _wait(r: Round, work: Any, what: str) -> None:
         r.step_completed(what)
 
 
+def join_key(name: str) -> str:
+    """A key of the round's store used by join() (namespaced away from gloo's own keys)."""
+    return f"elasticrun/join/{name}"
+
+
+def _look_for_join(r: Round) -> None:
+    """Called while a collective waits: if a peer has joined (it waits for descriptors on the
+    store), publish this rank's descriptors of every operation since then, and of every later
+    one as it is issued, so the joined peer can take part in them."""
+    if r.join_active or r.joined or r.store is None or r.size == 1:
+        return
+    key = join_key(f"{r.join_gen}/first")
+    try:
+        if not r.store.check([key]):
+            return
+        first = int(r.store.get(key))
+    except Exception:  # an aborted round's store refuses: the wait sees the abort next
+        return
+    r.join_active = True
+    if r.log and r.log[0][0] > first:
+        raise HorovodInternalError(f"a peer joined at operation {first}, but this rank only remembers operations "
+                                   f"from {r.log[0][0]} on")
+    for seq, desc in list(r.log):
+        if seq >= first:
+            _publish(r, seq, desc)
+
+
+def _publish(r: Round, seq: int, desc: tuple[Any, ...]) -> None:
+    assert r.store is not None
+    try:
+        r.store.set(join_key(f"op{seq}"), pickle.dumps(desc))
+    except Exception as exc:
+        raise HorovodInternalError(f"could not publish operation {seq} for the joined ranks: {exc}") from exc
+
+
+class _Done:
+    """The work of an operation that needed no communication (or completed already)."""
+
+    @staticmethod
+    def is_completed() -> bool:
+        return True
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+
+_DONE = _Done()
+
+
+class _Works:
+    """Several gloo works waited on as one."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
 @dataclass
 class Handle:
-    """An asynchronous collective in flight; pass it to :func:`synchronize`."""
+    """An asynchronous collective in flight; pass it to :func:`synchronize` (or call it)."""
 
     work: Any
     what: str
-    finish: Callable[[], torch.Tensor]
+    finish: Callable[[], Any]
     done: bool = False
-    result: torch.Tensor | None = None
+    result: Any = None
+    started: float = 0.0  # for the timeline (only set while one records)
+
+    def __call__(self) -> Any:
+        """``handle()`` == ``synchronize(handle)`` (Horovod's sparse allreduce returns a function)."""
+        return synchronize(self)
 
 
-def _issue(r: Round, start: Callable[[dist.ProcessGroup], Any], what: str) -> Any:
-    """Start a collective on round ``r``'s group, unless the round has none or is aborted."""
-    pg = r.pg
-    if pg is None:
-        raise HorovodInternalError("no process group: the last reset did not complete")
+def _handle(work: Any, what: str, finish: Callable[[], Any]) -> Handle:
+    return Handle(work, what, finish, started=trace.now() if trace.active() is not None else 0.0)
+
+
+def _issue(r: Round, start: Callable[[Any], Any], what: str, desc: tuple[Any, ...] | None = None,
+           pg: Any = None) -> Any:
+    """Start a collective on round ``r``'s group (or on ``pg``, a process set's group), unless
+    the round has none or is aborted. Operations on the round's group are counted and their
+    descriptor ``desc`` remembered (and published while a peer is in join())."""
+    main = pg is None
+    if main:
+        pg = r.pg
+        if pg is None:
+            raise HorovodInternalError("no process group: the last reset did not complete")
     reason = r.abort_reason()
     if reason:
         raise HorovodInternalError(f"round {r.number} was aborted: {reason}")
+    if main:
+        seq = r.calls
+        r.calls = seq + 1
+        d = desc if desc is not None else ("unknown", what)
+        r.log.append((seq, d))
+        if r.join_active and not r.joined:
+            _publish(r, seq, d)
     try:
         return start(pg)
     except HorovodInternalError:
@@ -97,66 +224,119 @@ def _issue(r: Round, start: Callable[[dist.ProcessGroup], Any], what: str) -> An
         raise HorovodInternalError(f"{what} failed to start: {exc}") from exc
 
 
+def issue(r: Round, start: Callable[[Any], Any], what: str, desc: tuple[Any, ...] | None = None) -> Any:
+    """:func:`_issue` on the round's group, for other modules of the worker (``join``)."""
+    return _issue(r, start, what, desc)
+
+
+def wait(r: Round, work: Any, what: str) -> None:
+    """:func:`_wait`, for other modules of the worker (``join``)."""
+    _wait(r, work, what)
+
+
+def _group(r: Round, process_set: ProcessSet) -> tuple[Any, int, int, tuple[int, ...]]:
+    """A process set's (group, rank in it, size, members) in round ``r``; forming its group
+    (first use in the round) fails like a collective would."""
+    try:
+        return process_sets.group(process_set, r)
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise HorovodInternalError(f"could not form the group of {process_set} in round {r.number}: {exc}") from exc
+
+
+def _is_global(process_set: ProcessSet | None) -> bool:
+    return process_set is None or process_set is global_process_set
+
+
 def poll(handle: Handle) -> bool:
     """True when the collective has completed (successfully or not)."""
     return handle.done or bool(handle.work.is_completed())
 
 
-def synchronize(handle: Handle) -> torch.Tensor:
-    """Wait for an asynchronous collective and return its output tensor."""
+def synchronize(handle: Handle) -> Any:
+    """Wait for an asynchronous collective and return its output (a tensor; a list of them for
+    grouped operations; ``(output, received_splits)`` for alltoall)."""
     if not handle.done:
         _wait(rounds.current(), handle.work, handle.what)
         handle.result = handle.finish()
         handle.done = True
-    assert handle.result is not None
+        timeline = trace.active()
+        if timeline is not None and handle.started:
+            timeline.record(handle.what, handle.started, trace.now(), rounds.current().number)
     return handle.result
 
 
-def _resolve_op(op: str | None, average: bool | None) -> str:
+def _traced(r: Round, what: str, started: float) -> None:
+    timeline = trace.active()
+    if timeline is not None:
+        timeline.record(what, started, trace.now(), r.number)
+
+
+def _resolve_op(op: int | str | None, average: bool | None) -> int:
     if op is not None and average is not None:
         raise ValueError("pass either op or the deprecated average argument, not both")
     if average is not None:
         return Average if average else Sum
-    return op or Average
+    return Average if op is None else op_value(op)
+
+
+def _scale(t: torch.Tensor, factor: float) -> None:
+    if factor != 1.0:
+        if t.is_floating_point() or t.is_complex():
+            t.mul_(factor)
+        else:  # integers: Horovod divides with floor
+            inv = 1.0 / factor
+            if inv == int(inv):
+                t.floor_divide_(int(inv))
+            else:
+                t.copy_((t * factor).to(t.dtype))
+
+
+# --------------------------------------------------------------------------- allreduce
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                     op: str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                     op: int | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place allreduce of ``tensor``; returns a handle for :func:`synchronize`."""
     op = _resolve_op(op, average)
     what = f"allreduce {name or tuple(tensor.shape)}"
-    if op not in _TORCH_OPS:
-        raise ValueError(f"unsupported reduction op {op!r}")
+    if op == Adasum:
+        return _adasum([tensor], what, prescale_factor, postscale_factor, process_set, single=True)
+    torch_op = _TORCH_OPS[op]
     if prescale_factor != 1.0:
-        tensor.mul_(prescale_factor)
+        _scale(tensor, prescale_factor)
     opts = dist.AllreduceOptions()
-    opts.reduceOp = _TORCH_OPS[op]
+    opts.reduceOp = torch_op
     r = rounds.current()
-    work = _issue(r, lambda pg: pg.allreduce([tensor], opts), what)
-    size = r.size
+    if process_set is global_process_set or process_set is None:
+        size = r.size
+        work = _issue(r, lambda pg: pg.allreduce([tensor], opts), what,
+                      ("allreduce", tensor.shape, tensor.dtype, _TORCH_OP_NAMES[torch_op]))
+    else:
+        pg, _, size, _ = _group(r, process_set)
+        work = _issue(r, lambda g: g.allreduce([tensor], opts), what, pg=pg)
 
     def finish() -> torch.Tensor:
-        scale = postscale_factor / size if op == Average else postscale_factor
-        if scale != 1.0:
-            tensor.mul_(scale)
+        _scale(tensor, postscale_factor / size if op == Average else postscale_factor)
         return tensor
-    return Handle(work, what, finish)
+    return _handle(work, what, finish)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                    op: str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
-    return allreduce_async_(tensor.detach().clone(), average, name, op, prescale_factor, postscale_factor)
+                    op: int | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start an allreduce of a copy of ``tensor`` (the input is not modified)."""
+    return allreduce_async_(tensor.detach().clone(), average, name, op, prescale_factor, postscale_factor,
+                            process_set)
 
 
-def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: str | None = None,
-               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
-
-
-def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: str | None = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
-    """Return the reduction of ``tensor`` over all ranks (``op=Average`` by default)."""
-    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor))
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: int | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` in place over all ranks and return it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
 def allreduce_inplace(tensor: torch.Tensor, op: Any, what: str) -> None:
@@ -165,45 +345,358 @@ def allreduce_inplace(tensor: torch.Tensor, op: Any, what: str) -> None:
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
     r = rounds.current()
-    _wait(r, _issue(r, lambda pg: pg.allreduce([tensor], opts), what), what)
+    started = trace.now()
+    _wait(r, _issue(r, lambda pg: pg.allreduce([tensor], opts), what,
+                    ("allreduce", tensor.shape, tensor.dtype, _TORCH_OP_NAMES[op])), what)
+    _traced(r, what, started)
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Handle:
-    what = f"broadcast {name or tuple(tensor.shape)} from rank {root_rank}"
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = root_rank, 0
-    work = _issue(rounds.current(), lambda pg: pg.broadcast([tensor], opts), what)
-    return Handle(work, what, lambda: tensor)
+def _flat_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by (dtype, device), in first-seen order (one fused buffer each)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    return list(groups.values())
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    """Overwrite ``tensor`` on every rank with its value on ``root_rank``."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                             op: int | str | None = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> Handle:
+    """Start an in-place allreduce of every tensor of ``tensors``, fused into one buffer per dtype."""
+    op = _resolve_op(op, average)
+    tensors = list(tensors)
+    what = f"grouped allreduce {name or len(tensors)}"
+    if op == Adasum:
+        return _adasum(tensors, what, prescale_factor, postscale_factor, process_set, single=False)
+    parts: list[tuple[list[int], torch.Tensor, Handle]] = []
+    for idx in _flat_groups(tensors):
+        flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx]) if len(idx) > 1 else \
+            tensors[idx[0]].detach().reshape(-1)
+        if len(idx) == 1 and flat.data_ptr() != tensors[idx[0]].data_ptr():
+            flat = flat.clone()
+        parts.append((idx, flat, allreduce_async_(flat, None, what, op, prescale_factor, postscale_factor,
+                                                  process_set)))
+
+    def finish() -> list[torch.Tensor]:
+        with torch.no_grad():
+            for idx, flat, h in parts:
+                synchronize(h)
+                off = 0
+                for i in idx:
+                    t = tensors[i]
+                    n = t.numel()
+                    if flat.data_ptr() != t.data_ptr():
+                        t.copy_(flat[off:off + n].view_as(t))
+                    off += n
+        return tensors
+    return _handle(_Works([h.work for _, _, h in parts]), what, finish)
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    return broadcast_(tensor.detach().clone(), root_rank, name)
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                            op: int | str | None = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """As :func:`grouped_allreduce_async_`, on copies (the inputs are not modified)."""
+    return grouped_allreduce_async_([t.detach().clone() for t in tensors], average, name, op, prescale_factor,
+                                    postscale_factor, process_set)
 
 
-def _allgather_same(tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                       op: int | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: int | str | None = None,
+                           process_set: ProcessSet = global_process_set) -> Handle:
+    """Allreduce a sparse COO tensor by gathering every rank's indices and values (as Horovod);
+    the result (``synchronize(h)`` or ``h()``) is an uncoalesced sparse tensor."""
+    op = Average if op is None else op_value(op)
+    if op not in (Average, Sum):
+        raise ValueError("sparse allreduce supports op=Average or op=Sum")
+    t = tensor
+    indices = allgather_async(t._indices().t().contiguous(), f"{name}.indices", process_set)
+    values = allgather_async(t._values().contiguous(), f"{name}.values", process_set)
+    size = len(process_sets.members(process_set, rounds.current()))
+
+    def finish() -> torch.Tensor:
+        v = synchronize(values)
+        i = synchronize(indices)
+        if op == Average:
+            v = v / size
+        return torch.sparse_coo_tensor(i.t(), v, t.size())
+    return _handle(_Works([indices.work, values.work]), f"sparse allreduce {name or tuple(t.shape)}", finish)
+
+
+# --------------------------------------------------------------------------- Adasum
+
+
+def _adasum(tensors: list[torch.Tensor], what: str, prescale: float, postscale: float,
+            process_set: ProcessSet | None, single: bool) -> Handle:
+    """Adasum of ``tensors`` in place (per tensor), along the pairwise tree of worker/adasum.py:
+    one alltoall per step (each rank sends its vector to its partner of that step). Runs to
+    completion here; the handle it returns is done."""
+    if not _is_global(process_set):
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
+    result: Any = tensors[0] if single else tensors
+    if not tensors:
+        return Handle(_DONE, what, lambda: result, done=True, result=result)
+    dtype = tensors[0].dtype
+    if not dtype.is_floating_point or any(t.dtype != dtype for t in tensors):
+        raise ValueError(f"Adasum needs floating-point tensors of one dtype, got {[t.dtype for t in tensors]}")
     r = rounds.current()
-    outputs = [torch.empty_like(tensor) for _ in range(r.size)]
-    _wait(r, _issue(r, lambda pg: pg.allgather([outputs], [tensor.contiguous()]), what), what)
-    return outputs
+    started = trace.now()
+    with torch.no_grad():
+        segments, off = [], 0
+        for t in tensors:
+            segments.append((off, t.numel()))
+            off += t.numel()
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
+        if prescale != 1.0:
+            flat.mul_(prescale)
+        size, me, n = r.size, r.rank, flat.numel()
+        steps = adasum.schedule(size)
+        p = 1
+        while p * 2 <= size:
+            p *= 2
+        opts = dist.AllToAllOptions()
+        for i, partners in enumerate(steps):
+            fold = size > p and i == 0
+            unfold = size > p and i == len(steps) - 1
+            if fold:
+                sends = [[n if j >= p and k == partners[j] else 0 for k in range(size)] for j in range(size)]
+            elif unfold:
+                sends = [[n if j < size - p and k == partners[j] else 0 for k in range(size)] for j in range(size)]
+            else:
+                sends = [[n if k == partners[j] else 0 for k in range(size)] for j in range(size)]
+            row = sends[me]
+            col = [sends[j][me] for j in range(size)]
+            inp = flat if any(row) else flat.new_empty(0)
+            out = flat.new_empty(sum(col))
+            matrix = tuple(tuple(x) for x in sends)
+            _wait(r, _issue(r, lambda pg: pg.alltoall_base(out, inp, col, row, opts), what,
+                            ("alltoall", (), dtype, matrix)), what)
+            if not any(col):
+                continue
+            q = partners[me]
+            if unfold:
+                flat = out
+            elif me < q:
+                flat = adasum.combine(flat, out, segments)
+            else:
+                flat = adasum.combine(out, flat, segments)
+        if postscale != 1.0:
+            flat.mul_(postscale)
+        for t, (o, k) in zip(tensors, segments):
+            t.copy_(flat[o:o + k].view_as(t))
+    _traced(r, what, started)
+    return Handle(_DONE, what, lambda: result, done=True, result=result)
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
-    """Concatenate ``tensor`` from every rank along dim 0; first dimensions may differ."""
-    what = f"allgather {name or tuple(tensor.shape)}"
-    t = tensor.detach()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    counts = [int(c.item()) for c in _allgather_same(torch.tensor([t.shape[0]], dtype=torch.int64), what)]
-    longest = max(counts)
-    if t.shape[0] < longest:  # gloo needs equal shapes: pad, gather, then trim
-        t = torch.cat([t, t.new_zeros((longest - t.shape[0],) + tuple(t.shape[1:]))])
-    parts = _allgather_same(t, what)
-    return torch.cat([p[:n] for p, n in zip(parts, counts)])
+# --------------------------------------------------------------------------- broadcast
+
+
+def _root_index(r: Round, root_rank: int, process_set: ProcessSet | None) -> tuple[Any, int]:
+    """(group or None for the round's, root's rank in it): roots are global ranks, as in Horovod."""
+    if _is_global(process_set):
+        return None, root_rank
+    pg, _, _, members = _group(r, process_set)  # type: ignore[arg-type]
+    if root_rank not in members:
+        raise ValueError(f"root rank {root_rank} is not a member of {process_set}")
+    return pg, members.index(root_rank)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    """Start overwriting ``tensor`` on every rank with its value on ``root_rank`` (a global rank)."""
+    what = f"broadcast {name or tuple(tensor.shape)} from rank {root_rank}"
+    r = rounds.current()
+    pg, root = _root_index(r, root_rank, process_set)
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = root, 0
+    if pg is None:
+        work = _issue(r, lambda g: g.broadcast([tensor], opts), what, ("broadcast", tensor.shape, tensor.dtype, root))
+    else:
+        work = _issue(r, lambda g: g.broadcast([tensor], opts), what, pg=pg)
+    return _handle(work, what, lambda: tensor)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start a broadcast into a copy of ``tensor`` (the input is not modified)."""
+    return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Overwrite ``tensor`` on every rank with its value on ``root_rank``."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+# --------------------------------------------------------------------------- allgather
+
+
+def _allgather_same(tensor: torch.Tensor, what: str, process_set: ProcessSet | None = None) -> list[torch.Tensor]:
+    """Gather equally shaped tensors and wait; one tensor per member, in member order."""
+    h = _allgather_same_async(tensor, what, process_set)
+    return synchronize(h)
+
+
+def _allgather_same_async(tensor: torch.Tensor, what: str, process_set: ProcessSet | None = None) -> Handle:
+    r = rounds.current()
+    t = tensor.contiguous()
+    if _is_global(process_set):
+        outputs = [torch.empty_like(t) for _ in range(r.size)]
+        work = _issue(r, lambda pg: pg.allgather([outputs], [t]), what, ("allgather", t.shape, t.dtype))
+    else:
+        pg, _, size, _ = _group(r, process_set)  # type: ignore[arg-type]
+        outputs = [torch.empty_like(t) for _ in range(size)]
+        work = _issue(r, lambda g: g.allgather([outputs], [t]), what, pg=pg)
+    return _handle(work, what, lambda: outputs)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.reshape(1) if t.dim() == 0 else t
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """Start concatenating each tensor of ``tensors`` from every rank along dim 0 (first
+    dimensions may differ per rank); one exchange of the row counts for all of them."""
+    ts = [_rows(t) for t in tensors]
+    what = f"allgather {name or [tuple(t.shape) for t in ts]}"
+    counts = torch.tensor([t.shape[0] for t in ts], dtype=torch.int64)
+    table = [c.tolist() for c in _allgather_same(counts, what + ".size", process_set)]  # [member][tensor]
+    handles, trims = [], []
+    for k, t in enumerate(ts):
+        per_rank = [row[k] for row in table]
+        longest = max(per_rank)
+        if t.shape[0] < longest:  # gloo needs equal shapes: pad, gather, then trim
+            t = torch.cat([t, t.new_zeros((longest - t.shape[0],) + tuple(t.shape[1:]))])
+        handles.append(_allgather_same_async(t, what, process_set))
+        trims.append(per_rank)
+
+    def finish() -> list[torch.Tensor]:
+        return [torch.cat([p[:n] for p, n in zip(synchronize(h), per_rank)]) for h, per_rank in zip(handles, trims)]
+    return _handle(_Works([h.work for h in handles]), what, finish)
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start concatenating ``tensor`` from every rank along dim 0; first dimensions may differ."""
+    inner = grouped_allgather_async([tensor], name or f"{tuple(tensor.shape)}", process_set)
+    return _handle(inner.work, inner.what, lambda: synchronize(inner)[0])
+
+
+# --------------------------------------------------------------------------- alltoall, reducescatter
+
+
+def _even_split(rows: int, size: int) -> list[int]:
+    """``rows`` split over ``size`` ranks, the first ``rows % size`` ranks one more (as Horovod)."""
+    base, extra = divmod(rows, size)
+    return [base + (1 if i < extra else 0) for i in range(size)]
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
+                   name: str | None = None, process_set: ProcessSet = global_process_set) -> Handle:
+    """Start sending ``splits[i]`` rows of ``tensor`` (in order) to member ``i`` and receiving what
+    every member sends here; ``synchronize`` returns ``(output, received_splits)``. Without
+    ``splits`` the rows are split evenly (the first ranks one more). The row counts are
+    exchanged first (one small allgather), then the rows (one alltoall)."""
+    r = rounds.current()
+    members = process_sets.members(process_set, r)
+    size = len(members)
+    t = _rows(tensor).contiguous()
+    what = f"alltoall {name or tuple(t.shape)}"
+    if splits is None:
+        sends = _even_split(t.shape[0], size)
+        splits_dtype = torch.int32
+    else:
+        splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
+        sends = [int(x) for x in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+        if len(sends) != size or any(x < 0 for x in sends) or sum(sends) != t.shape[0]:
+            raise ValueError(f"alltoall splits {sends} must be {size} non-negative counts adding up to the "
+                             f"first dimension of the tensor ({t.shape[0]})")
+    table = [row.tolist() for row in _allgather_same(torch.tensor(sends, dtype=torch.int64), what + ".splits",
+                                                     process_set)]
+    me = members.index(r.rank)
+    recv = [table[i][me] for i in range(size)]
+    out = t.new_empty((sum(recv),) + tuple(t.shape[1:]))
+    opts = dist.AllToAllOptions()
+    if _is_global(process_set):
+        work = _issue(r, lambda pg: pg.alltoall_base(out, t, recv, sends, opts), what,
+                      ("alltoall", tuple(t.shape[1:]), t.dtype, tuple(tuple(row) for row in table)))
+    else:
+        pg, _, _, _ = _group(r, process_set)
+        work = _issue(r, lambda g: g.alltoall_base(out, t, recv, sends, opts), what, pg=pg)
+    return _handle(work, what, lambda: (out, torch.tensor(recv, dtype=splits_dtype)))
+
+
+def _reducescatter_issue(tensor: torch.Tensor, what: str, op: int, prescale: float,
+                         process_set: ProcessSet | None) -> tuple[Any, Callable[[float], torch.Tensor]]:
+    r = rounds.current()
+    members = process_sets.members(process_set, r)
+    size = len(members)
+    me = members.index(r.rank) if r.rank in members else -1
+    if me < 0:
+        raise ValueError(f"rank {r.rank} is not a member of {process_set}")
+    t = _rows(tensor)
+    t = t * prescale if prescale != 1.0 else t.contiguous()
+    counts = _even_split(t.shape[0], size)
+    mine = counts[me]
+    rest = tuple(t.shape[1:])
+    out = t.new_empty((size * mine,) + rest)
+    opts = dist.AllToAllOptions()
+    recv = [mine] * size
+    if _is_global(process_set):
+        work = _issue(r, lambda pg: pg.alltoall_base(out, t, recv, counts, opts), what,
+                      ("alltoall", rest, t.dtype, tuple(tuple(counts) for _ in range(size))))
+    else:
+        pg, _, _, _ = _group(r, process_set)
+        work = _issue(r, lambda g: g.alltoall_base(out, t, recv, counts, opts), what, pg=pg)
+
+    def finish(postscale: float) -> torch.Tensor:
+        result = out.view((size, mine) + rest).sum(0, dtype=out.dtype) if size > 1 else out.clone()
+        _scale(result, postscale / size if op == Average else postscale)
+        return result
+    return work, finish
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int | str = Average,
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> Handle:
+    """Start reducing ``tensor`` over the ranks and scattering the result along dim 0: member
+    ``i`` gets rows ``[sum(counts[:i]), ...)`` of the reduction, the first ``rows % size``
+    members one row more (as Horovod). The input is not modified."""
+    op = op_value(op)
+    if op not in (Average, Sum):
+        raise ValueError("reducescatter supports op=Average or op=Sum")
+    what = f"reducescatter {name or tuple(tensor.shape)}"
+    work, finish = _reducescatter_issue(tensor, what, op, prescale_factor, process_set)
+    return _handle(work, what, lambda: finish(postscale_factor))
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: int | str = Average,
+                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle:
+    """:func:`reducescatter_async` of each tensor; ``synchronize`` returns the list of results."""
+    op = op_value(op)
+    if op not in (Average, Sum):
+        raise ValueError("reducescatter supports op=Average or op=Sum")
+    what = f"grouped reducescatter {name or len(tensors)}"
+    parts = [_reducescatter_issue(t, what, op, prescale_factor, process_set) for t in tensors]
+    return _handle(_Works([w for w, _ in parts]), what, lambda: [f(postscale_factor) for _, f in parts])
+
+
+# --------------------------------------------------------------------------- objects, barrier
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -213,28 +706,33 @@ def _bytes(t: torch.Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.numel()) if t.numel() else b""
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
     """Send a picklable object from ``root_rank`` to every rank (cloudpickle)."""
     is_root = rounds.current().rank == root_rank
     payload = cloudpickle.dumps(obj) if is_root else b""
     length = torch.tensor([len(payload)], dtype=torch.int64)
-    broadcast_(length, root_rank, f"{name or 'object'}.size")
+    broadcast_(length, root_rank, f"{name or 'object'}.size", process_set)
     data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if is_root
             else torch.empty(int(length.item()), dtype=torch.uint8))
-    broadcast_(data, root_rank, name or "object")
+    broadcast_(data, root_rank, name or "object", process_set)
     return obj if is_root else cloudpickle.loads(_bytes(data))
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    """Gather a picklable object from every rank into a list ordered by rank."""
+def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Gather a picklable object from every rank into a list ordered by rank. A rank in
+    ``join()`` contributes None."""
     data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
     counts = [int(c.item()) for c in _allgather_same(torch.tensor([data.numel()], dtype=torch.int64),
-                                                   f"{name or 'allgather_object'}.size")]
+                                                   f"{name or 'allgather_object'}.size", process_set)]
     padded = torch.cat([data, data.new_zeros(max(counts) - data.numel())])
-    parts = _allgather_same(padded, name or "allgather_object")
-    return [cloudpickle.loads(_bytes(p[:n])) for p, n in zip(parts, counts)]
+    parts = _allgather_same(padded, name or "allgather_object", process_set)
+    return [cloudpickle.loads(_bytes(p[:n])) if n else None for p, n in zip(parts, counts)]
 
 
-def barrier() -> None:
-    """Block until every rank has reached the barrier."""
-    allreduce_inplace(torch.zeros(1), dist.ReduceOp.SUM, "barrier")
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank (of the process set) has reached the barrier."""
+    if _is_global(process_set):
+        allreduce_inplace(torch.zeros(1), dist.ReduceOp.SUM, "barrier")
+    else:
+        allreduce_(torch.zeros(1), op=Sum, name="barrier", process_set=process_set)

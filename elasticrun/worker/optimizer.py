@@ -35,8 +35,9 @@ from typing import Any, Callable
 
 import torch
 
-from elasticrun.worker import collectives, rounds
-from elasticrun.worker.collectives import Average, Handle, Sum
+from elasticrun.worker import collectives, process_sets, rounds
+from elasticrun.worker.collectives import Adasum, Average, Handle, Sum
+from elasticrun.worker.process_sets import ProcessSet, global_process_set
 from elasticrun.worker.rounds import Round
 
 __all__ = ["Compression", "Compressor", "DistributedOptimizer", "abandon_step"]
@@ -150,16 +151,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # --- setup ------------------------------------------------------------------------
     def _dist_setup(self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None, compression: type[Compressor],
-                    backward_passes_per_step: int, op: str, gradient_predivide_factor: float,
-                    bucket_cap_mb: float) -> None:
-        if op not in (Average, Sum):
-            raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum, not {op!r}")
+                    backward_passes_per_step: int, op: int | str, gradient_predivide_factor: float,
+                    bucket_cap_mb: float, process_set: ProcessSet | None = None) -> None:
+        op = collectives.op_value(op)
+        if op not in (Average, Sum, Adasum):
+            raise ValueError(f"DistributedOptimizer supports op=Average, op=Sum or op=Adasum, not {op!r}")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor is only supported with op=Average")
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
         self._dist_compression = compression
         self._dist_op = op
+        # A process set's optimizer reduces among its members only; the host-update flags
+        # then stay out of its buckets (they must be agreed by every rank of the round).
+        self._dist_ps = None if process_set is None or process_set is global_process_set else process_set
+        self._dist_flags = self._dist_ps is None
         # Horovod splits the average into a prescale before the sum and a postscale after
         # it; collectives divides the postscale by the size for op=Average.
         self._dist_prescale = 1.0 / gradient_predivide_factor
@@ -201,6 +207,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _dist_build(self) -> None:
         """Assign every trainable parameter to a bucket and hook it (idempotent)."""
         self._dist_clear(discard=True)
+        if self._dist_op == Adasum:  # reduces the deltas of a local step at step(): no hooks
+            self._dist_buckets, self._dist_slots = [], {}
+            return
         params: list[torch.Tensor] = []
         seen: set[torch.Tensor] = set()
         for group in self.param_groups:
@@ -298,7 +307,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if r.size == 1:
             return  # Average and Sum over one rank are the identity: skip the copies
         if b.buffer is None:
-            b.buffer = torch.empty(b.numel + (_FLAGS if _carries_flags(b) else 0), dtype=b.dtype, device=b.device)
+            b.buffer = torch.empty(b.numel + (_FLAGS if self._dist_flags and _carries_flags(b) else 0), dtype=b.dtype,
+                                   device=b.device)
         p, off = b.params[i], b.offsets[i]
         dst = b.buffer[off:off + p.numel()]
         g = p.grad
@@ -318,7 +328,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._dist_stage(b, i, r)
         assert b.buffer is not None
         with torch.no_grad():
-            if _carries_flags(b):
+            if self._dist_flags and _carries_flags(b):
                 pending, added = r.host_updates.local_flags()
                 wanted, busy = r.copy_requests.local_flags(r.copy_busy()) if r.copy_requests else (False, False)
                 b.buffer[b.numel] = 1.0 if pending else 0.0
@@ -328,9 +338,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             tensor, b.ctx = self._dist_compression.compress(b.buffer)
             # Reduce sums and scale while copying back: one pass over the gradients fewer
             # than scaling the whole buffer and then copying it.
-            b.scale = self._dist_postscale / r.size if self._dist_op == Average else self._dist_postscale
-            b.handle = collectives.allreduce_async_(tensor, name=b.name, op=Sum,
-                                                    prescale_factor=self._dist_prescale)
+            if self._dist_ps is None:
+                size = r.size
+                b.handle = collectives.allreduce_async_(tensor, name=b.name, op=Sum,
+                                                        prescale_factor=self._dist_prescale)
+            else:
+                size = len(process_sets.members(self._dist_ps, r))
+                b.handle = collectives.allreduce_async_(tensor, name=b.name, op=Sum,
+                                                        prescale_factor=self._dist_prescale, process_set=self._dist_ps)
+            b.scale = self._dist_postscale / size if self._dist_op == Average else self._dist_postscale
 
     def _dist_finish(self, b: _Bucket, r: Round) -> None:
         with torch.no_grad():
@@ -340,7 +356,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         p.grad = torch.zeros_like(p)
                 return
             out = self._dist_compression.decompress(collectives.synchronize(b.handle), b.ctx)
-            if _carries_flags(b):  # any positive sum (or average) means "some rank"
+            if self._dist_flags and _carries_flags(b):  # any positive sum (or average) means "some rank"
                 flags = out[b.numel:b.numel + _FLAGS].tolist()
                 r.host_updates.agreed(r.number, flags[0] > 0, flags[1] > 0)
                 if r.copy_requests is not None:
@@ -383,6 +399,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if self._dist_op == Adasum:
+            return self._dist_adasum_step(closure)
         if self._should_synchronize:
             if self._synchronized:
                 # No backward since synchronize(): reducing again would be redundant (and
@@ -403,6 +421,40 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # An LR scheduler made before wrapping watches the original for "stepped".
             original._opt_called = True
         return super().step(closure)
+
+    def _dist_adasum_step(self, closure: Callable[[], Any] | None) -> Any:
+        """op=Adasum, as Horovod does it on CPU: take the wrapped optimizer's step locally, then
+        combine the steps' deltas (new - old parameters) over the ranks with Adasum and apply
+        the result to the old parameters (``p = old + adasum(delta)``)."""
+        loss = closure() if closure is not None else None
+        r = rounds.current()
+        original = self._dist_original()
+        if original is not None:
+            original._opt_called = True
+        if r.size == 1:
+            super().step()
+            return loss
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        with torch.no_grad():
+            start = [p.detach().clone() for p in params]
+            super().step()
+            deltas: dict[torch.dtype, list[int]] = {}
+            for i, p in enumerate(params):
+                deltas.setdefault(p.dtype, []).append(i)
+            reduced: dict[int, torch.Tensor] = {}
+            for idx in deltas.values():
+                pairs = [self._dist_compression.compress(params[i].detach() - start[i]) for i in idx]
+                out = collectives.grouped_allreduce_([t for t, _ in pairs], name="adasum deltas", op=Adasum)
+                for i, t, (_, ctx) in zip(idx, out, pairs):
+                    reduced[i] = self._dist_compression.decompress(t, ctx)
+            for p, s in zip(params, start):
+                p.copy_(s)
+        if r.step_done is not None:  # may raise HostsUpdatedInterrupt: this step is not applied
+            r.step_done()
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                p.add_(reduced[i])
+        return loss
 
     # torch's Optimizer.__setstate__/load_state_dict wrap ``type(self).step`` in a profiling
     # hook unless it is marked: ours calls the wrapped class's (already hooked) step, so
@@ -461,10 +513,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          compression: type[Compressor] = Compression.none,
                          backward_passes_per_step: int = 1,
-                         op: str = Average,
+                         op: int | str = Average,
                          gradient_predivide_factor: float = 1.0,
-                         *, bucket_cap_mb: float = 25.0, sparse_as_dense: bool = False,
-                         num_groups: int = 0, groups: Any = None) -> torch.optim.Optimizer:
+                         num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set,
+                         *, bucket_cap_mb: float = 25.0) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients reduced over all ranks.
 
     The result is an instance of a subclass of ``type(optimizer)`` sharing its
@@ -473,7 +526,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     size at each reduction, ``op=Sum`` does not; ``gradient_predivide_factor`` f splits
     the average into a 1/f prescale and an f/size postscale. With
     ``backward_passes_per_step`` N the gradients are accumulated locally and reduced on
-    the N-th backward. ``bucket_cap_mb`` bounds a fused bucket; ``sparse_as_dense``,
+    the N-th backward. ``op=Adasum`` steps locally and combines the steps' deltas with Adasum
+    (as Horovod on CPU). ``process_set``: reduce among its ranks only (only they call
+    ``step()``). ``bucket_cap_mb`` bounds a fused bucket; ``sparse_as_dense``,
     ``num_groups`` and ``groups`` are accepted for horovod compatibility (sparse gradients
     are always reduced densely and fusion is automatic).
     """
@@ -487,5 +542,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     wrapped._dist_original = weakref.ref(optimizer)
     wrapped._dist_setup(named_parameters, compression, backward_passes_per_step, op,
-                        gradient_predivide_factor, bucket_cap_mb)
+                        gradient_predivide_factor, bucket_cap_mb, process_set)
     return wrapped

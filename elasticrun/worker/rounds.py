@@ -14,6 +14,7 @@ into the mapping a Round reads, one ``dict.get`` per poll.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
 
 __all__ = ["Round", "current", "install", "uninstall"]
 
+#: How many recent operations a round remembers for ``join()``: more than any rank issues
+#: before it waits for one (the DistributedOptimizer's buckets of one step).
+_LOG = 4096
+
 
 class Round:
     """One round: what its collectives need, replaced (not mutated) at every rendezvous.
@@ -37,7 +42,8 @@ class Round:
     """
 
     __slots__ = ("number", "rank", "size", "pg", "collective_timeout", "host_updates", "copy_requests", "copy_busy",
-                 "step_done", "awaiting_first_step", "_aborted", "_emit", "__weakref__")
+                 "step_done", "awaiting_first_step", "store", "subgroups", "calls", "log", "join_gen", "join_active",
+                 "joined", "_aborted", "_emit", "__weakref__")
 
     def __init__(self, number: int, rank: int, size: int, *, collective_timeout: float,
                  host_updates: HostUpdates, aborted: Mapping[int, str],
@@ -60,6 +66,18 @@ class Round:
         #: Runtime.step_done).
         self.step_done = step_done
         self.awaiting_first_step = False
+        #: The round's key/value store (namespaced to this round), once the group is formed:
+        #: process sets form their groups on it, ``join()`` passes the ops to mirror through it.
+        self.store: dist.Store | None = None
+        #: Gloo groups of the process sets used in this round, by their ranks (formed on first use).
+        self.subgroups: dict[tuple[int, ...], Any] = {}
+        #: Operations issued on ``pg`` so far, and the recent ones as (seq, descriptor): what a
+        #: rank that called ``join()`` needs to take part in them (see worker/join.py).
+        self.calls = 0
+        self.log: collections.deque[tuple[int, tuple[Any, ...]]] = collections.deque(maxlen=_LOG)
+        self.join_gen = 0  # join() calls completed in this round
+        self.join_active = False  # some rank has joined: publish every operation's descriptor
+        self.joined = False  # this rank is in join(), mirroring the others' operations
         self._aborted = aborted  # round number -> reason, written by the runtime's control thread
         self._emit = emit
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import logging
 import os
 import signal
@@ -70,7 +71,38 @@ def _drop_in_background(obj: Any, delay: float = _DROP_DELAY) -> None:
     timer = threading.Timer(delay, holder.clear)
     timer.daemon = True
     timer.name = "elasticrun-drop-pg"
+    _pending_drops[:] = [(t, h) for t, h in _pending_drops if h or t.is_alive()]  # forget finished ones
+    _pending_drops.append((timer, holder))
     timer.start()
+
+
+#: Old groups still waiting for their release, as (timer, holder).
+_pending_drops: list[tuple[threading.Timer, list[Any]]] = []
+
+
+def _settle_drops(timeout: float = 5.0) -> None:
+    """At exit: never let an old group's teardown run on a daemon thread while the interpreter
+    finalizes. Python ends such a thread with pthread_exit when it asks for the GIL back, which
+    inside gloo's (noexcept) destructor is std::terminate: "terminate called without an active
+    exception", exit code -6. Releases not started yet are cancelled and the groups kept (the
+    process is ending: the OS closes their sockets); releases under way are waited for."""
+    deadline = time.monotonic() + timeout
+    while _pending_drops:
+        timer, holder = _pending_drops.pop()
+        timer.cancel()
+        if holder:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(holder))  # never freed, not even by finalization
+        timer.join(max(0.0, deadline - time.monotonic()))
+
+
+_MASTER_KEY = "elasticrun/master"
+
+
+def _free_port() -> int:
+    """A TCP port free on this machine now (for MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 def _seconds(name: str, default: float) -> float:
@@ -197,17 +229,43 @@ class Runtime:
             state.check_host_updates()  # commits, then raises HostsUpdatedInterrupt
         self.steps += 1
 
-    def enter_round(self, number: int, rank: int, size: int, pg: dist.ProcessGroup | None = None) -> Round:
+    def enter_round(self, number: int, rank: int, size: int, pg: dist.ProcessGroup | None = None,
+                    store: dist.Store | None = None) -> Round:
         """Make round ``number`` (this worker: ``rank`` of ``size``) the current one, for this
         runtime and for the collectives. The rendezvous calls it with the driver's assignment
-        and then forms the group; tests that form their own group pass it as ``pg``."""
+        and then forms the group; tests that form their own group pass it as ``pg`` (and the
+        store it was formed on, for process sets and join)."""
         old = self._round
-        if old.pg is not None:
-            _drop_in_background(old.pg)
+        if old.pg is not None or old.subgroups:
+            _drop_in_background((old.pg, dict(old.subgroups)))
         self._round = self._new_round(number, rank, size, pg)
+        self._round.store = store
         self.pace.new_round(number)
         rounds.install(self._round)
         return self._round
+
+    def export_environment(self, master: str | None = None) -> None:
+        """Put this worker's place in the current round into ``os.environ``, under elasticrun's,
+        Horovod's and torch.distributed's names, for libraries that read them (at every reset).
+
+        ``MASTER_ADDR``/``MASTER_PORT`` (``host:port``): the host rank 0 runs on and a port that
+        was free there when the round formed, agreed through the round's store; nothing listens
+        on it until a library (``torch.distributed.rpc``, say) does.
+        """
+        r = self._round
+        place = {
+            "RANK": r.rank, "SIZE": r.size, "LOCAL_RANK": self.local_rank, "LOCAL_SIZE": self.local_size,
+            "CROSS_RANK": self.cross_rank, "CROSS_SIZE": self.cross_size, "HOSTNAME": self.hostname,
+        }
+        for key, value in place.items():
+            os.environ[f"HOROVOD_{key}"] = str(value)
+            if not self.standalone:
+                os.environ[f"ELASTICRUN_{key}"] = str(value)
+        os.environ.update({"RANK": str(r.rank), "WORLD_SIZE": str(r.size), "LOCAL_RANK": str(self.local_rank),
+                           "LOCAL_WORLD_SIZE": str(self.local_size)})
+        if master is not None:
+            addr, _, port = master.rpartition(":")
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
 
     def emit(self, kind: str, **fields: Any) -> None:
         """Record an event for the job's event log (cheap: an append; the control thread ships it)."""
@@ -271,8 +329,10 @@ class Runtime:
         """
         if self.standalone:
             if self.pg is None:
+                store = dist.HashStore()
                 self.enter_round(0, self.rank, self.size, dist.ProcessGroupGloo(
-                    dist.HashStore(), 0, 1, timedelta(seconds=self.collective_timeout)))
+                    store, 0, 1, timedelta(seconds=self.collective_timeout)), store)
+                self.export_environment(f"127.0.0.1:{_free_port()}")
             return
         assert self._client is not None
         while True:
@@ -322,8 +382,18 @@ class Runtime:
         # the Python object is collected its methods are gone ("Not implemented").
         self._store = DriverStore(self._client, self.collective_timeout, r.abort_reason)
         store = dist.PrefixStore(f"round{r.number}", self._store)
+        # MASTER_ADDR/PORT for torch.distributed libraries: rank 0 offers a free port before
+        # the group forms, so the others find it once the group has formed (one store round
+        # trip each).
+        if r.rank == 0:
+            master = f"{self.hostname}:{_free_port()}"
+            store.set(_MASTER_KEY, master)
         with self._store.forming():
             r.pg = dist.ProcessGroupGloo(store, r.rank, r.size, timedelta(seconds=self.collective_timeout))
+        r.store = store
+        if r.rank != 0:
+            master = store.get(_MASTER_KEY).decode()
+        self.export_environment(master)
 
     def report_failure(self, error: str) -> None:
         """Tell the driver this worker is failing, before the slow interpreter teardown.
@@ -399,6 +469,7 @@ class Runtime:
                 log.debug("could not report the failed restore: %s", exc)
 
     def shutdown(self) -> None:
+        _settle_drops()
         if self._sender is not None:
             self._sender.close()
             self._sender = None

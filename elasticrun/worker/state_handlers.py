@@ -380,7 +380,10 @@ class SamplerStateHandler(StateHandler):
             news = sorted(s.processed_indices - self._processed)
         else:  # a new epoch since the last save: send everything
             news = sorted(s.processed_indices)
-        for epoch, part in collectives.allgather_object((s.epoch, news), "sampler.processed_indices"):
+        for item in collectives.allgather_object((s.epoch, news), "sampler.processed_indices"):
+            if item is None:  # a rank in hvd.join() takes part without a sampler
+                continue
+            epoch, part = item
             if epoch == s.epoch:
                 s.merge_processed(part)
 

@@ -228,6 +228,35 @@ def test_without_a_host_source_it_runs_here(tag):
     assert elasticrun.run(sleepy_rank, args=(0,), np=2) == [0, 1]
 
 
+def env_and_rank(name):
+    import os
+
+    import elasticrun.torch as hvd
+
+    return hvd.rank(), os.environ.get(name), os.environ["HOROVOD_RANK"], os.environ["WORLD_SIZE"]
+
+
+def test_horovod_run_keywords(tag):
+    """horovod.run's names for the options, its np default, and the ones that change nothing."""
+    import sys
+
+    values = elasticrun.run(env_and_rank, args=("GREETING",), num_proc=2, min_num_proc=1, max_num_proc=2, slots=2,
+                            hosts="localhost", cooldown_range=(1, 10), reset_limit=3, use_gloo=True,
+                            disable_cache=True, verbose=0, executable=sys.executable, env={"GREETING": "hi"},
+                            network_interfaces="lo", start_timeout=60, elastic_timeout=60)
+    assert values == [(0, "hi", "0", "2"), (1, "hi", "1", "2")]
+    assert elasticrun.run(sleepy_rank, args=(0,)) == [0]  # np=1, as horovod.run
+
+
+def test_horovod_run_keywords_that_need_mpi_are_refused():
+    with pytest.raises(ValueError, match="no MPI"):
+        elasticrun.run(sleepy_rank, np=1, use_mpi=True)
+    with pytest.raises(ValueError, match="no MPI"):
+        elasticrun.run(sleepy_rank, np=1, mpi_args="--bind-to none")
+    with pytest.raises(ValueError, match="disagree"):
+        elasticrun.run(sleepy_rank, np=1, num_proc=2)
+
+
 def test_api_only_argument_errors():
     with pytest.raises(ValueError, match="discovery= cannot be combined with hosts="):
         elasticrun.run(sleepy_rank, np=1, hosts="localhost", discovery=lambda: {"localhost": 1})

@@ -150,8 +150,8 @@ def merge(self):
     if (m := armed("merge", (where["epoch"], where["batch"]))) is not None:
         orig_issue = collectives._issue
 
-        def issue_then_die(round_, start, what):
-            work = orig_issue(round_, start, what)
+        def issue_then_die(round_, start, what, *rest, **kw):
+            work = orig_issue(round_, start, what, *rest, **kw)
             die("merge", m)
             return work
         collectives._issue = issue_then_die

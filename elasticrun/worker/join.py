@@ -1,0 +1,144 @@
+"""``hvd.join()``: a rank out of data keeps answering the others' collectives until all joined.
+
+gloo matches collectives by the order they are issued in, so a rank that stopped training
+must still take part in every operation the others run on the round's group, with the
+right shape, dtype and reduction, or they would hang. It cannot guess them; the others
+tell it. Every operation on the round's group carries a small descriptor
+(``collectives._issue``): kind, shape, dtype, reduction, root, or the row counts of an
+alltoall. A rank that joins announces it on the round's store (the operation it stopped
+at); a rank whose collective then waits notices within milliseconds, publishes the
+descriptors of its operations from that one on, and of every later one as it issues it.
+The joined rank reads them one by one and takes part with what changes nothing: zeros for
+a sum (so an average still divides by the full size, as in Horovod), the identity of a
+min, max or product, no rows in an allgather or alltoall, a zero vector in an Adasum.
+The last rank to join ends it for everyone with its own rank, which ``join()`` returns.
+
+Nothing of this runs while nobody has joined, except one store lookup by a collective that
+has waited 10 ms (then at most every 0.2 s while it waits): the training hot path is
+unchanged. A joined rank's waits are bounded by the collective timeout and give up when
+the round is aborted, like any collective. Collectives on other process sets are not
+answered by joined ranks.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elasticrun.worker import collectives, rounds
+from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
+from elasticrun.worker.rounds import Round
+
+__all__ = ["join"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
+        "product": dist.ReduceOp.PRODUCT}
+#: How long one store wait for the next descriptor lasts before the abort check runs again.
+_WAIT_SLICE = 0.5
+
+
+def _identity(shape: Any, dtype: torch.dtype, op: str) -> torch.Tensor:
+    """A tensor that leaves a reduction ``op`` unchanged."""
+    if op == "sum":
+        return torch.zeros(shape, dtype=dtype)
+    if op == "product":
+        return torch.ones(shape, dtype=dtype)
+    if dtype == torch.bool:
+        return torch.full(shape, op == "min", dtype=dtype)
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    high = float("inf") if dtype.is_floating_point else info.max
+    low = float("-inf") if dtype.is_floating_point else info.min
+    return torch.full(shape, high if op == "min" else low, dtype=dtype)
+
+
+def _next(r: Round, seq: int) -> tuple[Any, ...]:
+    """The descriptor of operation ``seq``, waiting for it (abortable, bounded)."""
+    assert r.store is not None
+    key = collectives.join_key(f"op{seq}")
+    deadline = time.monotonic() + r.collective_timeout
+    while True:
+        reason = r.abort_reason()
+        if reason:
+            raise HorovodInternalError(f"join() abandoned: round {r.number} was aborted ({reason})")
+        try:
+            r.store.wait([key], timedelta(seconds=_WAIT_SLICE))
+            return pickle.loads(r.store.get(key))
+        except Exception as exc:  # a slice that timed out (or an aborted round's refusal)
+            if time.monotonic() > deadline:
+                raise CollectiveTimeout(f"join(): no operation from the other ranks within the collective "
+                                        f"timeout ({r.collective_timeout:g} s): {exc}") from None
+
+
+def _mirror(r: Round, desc: tuple[Any, ...]) -> None:
+    """Take part in the operation ``desc`` describes, contributing nothing."""
+    kind = desc[0]
+    what = f"join: {kind}"
+    if kind == "allreduce":
+        _, shape, dtype, op = desc
+        t = _identity(shape, dtype, op)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _OPS[op]
+        work = collectives.issue(r, lambda pg: pg.allreduce([t], opts), what, desc)
+    elif kind == "broadcast":
+        _, shape, dtype, root = desc
+        if root == r.rank:
+            raise ValueError("a broadcast from a rank that has called join(): the joined rank has no data to send")
+        t = torch.empty(shape, dtype=dtype)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = root, 0
+        work = collectives.issue(r, lambda pg: pg.broadcast([t], opts), what, desc)
+    elif kind == "allgather":
+        _, shape, dtype = desc
+        t = torch.zeros(shape, dtype=dtype)
+        outputs = [torch.empty_like(t) for _ in range(r.size)]
+        work = collectives.issue(r, lambda pg: pg.allgather([outputs], [t]), what, desc)
+    elif kind == "alltoall":
+        _, rest, dtype, matrix = desc
+        row = list(matrix[r.rank])
+        col = [matrix[i][r.rank] for i in range(r.size)]
+        inp = torch.zeros((sum(row),) + tuple(rest), dtype=dtype)
+        out = torch.empty((sum(col),) + tuple(rest), dtype=dtype)
+        opts = dist.AllToAllOptions()
+        work = collectives.issue(r, lambda pg: pg.alltoall_base(out, inp, col, row, opts), what, desc)
+    else:
+        raise ValueError(f"join(): the other ranks ran an operation a joined rank cannot take part in: {desc!r}")
+    collectives.wait(r, work, what)
+
+
+def join(device: int = -1) -> int:
+    """Stop contributing data: take part in the other ranks' collectives (with zeros) until
+    every rank has called ``join()``; return the rank that joined last. ``device`` is
+    accepted for Horovod compatibility (zeros are made on the CPU)."""
+    del device
+    r = rounds.current()
+    if r.size == 1:
+        return r.rank
+    if r.store is None:
+        raise HorovodInternalError("join() needs the round's store; this round has none")
+    store = r.store
+    gen = r.join_gen
+    seq = r.calls
+    try:
+        count = store.add(collectives.join_key(f"{gen}/count"), 1)
+        if count == 1:
+            store.set(collectives.join_key(f"{gen}/first"), str(seq))
+        if count == r.size:  # the last one: everyone else waits at this very operation
+            store.set(collectives.join_key(f"op{seq}"), pickle.dumps(("end", r.rank)))
+    except Exception as exc:
+        raise HorovodInternalError(f"join() could not reach the round's store: {exc}") from exc
+    r.joined = True
+    try:
+        while True:
+            desc = _next(r, r.calls)
+            if desc[0] == "end":
+                return int(desc[1])
+            _mirror(r, desc)
+    finally:
+        r.joined = False
+        r.join_active = False
+        r.join_gen = gen + 1
