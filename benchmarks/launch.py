@@ -42,7 +42,8 @@ import time
 HERE = os.path.abspath(__file__)
 
 
-def worker(steps: int) -> None:
+def _job():
+    """The tiny model both workers train: (hvd, F, model, optimizer, state, x, y)."""
     import torch
     import torch.nn.functional as F
 
@@ -54,7 +55,12 @@ def worker(steps: int) -> None:
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters())
     state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
-    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    return hvd, F, model, opt, state, torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+
+def worker(steps: int) -> None:
+    """The launch jobs' worker: prints when its first step is done, stops after ``steps``."""
+    hvd, F, model, opt, state, x, y = _job()
 
     @hvd.elastic.run
     def train(state):
@@ -72,30 +78,17 @@ def worker(steps: int) -> None:
 
 def loop_worker(stop_file: str) -> None:
     """The addition jobs' worker: trains until ``stop_file`` exists."""
-    import torch
-    import torch.nn.functional as F
-
-    import elasticrun.torch as hvd
-
-    torch.set_num_threads(1)
-    hvd.init()
-    model = torch.nn.Linear(16, 4)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters())
-    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
-    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    hvd, F, model, opt, state, x, y = _job()
 
     @hvd.elastic.run
     def train(state):
-        while True:
+        while not (state.step % 20 == 0 and state.step and os.path.exists(stop_file)):
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
             state.step += 1
             time.sleep(0.01)
             state.commit()
-            if state.step % 20 == 0 and os.path.exists(stop_file):
-                return
 
     train(state)
 
