@@ -29,6 +29,7 @@ import pickle
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import cloudpickle
@@ -68,6 +69,11 @@ _TORCH_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MIN: "min", dist.Redu
 _POLL = 0.0001
 _SLOW_POLL = 0.001
 _SLOW_AFTER = 0.05
+# A gloo work is waited on in slices instead (a blocking wait with a timeout, woken as soon as
+# it completes): no sleep overshoot on short collectives, and the abort and join checks still
+# run at least every slice. A slice that ends early raises "timed out" and leaves the work
+# running; a real failure shows as a completed work whose wait() raises (below).
+_SLICE = timedelta(milliseconds=1)
 # A collective waiting this long looks (on the round's store) whether a peer called join()
 # and now waits for descriptors; then again after as long as it has waited, at most 0.2 s.
 _JOIN_CHECK = 0.01
@@ -103,7 +109,13 @@ def _wait(r: Round, work: Any, what: str) -> None:
         if now > check:
             check = now + min(_JOIN_CHECK_MAX, now - start)
             _look_for_join(r)
-        time.sleep(_POLL if now - start < _SLOW_AFTER else _SLOW_POLL)
+        if isinstance(work, dist.Work):
+            try:
+                work.wait(_SLICE)
+            except Exception:  # the slice ended (or the work failed: is_completed() says so)
+                pass
+        else:
+            time.sleep(_POLL if now - start < _SLOW_AFTER else _SLOW_POLL)
     try:
         work.wait()
     except Exception as exc:  # gloo reports a dead peer as RuntimeError / DistBackendError
