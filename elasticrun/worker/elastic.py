@@ -156,13 +156,17 @@ class ObjectState(State):
         return {"objects": dict(self._saved_state)}
 
     def load_durable_state(self, saved: dict[str, Any]) -> None:
+        self._load_durable_objects(saved)
+        self._save_objects()
+
+    def _load_durable_objects(self, saved: dict[str, Any]) -> None:
+        """Set the plain attributes from a durable copy; refuse a copy that lacks one."""
         objects = saved.get("objects", {})
         missing = [k for k in self._object_keys if k not in objects]
         if missing:
             raise durable.DurableMismatch(f"attribute {missing[0]!r} of the state is not in the durable copy")
         for name in self._object_keys:
             setattr(self, name, objects[name])
-        self._save_objects()
 
 
 def run(func: F) -> F:

@@ -186,12 +186,7 @@ class TorchState(ObjectState):
                 h.value.load_state_dict(handlers[name])
             except (KeyError, ValueError, RuntimeError, TypeError) as exc:
                 raise durable.DurableMismatch(f"{name}: {str(exc).splitlines()[0][:300]}") from None
-        objects = saved.get("objects", {})
-        missing = [k for k in self._object_keys if k not in objects]
-        if missing:
-            raise durable.DurableMismatch(f"attribute {missing[0]!r} of the state is not in the durable copy")
-        for name in self._object_keys:
-            setattr(self, name, objects[name])
+        self._load_durable_objects(saved)
         self._save_local()  # the commit is the durable copy now
 
     def restore(self) -> None:
