@@ -6,6 +6,7 @@ and anything they start inherit it, so after the job a scan of /proc finds every
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import pytest
 
@@ -40,6 +42,19 @@ def tagged_pids(tag: str) -> list[int]:
             continue
     return found
 
+
+
+def assert_each_sample_once(history: Iterable[dict], epochs: int, samples: int) -> None:
+    """Every index of every epoch appears exactly once in the committed sample entries
+    (``{"epoch", "indices"}`` each), and the history covers epochs 0..epochs-1."""
+    per_epoch: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    for e in history:
+        per_epoch[e["epoch"]].update(e["indices"])
+    assert sorted(per_epoch) == list(range(epochs))
+    for epoch, counts in per_epoch.items():
+        missing = sorted(set(range(samples)) - set(counts))
+        repeated = sorted(i for i, n in counts.items() if n > 1)
+        assert not missing and not repeated, f"epoch {epoch}: missing {missing}, repeated {repeated}"
 
 def assert_nothing_left(tag: str, within: float = 10.0) -> None:
     deadline = time.monotonic() + within

@@ -9,7 +9,6 @@ left out of the committed history, and must be trained again, exactly once.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import signal
@@ -18,8 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import PROGRESS_DISCOVERY, SCRIPTS, assert_nothing_left
+from conftest import (
+    PROGRESS_DISCOVERY,
+    SCRIPTS,
+    assert_each_sample_once,
+    assert_nothing_left,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -35,14 +38,7 @@ def events(path: Path) -> list[dict]:
 
 
 def assert_exactly_once(history: list[dict]) -> None:
-    per_epoch: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-    for e in history:
-        per_epoch[e["epoch"]].update(e["indices"])
-    assert sorted(per_epoch) == list(range(EPOCHS))
-    for epoch, counts in per_epoch.items():
-        missing = sorted(set(range(SAMPLES)) - set(counts))
-        repeated = sorted(i for i, n in counts.items() if n > 1)
-        assert not missing and not repeated, f"epoch {epoch}: missing {missing}, repeated {repeated}"
+    assert_each_sample_once(history, EPOCHS, SAMPLES)
 
 
 def sample_cmd(job, *extra: str) -> list[str]:

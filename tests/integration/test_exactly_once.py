@@ -2,40 +2,28 @@
 
 from __future__ import annotations
 
-import collections
 import json
 import sys
 
 import pytest
-
-from conftest import PROGRESS_DISCOVERY, SCRIPTS
+from conftest import PROGRESS_DISCOVERY, SCRIPTS, assert_each_sample_once
 
 pytestmark = pytest.mark.timeout(240)
 
 SAMPLES, EPOCHS = 240, 3
 
 
-def committed(log_dir) -> dict[int, collections.Counter]:
-    """Per epoch, how many times each index appears in the committed history of all workers."""
-    per_epoch: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-    for path in log_dir.glob("samples-*.jsonl"):
-        for line in path.read_text().splitlines():
-            entry = json.loads(line)
-            per_epoch[entry["epoch"]].update(entry["indices"])
-    return per_epoch
+def committed(log_dir) -> list[dict]:
+    """The committed sample entries of all workers."""
+    return [json.loads(line) for path in log_dir.glob("samples-*.jsonl") for line in path.read_text().splitlines()]
 
 
 def sizes_seen(log_dir) -> set[int]:
-    return {json.loads(line)["size"] for p in log_dir.glob("samples-*.jsonl") for line in p.read_text().splitlines()}
+    return {e["size"] for e in committed(log_dir)}
 
 
 def assert_exactly_once(log_dir) -> None:
-    per_epoch = committed(log_dir)
-    assert sorted(per_epoch) == list(range(EPOCHS))
-    for epoch, counts in per_epoch.items():
-        missing = sorted(set(range(SAMPLES)) - set(counts))
-        repeated = sorted(i for i, n in counts.items() if n > 1)
-        assert not missing and not repeated, f"epoch {epoch}: missing {missing}, repeated {repeated}"
+    assert_each_sample_once(committed(log_dir), EPOCHS, SAMPLES)
 
 
 def sample_cmd(job, *extra: str) -> list[str]:
@@ -126,7 +114,7 @@ def test_rolling_replacement_hands_the_state_over(job):
     # The hand-over round may take no step of its own (the leavers' removal is applied at the
     # very next step), so what proves the hand-over is that the newcomers' round 2 trained on
     # from the old state: samples from rounds 0 and 2, and every sample exactly once.
-    logged = [json.loads(line) for p in (job.tmp / "samples").glob("samples-*.jsonl") for line in p.read_text().splitlines()]
+    logged = committed(job.tmp / "samples")
     assert {e["round"] for e in logged} >= {0, 2}, sorted({(e["round"], e["size"]) for e in logged})
     assert {e["size"] for e in logged} <= {2, 3}
     assert_exactly_once(job.tmp / "samples")

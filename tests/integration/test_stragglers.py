@@ -12,14 +12,13 @@ steps per second before the straggler appears, while it drags and after its evic
 
 from __future__ import annotations
 
-import collections
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS
+from conftest import SCRIPTS, assert_each_sample_once
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,14 +40,7 @@ def events(path: Path) -> list[dict]:
 
 
 def assert_exactly_once(history: list[dict], epochs: int) -> None:
-    per_epoch: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-    for e in history:
-        per_epoch[e["epoch"]].update(e["indices"])
-    assert sorted(per_epoch) == list(range(epochs))
-    for epoch, counts in per_epoch.items():
-        missing = sorted(set(range(SAMPLES)) - set(counts))
-        repeated = sorted(i for i, n in counts.items() if n > 1)
-        assert not missing and not repeated, f"epoch {epoch}: missing {missing}, repeated {repeated}"
+    assert_each_sample_once(history, epochs, SAMPLES)
 
 
 def run(job, epochs: int, *flags: str, slow: str | None = SLOW):
