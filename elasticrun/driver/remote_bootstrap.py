@@ -186,6 +186,32 @@ def stop_on_signals(stop: threading.Event) -> None:
         signal.signal(sig, lambda *_: stop.set())
 
 
+def killpg(pgid: int, sig: int) -> None:
+    """Signal a process group that may be gone already."""
+    try:
+        os.killpg(pgid, sig)
+    except OSError:
+        pass
+
+
+def until_stopped(stop: threading.Event, waiter: Callable[[], None], name: str, driver_fd: int) -> None:
+    """Run ``waiter`` (which sets ``stop`` once the worker is done) and a reader of ``driver_fd``
+    (which sets it at EOF: the driver's connection is gone, or it closed this channel) on
+    daemon threads; return once ``stop`` is set, by either or by a signal."""
+    def watch_driver() -> None:
+        try:
+            while os.read(driver_fd, 4096):
+                pass
+        except OSError:
+            pass
+        stop.set()
+
+    threading.Thread(target=waiter, name=name, daemon=True).start()
+    threading.Thread(target=watch_driver, name="bootstrap-driver", daemon=True).start()
+    while not stop.wait(1.0):
+        pass
+
+
 def watch(pid: int, grace: float, stop: threading.Event, driver_fd: int = 0) -> Optional[int]:
     """Wait for the worker ``pid`` to exit, ``driver_fd`` to reach EOF or ``stop``; then clean up.
 
@@ -199,31 +225,13 @@ def watch(pid: int, grace: float, stop: threading.Event, driver_fd: int = 0) -> 
         status.append(os.waitpid(pid, 0)[1])
         stop.set()
 
-    def watch_driver() -> None:
-        try:
-            while os.read(driver_fd, 4096):
-                pass
-        except OSError:
-            pass
-        stop.set()  # EOF: the driver's connection is gone (or it closed this channel)
-
-    threading.Thread(target=wait_child, name="bootstrap-wait", daemon=True).start()
-    threading.Thread(target=watch_driver, name="bootstrap-driver", daemon=True).start()
-    while not stop.wait(1.0):
-        pass
-
-    def killpg(sig: int) -> None:
-        try:
-            os.killpg(pid, sig)
-        except OSError:
-            pass
-
+    until_stopped(stop, wait_child, "bootstrap-wait", driver_fd)
     if not status:  # asked to stop, or the driver is gone: SIGTERM the group, SIGKILL after grace
-        killpg(signal.SIGTERM)
+        killpg(pid, signal.SIGTERM)
         deadline = time.time() + grace
         while not status and time.time() < deadline:
             time.sleep(0.02)
-    killpg(signal.SIGKILL)  # whatever is left of the group: the worker's own children too
+    killpg(pid, signal.SIGKILL)  # whatever is left of the group: the worker's own children too
     deadline = time.time() + REAP_SECONDS
     while not status and time.time() < deadline:
         time.sleep(0.02)
@@ -301,29 +309,11 @@ def watch_warm(pid: int, conn: socket.socket, rest: bytes, grace: float, stop: t
         gone.set()
         stop.set()
 
-    def watch_driver() -> None:
-        try:
-            while os.read(driver_fd, 4096):
-                pass
-        except OSError:
-            pass
-        stop.set()
-
-    threading.Thread(target=wait_template, name="bootstrap-template", daemon=True).start()
-    threading.Thread(target=watch_driver, name="bootstrap-driver", daemon=True).start()
-    while not stop.wait(1.0):
-        pass
-
-    def killpg(sig: int) -> None:
-        try:
-            os.killpg(pid, sig)
-        except OSError:
-            pass
-
+    until_stopped(stop, wait_template, "bootstrap-template", driver_fd)
     if not gone.is_set():  # asked to stop, or the driver is gone
-        killpg(signal.SIGTERM)
+        killpg(pid, signal.SIGTERM)
         gone.wait(grace)
-    killpg(signal.SIGKILL)  # whatever is left of the group
+    killpg(pid, signal.SIGKILL)  # whatever is left of the group
     gone.wait(REAP_SECONDS)
     conn.close()
     return status[0] if status else None
