@@ -25,6 +25,7 @@ The op constants are Horovod's integers (``hvd.Average`` is 0, ``hvd.Sum`` 1, ``
 from __future__ import annotations
 
 import ctypes
+import math
 import pickle
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from elasticrun.worker import adasum, process_sets, rounds, trace
+from elasticrun.worker import adasum, capacities, process_sets, rounds, trace
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
 from elasticrun.worker.process_sets import ProcessSet, global_process_set
 from elasticrun.worker.rounds import Round
@@ -109,9 +110,10 @@ def _wait(r: Round, work: Any, what: str) -> None:
         if now > check:
             check = now + min(_JOIN_CHECK_MAX, now - start)
             _look_for_join(r)
-        if isinstance(work, dist.Work):
+        target = work.pending() if isinstance(work, _Works) else work
+        if isinstance(target, dist.Work):
             try:
-                work.wait(_SLICE)
+                target.wait(_SLICE)
             except Exception:  # the slice ended (or the work failed: is_completed() says so)
                 pass
         else:
@@ -182,6 +184,10 @@ class _Works:
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
+
+    def pending(self) -> Any:
+        """The first work still running (waited on in slices like a single one)."""
+        return next((w for w in self.works if not w.is_completed()), None)
 
     def wait(self) -> None:
         for w in self.works:
@@ -429,17 +435,17 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: in
     if op not in (Average, Sum):
         raise ValueError("sparse allreduce supports op=Average or op=Sum")
     t = tensor
-    indices = allgather_async(t._indices().t().contiguous(), f"{name}.indices", process_set)
-    values = allgather_async(t._values().contiguous(), f"{name}.values", process_set)
+    what = f"sparse allreduce {name or tuple(t.shape)}"
+    # indices and values share one exchange of their (equal) row counts
+    gathered = grouped_allgather_async([t._indices().t().contiguous(), t._values().contiguous()], name, process_set)
     size = len(process_sets.members(process_set, rounds.current()))
 
     def finish() -> torch.Tensor:
-        v = synchronize(values)
-        i = synchronize(indices)
+        i, v = synchronize(gathered)
         if op == Average:
             v = v / size
         return torch.sparse_coo_tensor(i.t(), v, t.size())
-    return _handle(_Works([indices.work, values.work]), f"sparse allreduce {name or tuple(t.shape)}", finish)
+    return _handle(gathered.work, what, finish)
 
 
 # --------------------------------------------------------------------------- Adasum
@@ -550,7 +556,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 # --------------------------------------------------------------------------- allgather
 
 
-def _allgather_same(tensor: torch.Tensor, what: str, process_set: ProcessSet | None = None) -> list[torch.Tensor]:
+def allgather_same(tensor: torch.Tensor, what: str, process_set: ProcessSet | None = None) -> list[torch.Tensor]:
     """Gather equally shaped tensors and wait; one tensor per member, in member order."""
     h = _allgather_same_async(tensor, what, process_set)
     return synchronize(h)
@@ -574,26 +580,132 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1) if t.dim() == 0 else t
 
 
+#: dtypes gloo's allgather and alltoall take as they are; others (complex, int16, float8, ...)
+#: travel as their bytes.
+_GLOO_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+                          torch.int32, torch.int64, torch.bool})
+
+
+def _wire(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """What a contiguous tensor goes over gloo as, and how many of its units one row is: the
+    tensor itself (a row is a row) when gloo takes its dtype, else a flat uint8 view of its
+    bytes (no copy; a dtype view costs ~10 us, so only when needed)."""
+    if t.dtype in _GLOO_DTYPES:
+        return t, 1
+    return t.reshape(-1).view(torch.uint8), math.prod(t.shape[1:]) * t.element_size()
+
+
+def _segment(t: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    """Rows ``[start, start + rows)`` of ``t``, zero-padded to ``rows`` where ``t`` ends first
+    (``t`` itself when that is all of it)."""
+    have = max(0, min(t.shape[0] - start, rows))
+    if have == rows:
+        return t if start == 0 and rows == t.shape[0] else t[start:start + rows]
+    out = t.new_zeros((rows,) + tuple(t.shape[1:]))
+    out[:have] = t[start:start + have]
+    return out
+
+
+def _capacities(r: Round, group_key: tuple[int, ...]) -> capacities.Capacities:
+    caps = r.capacities.get(group_key)
+    if caps is None:
+        caps = r.capacities[group_key] = capacities.Capacities()
+    return caps
+
+
+@dataclass
+class _Group:
+    """Where a collective runs: the round's group (``pg`` None) or a process set's."""
+
+    pg: Any
+    size: int
+    me: int
+    key: tuple[int, ...]  # () for the round's group, the members for a process set's
+
+
+def _where(r: Round, process_set: ProcessSet | None) -> _Group:
+    if _is_global(process_set):
+        return _Group(None, r.size, r.rank, ())
+    pg, me, size, members = _group(r, process_set)  # type: ignore[arg-type]
+    return _Group(pg, size, me, members)
+
+
+def _on(r: Round, g: _Group, start: Callable[[Any], Any], what: str, desc: tuple[Any, ...]) -> Any:
+    """Issue on the group of ``g``; descriptors only for the round's (joined ranks answer those)."""
+    return _issue(r, start, what, desc) if g.pg is None else _issue(r, start, what, pg=g.pg)
+
+
+class _Tag:
+    """Descriptors of an exchange made of several operations: the first one issued carries
+    the exchange's own (a joined rank reads it and runs the whole exchange itself, with no
+    rows); the later ones are marked as its parts, which nobody reads."""
+
+    def __init__(self, desc: tuple[Any, ...]) -> None:
+        self._desc = desc
+
+    def __call__(self) -> tuple[Any, ...]:
+        desc, self._desc = self._desc, ("part of", self._desc[0])
+        return desc
+
+
+def _gather_bytes(r: Round, g: _Group, t: torch.Tensor, rows: int, start: int, what: str,
+                  tag: _Tag) -> tuple[torch.Tensor, Any]:
+    """Start gathering rows ``[start, start + rows)`` of ``t`` (padded) from every member: the
+    output holds ``rows`` rows per member, in member order."""
+    out = t.new_empty((g.size * rows,) + tuple(t.shape[1:]))
+    (send, _), (recv, _) = _wire(_segment(t, start, rows)), _wire(out)
+    work = _on(r, g, lambda pg: pg._allgather_base(recv, send), what, tag())
+    return out, work
+
+
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> Handle:
     """Start concatenating each tensor of ``tensors`` from every rank along dim 0 (first
-    dimensions may differ per rank); one exchange of the row counts for all of them."""
-    ts = [_rows(t) for t in tensors]
+    dimensions may differ per rank).
+
+    The rows go out at once, up to the agreed capacities of ``worker/capacities.py``, beside
+    one small exchange of every rank's row counts; only rows past a capacity wait for those
+    counts (a second exchange). So a gather whose shapes repeat costs one round trip."""
+    ts = [_rows(t).contiguous() for t in tensors]
     what = f"allgather {name or [tuple(t.shape) for t in ts]}"
+    r = rounds.current()
+    g = _where(r, process_set)
+    key = ("allgather", name, tuple((t.dtype, tuple(t.shape[1:])) for t in ts))
+    cache = _capacities(r, g.key)
+    caps = cache.get(key) or (0,) * len(ts)
     counts = torch.tensor([t.shape[0] for t in ts], dtype=torch.int64)
-    table = [c.tolist() for c in _allgather_same(counts, what + ".size", process_set)]  # [member][tensor]
-    handles, trims = [], []
-    for k, t in enumerate(ts):
-        per_rank = [row[k] for row in table]
-        longest = max(per_rank)
-        if t.shape[0] < longest:  # gloo needs equal shapes: pad, gather, then trim
-            t = torch.cat([t, t.new_zeros((longest - t.shape[0],) + tuple(t.shape[1:]))])
-        handles.append(_allgather_same_async(t, what, process_set))
-        trims.append(per_rank)
+    table_out = torch.empty(g.size * len(ts), dtype=torch.int64)
+    tag = _Tag(("vgather", name, tuple(t.dtype for t in ts), tuple(tuple(t.shape[1:]) for t in ts)))
+    # the capped rows first, then the counts: both run at once (issued the other way round,
+    # the rows wait behind the counts' round trip on 2 ranks of a 2-core machine)
+    first = [_gather_bytes(r, g, t, cap, 0, what, tag) if cap else None for t, cap in zip(ts, caps)]
+    head = _on(r, g, lambda pg: pg._allgather_base(table_out, counts), what + ".sizes", tag())
+    _wait(r, head, what + ".sizes")
+    flat = table_out.tolist()
+    table = [flat[i:i + len(ts)] for i in range(0, len(flat), len(ts))]  # [member][tensor]
+    new_caps = capacities.gather_capacities(table)
+    rests = capacities.beyond(new_caps, caps)
+    second = [_gather_bytes(r, g, t, rest, cap, what, tag) if rest else None
+              for t, cap, rest in zip(ts, caps, rests)]
+    cache.put(key, new_caps)
+    works = [w for part in first + second if part is not None for w in part[1:]]
 
     def finish() -> list[torch.Tensor]:
-        return [torch.cat([p[:n] for p, n in zip(synchronize(h), per_rank)]) for h, per_rank in zip(handles, trims)]
-    return _handle(_Works([h.work for h in handles]), what, finish)
+        results = []
+        for k, t in enumerate(ts):
+            per_rank = [row[k] for row in table]
+            if first[k] is not None and not rests[k] and all(n == caps[k] for n in per_rank):
+                results.append(first[k][0])  # every rank filled its capacity: the output is the result
+                continue
+            chunks = []
+            for i, (a, b) in enumerate(capacities.pieces(per_rank, caps[k], rests[k])):
+                if a:
+                    chunks.append(first[k][0][i * caps[k]:i * caps[k] + a])
+                if b:
+                    chunks.append(second[k][0][i * rests[k]:i * rests[k] + b])
+            results.append(torch.cat(chunks) if chunks else t.new_empty((0,) + tuple(t.shape[1:])))
+        return results
+    return _handle(_Works(works) if works else _DONE, what, finish)
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -604,7 +716,7 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start concatenating ``tensor`` from every rank along dim 0; first dimensions may differ."""
-    inner = grouped_allgather_async([tensor], name or f"{tuple(tensor.shape)}", process_set)
+    inner = grouped_allgather_async([tensor], name, process_set)
     return _handle(inner.work, inner.what, lambda: synchronize(inner)[0])
 
 
@@ -621,35 +733,38 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
                    name: str | None = None, process_set: ProcessSet = global_process_set) -> Handle:
     """Start sending ``splits[i]`` rows of ``tensor`` (in order) to member ``i`` and receiving what
     every member sends here; ``synchronize`` returns ``(output, received_splits)``. Without
-    ``splits`` the rows are split evenly (the first ranks one more). The row counts are
-    exchanged first (one small allgather), then the rows (one alltoall)."""
+    ``splits`` the rows are split evenly (the first ranks one more).
+
+    Each member first learns how many rows it receives (a small alltoall of the splits), then
+    the rows follow in an alltoall of exactly those sizes. Unlike allgather, the rows do not
+    go out beside the counts (``worker/capacities.py``): on a 2-core machine two alltoalls in
+    flight at once cost more than one after the other (p50 1.11 ms against 0.87 for 1 MiB)."""
     r = rounds.current()
-    members = process_sets.members(process_set, r)
-    size = len(members)
+    g = _where(r, process_set)
     t = _rows(tensor).contiguous()
     what = f"alltoall {name or tuple(t.shape)}"
     if splits is None:
-        sends = _even_split(t.shape[0], size)
+        sends = _even_split(t.shape[0], g.size)
         splits_dtype = torch.int32
     else:
         splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
         sends = [int(x) for x in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-        if len(sends) != size or any(x < 0 for x in sends) or sum(sends) != t.shape[0]:
-            raise ValueError(f"alltoall splits {sends} must be {size} non-negative counts adding up to the "
+        if len(sends) != g.size or any(x < 0 for x in sends) or sum(sends) != t.shape[0]:
+            raise ValueError(f"alltoall splits {sends} must be {g.size} non-negative counts adding up to the "
                              f"first dimension of the tensor ({t.shape[0]})")
-    table = [row.tolist() for row in _allgather_same(torch.tensor(sends, dtype=torch.int64), what + ".splits",
-                                                     process_set)]
-    me = members.index(r.rank)
-    recv = [table[i][me] for i in range(size)]
-    out = t.new_empty((sum(recv),) + tuple(t.shape[1:]))
+    rest_shape = tuple(t.shape[1:])
     opts = dist.AllToAllOptions()
-    if _is_global(process_set):
-        work = _issue(r, lambda pg: pg.alltoall_base(out, t, recv, sends, opts), what,
-                      ("alltoall", tuple(t.shape[1:]), t.dtype, tuple(tuple(row) for row in table)))
-    else:
-        pg, _, _, _ = _group(r, process_set)
-        work = _issue(r, lambda g: g.alltoall_base(out, t, recv, sends, opts), what, pg=pg)
-    return _handle(work, what, lambda: (out, torch.tensor(recv, dtype=splits_dtype)))
+    ones = [1] * g.size
+    counts, received_t = torch.tensor(sends, dtype=torch.int64), torch.empty(g.size, dtype=torch.int64)
+    tag = _Tag(("valltoall", name, t.dtype, rest_shape))
+    _wait(r, _on(r, g, lambda pg: pg.alltoall_base(received_t, counts, ones, ones, opts), what + ".splits", tag()),
+          what + ".splits")
+    received = received_t.tolist()
+    out = t.new_empty((sum(received),) + rest_shape)
+    (send, row), (recv, _) = _wire(t), _wire(out)
+    sb, rb = ([n * row for n in sends], [n * row for n in received]) if row != 1 else (sends, received)
+    work = _on(r, g, lambda pg: pg.alltoall_base(recv, send, rb, sb, opts), what, tag())
+    return _handle(work, what, lambda: (out, received_t.to(splits_dtype)))
 
 
 def _reducescatter_issue(tensor: torch.Tensor, what: str, op: int, prescale: float,
@@ -735,10 +850,10 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     """Gather a picklable object from every rank into a list ordered by rank. A rank in
     ``join()`` contributes None."""
     data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
-    counts = [int(c.item()) for c in _allgather_same(torch.tensor([data.numel()], dtype=torch.int64),
+    counts = [int(c.item()) for c in allgather_same(torch.tensor([data.numel()], dtype=torch.int64),
                                                    f"{name or 'allgather_object'}.size", process_set)]
     padded = torch.cat([data, data.new_zeros(max(counts) - data.numel())])
-    parts = _allgather_same(padded, name or "allgather_object", process_set)
+    parts = allgather_same(padded, name or "allgather_object", process_set)
     return [cloudpickle.loads(_bytes(p[:n])) if n else None for p, n in zip(parts, counts)]
 
 

@@ -94,7 +94,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
 def _own_rows(grad: torch.Tensor, rows: int, process_set: ProcessSet) -> torch.Tensor:
     """This rank's rows of an allgathered gradient (Horovod: averaged over the ranks first)."""
     reduced = collectives.allreduce_(grad.contiguous().clone(), op=Average, process_set=process_set)
-    counts = collectives.grouped_allgather([torch.tensor([rows], dtype=torch.int64)], "grad.rows", process_set)[0]
+    counts = torch.cat(collectives.allgather_same(torch.tensor([rows], dtype=torch.int64), "grad.rows", process_set))
     me = _position(process_set)
     offset = int(counts[:me].sum()) if me else 0
     return reduced.narrow(0, offset, rows)

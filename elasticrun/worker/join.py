@@ -97,6 +97,16 @@ def _mirror(r: Round, desc: tuple[Any, ...]) -> None:
         t = torch.zeros(shape, dtype=dtype)
         outputs = [torch.empty_like(t) for _ in range(r.size)]
         work = collectives.issue(r, lambda pg: pg.allgather([outputs], [t]), what, desc)
+    elif kind == "vgather":  # a variable-size allgather: take part in its whole exchange, with no rows
+        _, name, dtypes, rests = desc
+        collectives.synchronize(collectives.grouped_allgather_async(
+            [torch.zeros((0,) + tuple(rest), dtype=dtype) for dtype, rest in zip(dtypes, rests)], name))
+        return
+    elif kind == "valltoall":
+        _, name, dtype, rest = desc
+        collectives.synchronize(collectives.alltoall_async(torch.zeros((0,) + tuple(rest), dtype=dtype),
+                                                           [0] * r.size, name))
+        return
     elif kind == "alltoall":
         _, rest, dtype, matrix = desc
         row = list(matrix[r.rank])

@@ -23,6 +23,7 @@ from elasticrun.common.events import Kind
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from elasticrun.worker.capacities import Capacities
     from elasticrun.worker.durable import CopyRequests
     from elasticrun.worker.host_updates import HostUpdates
 
@@ -43,7 +44,7 @@ class Round:
 
     __slots__ = ("number", "rank", "size", "pg", "collective_timeout", "host_updates", "copy_requests", "copy_busy",
                  "step_done", "awaiting_first_step", "store", "subgroups", "calls", "log", "join_gen", "join_active",
-                 "joined", "_aborted", "_emit", "__weakref__")
+                 "joined", "capacities", "_aborted", "_emit", "__weakref__")
 
     def __init__(self, number: int, rank: int, size: int, *, collective_timeout: float,
                  host_updates: HostUpdates, aborted: Mapping[int, str],
@@ -78,6 +79,9 @@ class Round:
         self.join_gen = 0  # join() calls completed in this round
         self.join_active = False  # some rank has joined: publish every operation's descriptor
         self.joined = False  # this rank is in join(), mirroring the others' operations
+        #: Agreed row capacities of the variable-size collectives, per group (() for the
+        #: round's, the member ranks for a process set's): see worker/capacities.py.
+        self.capacities: dict[tuple[int, ...], Capacities] = {}
         self._aborted = aborted  # round number -> reason, written by the runtime's control thread
         self._emit = emit
 

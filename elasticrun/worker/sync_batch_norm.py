@@ -36,7 +36,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
         mean = xf.mean(dims) if count else xf.new_zeros(c)
         m2 = ((xf - mean.view(1, c, *[1] * (x.dim() - 2))) ** 2).sum(dims) if count else xf.new_zeros(c)
         stats = torch.cat([mean.new_full((1,), float(count)), mean, m2]).view(1, 2 * c + 1)
-        gathered = collectives.synchronize(collectives.allgather_async(stats.double(), "sync_batch_norm.stats"))
+        # every rank's statistics have this shape: gather them as they are (no row counts to exchange)
+        gathered = torch.cat(collectives.allgather_same(stats.double(), "sync_batch_norm.stats"))
         counts, means, m2s = gathered[:, 0], gathered[:, 1:c + 1], gathered[:, c + 1:]
         total = counts.sum()
         if total <= 1:
