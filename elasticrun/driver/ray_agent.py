@@ -119,7 +119,15 @@ class WorkerAgent:
                                     cwd="/", start_new_session=True)
         except OSError as exc:
             return {"error": "exec", "detail": f"cannot start {sys.executable}: {exc.strerror or exc}"}
-        proc.wait()  # the intermediate exits at once; the detached watchdog keeps the pipes
+        try:  # the intermediate only forks and exits; the detached watchdog keeps the pipes
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+            return {"error": "exec", "detail": f"{sys.executable} did not start the watchdog within {timeout:g} s "
+                                              f"(is the node out of memory or processes?)"}
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         self._stdin = proc.stdin
         threading.Thread(target=self._read_stdout, args=(proc.stdout,), name="elasticrun-agent-stdout",
