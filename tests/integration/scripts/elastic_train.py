@@ -55,8 +55,8 @@ def maybe_fail(epoch: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "exit":
             os._exit(3)
-        if mode == "stall":  # alive and heartbeating, but late to its next collective
-            time.sleep(4)
+        if mode == "stall":  # alive and heartbeating, but late to its next collective (by far more
+            time.sleep(8)    # than the test's 2 s collective timeout, however slow the machine)
             return
         if mode == "sigstop":  # hung: alive but silent
             os.kill(os.getpid(), signal.SIGSTOP)
