@@ -13,7 +13,7 @@ extra round trip (what every call cost before), never a mismatch.
 Capacities stay agreed because every rank of a group issues the same collectives in the same
 order (gloo requires it), every rank sees every count, and the next capacity of a tensor is
 the largest count of the call (so a fixed-shape gather pays nothing, and a smaller last batch
-pads at most one call). A rank in ``join()`` runs the same exchange with no rows, so it keeps
+pads at most one call). Rows beyond :data:`SPECULATE_BYTES` per rank are never sent ahead. A rank in ``join()`` runs the same exchange with no rows, so it keeps
 the same capacities as the others.
 
 Keys are (name, dtypes and trailing shapes) within one group of one round; a new round
@@ -34,11 +34,16 @@ import collections
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-__all__ = ["LIMIT", "Capacities", "beyond", "gather_capacities", "pieces"]
+__all__ = ["LIMIT", "SPECULATE_BYTES", "Capacities", "beyond", "gather_capacities", "pieces", "usable"]
 
 #: Keys one group remembers; a job alternating more distinct gathers than this pays the size
 #: round trip for them, as without capacities.
 LIMIT = 1024
+#: The most one rank sends ahead of the counts for one tensor. Past it the round trip saved is
+#: a small part of the transfer, while rows sent (and a buffer of members x capacity received)
+#: for a count that shrank would not be: one huge gather must not make the next small one
+#: allocate and move as much again.
+SPECULATE_BYTES = 16 << 20
 
 
 class Capacities:
@@ -63,6 +68,12 @@ class Capacities:
 
     def __len__(self) -> int:
         return len(self._caps)
+
+
+def usable(caps: Sequence[int], row_bytes: Sequence[int]) -> tuple[int, ...]:
+    """The capacities to send ahead with: each stored one, or 0 (wait for the counts) where its
+    rows would exceed :data:`SPECULATE_BYTES`."""
+    return tuple(c if c * b <= SPECULATE_BYTES else 0 for c, b in zip(caps, row_bytes))
 
 
 def beyond(counts: Sequence[int], caps: Sequence[int]) -> list[int]:

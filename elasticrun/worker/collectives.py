@@ -672,7 +672,8 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     g = _where(r, process_set)
     key = ("allgather", name, tuple((t.dtype, tuple(t.shape[1:])) for t in ts))
     cache = _capacities(r, g.key)
-    caps = cache.get(key) or (0,) * len(ts)
+    row_bytes = [math.prod(t.shape[1:]) * t.element_size() for t in ts]
+    caps = capacities.usable(cache.get(key) or (0,) * len(ts), row_bytes)
     counts = torch.tensor([t.shape[0] for t in ts], dtype=torch.int64)
     table_out = torch.empty(g.size * len(ts), dtype=torch.int64)
     tag = _Tag(("vgather", name, tuple(t.dtype for t in ts), tuple(tuple(t.shape[1:]) for t in ts)))

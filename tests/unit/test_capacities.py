@@ -66,3 +66,11 @@ def test_pieces_place_every_row_once(counts: tuple[int, ...], cap: int) -> None:
 def test_pieces_refuse_rows_that_fit_nowhere() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         pieces([7], 3, 2)
+
+
+def test_only_capacities_under_the_byte_limit_are_sent_ahead() -> None:
+    from elasticrun.worker.capacities import SPECULATE_BYTES, usable
+
+    row = 4096
+    fits = SPECULATE_BYTES // row
+    assert usable([fits, fits + 1, 0, 7], [row, row, row, 1]) == (fits, 0, 0, 7)
