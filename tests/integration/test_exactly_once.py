@@ -102,9 +102,11 @@ def test_rolling_replacement_hands_the_state_over(job):
     sync from it), and only then leave. Before the fix, round 1 was the newcomers alone and
     trained every epoch again from a fresh model."""
     schedule = "0:localhost:2;1004:localhost:2,127.0.0.1:2;1005:127.0.0.1:2"
+    # The newcomers take 2 s more to start, so the old host is gone before they are ready
+    # (with warm start they were once ready before the next step, and all four formed round 1).
     r = job.run(["-np", "2", "--min-np", "2", "--host-discovery-script", str(PROGRESS_DISCOVERY),
                  "--discovery-interval", "0.1"],
-                sample_cmd(job, "--await-size=1:8:3", "--commit-every", "1"),
+                sample_cmd(job, "--await-size=1:8:3", "--commit-every", "1", "--slow-start", "127.0.0.1:2"),
                 HOSTS_SCHEDULE=schedule)
     assert r.returncode == 0, r.output
     assert "handing the state over from 2 to 3 worker(s)" in r.stderr, r.stderr
