@@ -677,8 +677,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     counts = torch.tensor([t.shape[0] for t in ts], dtype=torch.int64)
     table_out = torch.empty(g.size * len(ts), dtype=torch.int64)
     tag = _Tag(("vgather", name, tuple(t.dtype for t in ts), tuple(tuple(t.shape[1:]) for t in ts)))
-    # the capped rows first, then the counts: both run at once (issued the other way round,
-    # the rows wait behind the counts' round trip on 2 ranks of a 2-core machine)
+    # the capped rows first, then the counts: the rows do not wait for the counts' round trip
     first = [_gather_bytes(r, g, t, cap, 0, what, tag) if cap else None for t, cap in zip(ts, caps)]
     head = _on(r, g, lambda pg: pg._allgather_base(table_out, counts), what + ".sizes", tag())
     _wait(r, head, what + ".sizes")
