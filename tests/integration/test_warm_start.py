@@ -145,3 +145,59 @@ def test_ssh_driver_killed_9_leaves_nothing_remote(job, sshd_clean):
     job.proc.wait(10)
     assert_nothing_left(job.tag, within=20)
     assert sshd_clean.wait_idle(10) == []
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _workers_on(tag: str, host: str) -> list[int]:
+    """The job's workers started for ``host`` (templates carry no host name in their environment)."""
+    needle = f"ELASTICRUN_HOSTNAME={host}".encode()
+    found = []
+    for pid in tagged_pids(tag):
+        try:
+            if needle in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def test_ssh_host_lost_with_its_template_comes_back_warm_from_a_new_one(job, sshd_clean):
+    """A spot machine vanishes: its worker and its template die at once. After the cooldown the
+    host returns; its new worker is forked from a new template there (not started fresh, not
+    refused), and the survivor trains on in its own process throughout."""
+    job.start(["-np", "2", "--min-np", "1", "-H", "127.0.0.2:1,127.0.0.3:1", *sshd_clean.ssh_args(),
+               "--blacklist-cooldown-range", "1", "1"],
+              job.train_cmd("--await-size=3:1", "--await-size=5:2", epochs=40, sleep=0.05))
+    _wait_for(lambda: job.log.exists() and '"epoch": 2' in job.log.read_text() or job.proc.poll() is not None,
+              90, "epoch 2")  # epoch 3 then waits until the world has shrunk to 1
+    assert job.proc.poll() is None, job.finish(timeout=5).output
+    [old] = _workers_on(job.tag, "127.0.0.3")
+    template = _ppid(old)
+    assert "elasticrun.worker.template" in _cmdline(template), _cmdline(template)
+    os.kill(template, signal.SIGKILL)  # the machine is gone: everything on it at once
+    os.kill(old, signal.SIGKILL)
+
+    def new_worker() -> int | None:
+        fresh = [p for p in _workers_on(job.tag, "127.0.0.3") if p != old]
+        return fresh[0] if fresh else None
+
+    _wait_for(lambda: new_worker() is not None or job.proc.poll() is not None, 60, "a new worker on 127.0.0.3")
+    assert job.proc.poll() is None, job.finish(timeout=5).output
+    parent = _ppid(new_worker())
+    assert parent != template and "elasticrun.worker.template" in _cmdline(parent), _cmdline(parent)
+    r = job.finish()
+    assert r.returncode == 0, r.output
+    sizes = [e["size"] for e in r.log]
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, r.log
+    assert all(e["rank"] == 0 and e["host"] == "127.0.0.2" for e in r.log)
+    assert "host 127.0.0.3 blacklisted" in r.stderr, r.stderr
+    # The lost template is named with its worker's end; its successor served without a fallback.
+    assert "the warm-start template on this host went away while the worker ran" in r.stderr, r.stderr
+    assert "no warm-start template there" not in r.stderr and "warm start" not in r.stderr, r.stderr
+    assert sshd_clean.wait_idle(10) == []
