@@ -83,6 +83,7 @@ class WorkerAgent:
         self._started = threading.Event()
         self._report: dict[str, Any] = {}
         self._mark = f"@@elasticrun:{secrets.token_hex(8)}@@ "
+        self._closed = threading.Event()
         threading.Thread(target=self._watch_driver, name="elasticrun-agent-watchdog", daemon=True).start()
 
     def __repr__(self) -> str:  # how Ray's tools name this actor
@@ -184,13 +185,19 @@ class WorkerAgent:
             except OSError:
                 pass
 
+    def close(self) -> None:
+        """Stop the worker and this agent's watch on the driver, and leave the process running:
+        for an agent that does not own its process (an embedding, a test). In its actor, a
+        silent driver ends the whole process instead, as it should."""
+        self._closed.set()
+        self.stop()
+
     # --- inside ------------------------------------------------------------------------------
     def _contact(self) -> None:
         self._last_contact = time.monotonic()
 
     def _watch_driver(self) -> None:
-        while True:
-            time.sleep(0.5)
+        while not self._closed.wait(0.5):
             silent = time.monotonic() - self._last_contact
             if silent < self._silence_limit:
                 continue

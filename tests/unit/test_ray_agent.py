@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -59,6 +60,30 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.fixture
+def agents():
+    """New agents in this process, closed at the end: an agent left open would end the whole
+    test run (os._exit) once its silence limit passed without a poll."""
+    made: list[WorkerAgent] = []
+
+    def new(worker_id: str, silence_limit: float = 60) -> WorkerAgent:
+        made.append(WorkerAgent("job", worker_id, silence_limit=silence_limit))
+        return made[-1]
+    yield new
+    for agent in made:
+        agent.close()
+
+
+def test_a_closed_agent_leaves_its_process_alone(agents):
+    agent = agents("w1", silence_limit=0.2)
+    agent.close()
+    watchdog = [t for t in threading.enumerate() if t.name == "elasticrun-agent-watchdog"]
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in watchdog) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.is_alive() for t in watchdog)  # it ended without os._exit: we are still here
+
+
 def _start(agent: WorkerAgent, how: str, tmp_path) -> dict:
     hello = agent.hello()
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path), "MARK": "x"}
@@ -66,8 +91,8 @@ def _start(agent: WorkerAgent, how: str, tmp_path) -> dict:
                        seal(hello["public_key"], KEYS))
 
 
-def test_the_worker_gets_its_keys_through_a_pipe_and_its_output_and_exit_come_back(tmp_path):
-    agent = WorkerAgent("job", "w1", silence_limit=60)
+def test_the_worker_gets_its_keys_through_a_pipe_and_its_output_and_exit_come_back(agents, tmp_path):
+    agent = agents("w1")
     started = _start(agent, "exit", tmp_path)
     assert "pgid" in started, started
     lines, code = _collect(agent, lambda lines: False)
@@ -79,8 +104,8 @@ def test_the_worker_gets_its_keys_through_a_pipe_and_its_output_and_exit_come_ba
     assert not _alive(child)  # the watchdog kills what the worker left in its group
 
 
-def test_the_sealed_keys_open_only_with_this_agents_key():
-    a, b = WorkerAgent("job", "w1", 60), WorkerAgent("job", "w2", 60)
+def test_the_sealed_keys_open_only_with_this_agents_key(agents):
+    a, b = agents("w1"), agents("w2")
     sealed = seal(a.hello()["public_key"], KEYS)
     assert KEYS not in sealed
     from nacl.exceptions import CryptoError
@@ -90,8 +115,8 @@ def test_the_sealed_keys_open_only_with_this_agents_key():
         SealedBox(b._key).decrypt(sealed)
 
 
-def test_a_signal_reaches_the_whole_group(tmp_path):
-    agent = WorkerAgent("job", "w1", silence_limit=60)
+def test_a_signal_reaches_the_whole_group(agents, tmp_path):
+    agent = agents("w1")
     assert "pgid" in _start(agent, "wait", tmp_path)
     lines, _ = _collect(agent, lambda lines: any(x.startswith("child ") for _, x in lines))
     child = int(next(x for _, x in lines if x.startswith("child "))[6:])
@@ -101,13 +126,13 @@ def test_a_signal_reaches_the_whole_group(tmp_path):
     assert not _alive(child)
 
 
-def test_a_missing_directory_or_command_is_reported_not_raised(tmp_path):
-    agent = WorkerAgent("job", "w1", silence_limit=60)
+def test_a_missing_directory_or_command_is_reported_not_raised(agents, tmp_path):
+    agent = agents("w1")
     hello = agent.hello()
     r = agent.start(["python3", "-c", "pass"], {"PATH": os.environ["PATH"]}, str(tmp_path / "nope"), 1.0,
                     seal(hello["public_key"], KEYS))
     assert r["error"] == "cwd" and "nope" in r["detail"]
-    agent = WorkerAgent("job", "w2", silence_limit=60)
+    agent = agents("w2")
     hello = agent.hello()
     r = agent.start(["no-such-command-xyz"], {"PATH": os.environ["PATH"]}, str(tmp_path), 1.0, None)
     assert r["error"] == "not_found"
