@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Iterable, TypeVar
 
 from elasticrun.common.events import Kind
-from elasticrun.worker import collectives, durable, runtime
+from elasticrun.worker import collectives, durable, runtime, trace
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError, HostsUpdatedInterrupt
 
 log = logging.getLogger("elasticrun.worker")
@@ -46,6 +46,9 @@ class State:
         """Save the state, then check (collectively) whether hosts changed; with
         ``--checkpoint-dir``, the same agreement may hand the commit off as a durable copy."""
         self.save()
+        timeline = trace.active()
+        if timeline is not None and runtime.is_initialized():  # --timeline-mark-cycles: a step's end
+            timeline.mark("commit", runtime.get().round)
         self._just_saved = True
         try:
             self.check_host_updates()

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
 from elasticrun.common.events import Kind
+from elasticrun.worker import trace
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -120,6 +121,7 @@ def install(r: Round) -> None:
     """Make ``r`` the current round (the runtime, at every rendezvous)."""
     global _current
     _current = r
+    trace.note_rank(r.rank)
 
 
 def uninstall(r: Any = None) -> None:

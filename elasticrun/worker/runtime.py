@@ -41,7 +41,7 @@ import zmq
 from elasticrun.common.events import Kind
 from elasticrun.common import env, settings
 from elasticrun.common.protocol import Message
-from elasticrun.worker import collectives, durable, rounds
+from elasticrun.worker import collectives, durable, rounds, trace
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from elasticrun.worker.durable import CopyRequests, DurableSender
@@ -499,6 +499,7 @@ def init() -> Runtime:
             level = os.environ.get(env.LOG_LEVEL)
             if level:
                 logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+            _start_timeline_from_environment()
             rt = Runtime()
             if not rt.standalone:
                 warm_up()
@@ -513,6 +514,20 @@ def init() -> Runtime:
                 _install_excepthook(rt)
                 _install_sigterm(rt)
         return _runtime
+
+
+def _start_timeline_from_environment() -> None:
+    """``HOROVOD_TIMELINE`` (set by ``--timeline-filename``, or by the user as for Horovod):
+    record the timeline from the first collective on, as Horovod's workers do. A path that
+    cannot be written is said once and training goes on without it."""
+    path = os.environ.get("HOROVOD_TIMELINE")
+    if not path or trace.active() is not None:
+        return
+    mark = os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "0").strip().lower() not in ("", "0", "false", "no", "off")
+    try:
+        trace.start(path, mark)
+    except OSError as exc:
+        log.warning("HOROVOD_TIMELINE: no timeline recorded: %s", exc)
 
 
 def warm_up() -> None:

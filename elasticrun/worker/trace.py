@@ -5,7 +5,8 @@ background thread. elasticrun has no background thread: an operation runs from t
 is issued on the round's gloo group to the moment its wait returns, so each one is a single
 complete event ("ph": "X") from issue to completion, on one track per round, with its shape,
 dtype and bytes. Events are kept in memory and written when the timeline stops (or the
-process exits), so recording costs the training thread one list append per operation.
+process exits), so recording costs the training thread one list append per operation. As
+Horovod's, the file is rank 0's (every rank records; see :func:`writes`).
 Open the file in ui.perfetto.dev or chrome://tracing; the job-wide picture of resets is
 ``elasticrun --events`` (``elasticrun timeline``).
 """
@@ -19,39 +20,125 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["Timeline", "active", "start", "stop"]
+__all__ = ["Timeline", "active", "note_rank", "start", "stop", "writes"]
+
+
+#: In a timeline's path, replaced by the rank: every rank writes its own file.
+RANK_FIELD = "{rank}"
+
+
+def writes(path: str, rank: int | None) -> bool:
+    """Whether a worker of ``rank`` (None: never in a round) writes the timeline ``path``.
+
+    As in Horovod, where every rank calls ``start_timeline(path)`` and rank 0 alone writes the
+    file, one file per job: ranks sharing a path on one machine would otherwise overwrite each
+    other's. A path with ``{rank}`` asks for every rank's own file."""
+    return RANK_FIELD in path or rank in (None, 0)
+
+
+def _check_writable(path: str) -> None:
+    """Fail at start, not at the end, if ``path`` cannot be written (without touching it: on one
+    machine another rank may be writing the same path)."""
+    directory = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"timeline {path}: is a directory")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"timeline {path}: no directory {directory}")
+    if not os.access(directory, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise PermissionError(f"timeline {path}: not writable")
 
 
 class Timeline:
-    """Events of one recording, written to ``path`` as a JSON array at :meth:`close`."""
+    """Events of one recording. The worker that writes (:func:`writes`) streams them to its file
+    every :attr:`FLUSH_EVERY` events and closes the JSON array at :meth:`close`; the others keep
+    only their newest events (for the file they start if they become rank 0). Either way memory
+    stays bounded however long the job runs, and a writer that is killed leaves every event up
+    to its last flush on disk (an unclosed array, which Perfetto and chrome://tracing read)."""
+
+    FLUSH_EVERY = 4096
 
     def __init__(self, path: str, mark_cycles: bool = False) -> None:
         self.path = os.path.abspath(path)
-        with open(self.path, "w", encoding="utf-8") as f:  # fail now, not at the end, if it cannot be written
-            f.write("[]\n")
+        _check_writable(self.path.replace(RANK_FIELD, "0"))
         self.mark_cycles = mark_cycles
-        self.events: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []  # not yet written
+        self.rank: int | None = _rank  # this worker's rank in its newest round (note_rank)
+        self.written_to: str | None = None  # the file, once this worker writes one
+        self._file: Any = None
+        self._count = 0  # events written
+        self._rounds: set[int] = set()
+        self._closed = False
         self._pid = os.getpid()
         self._lock = threading.Lock()
 
     def record(self, name: str, start: float, end: float, round_: int, **args: Any) -> None:
         """One operation, ``start``/``end`` from ``time.perf_counter()``."""
-        self.events.append({"name": name, "ph": "X", "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6,
-                            "pid": self._pid, "tid": round_, "args": args})
+        self._add({"name": name, "ph": "X", "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6,
+                   "pid": self._pid, "tid": round_, "args": args})
 
-    def close(self) -> None:
+    def mark(self, name: str, round_: int) -> None:
+        """An instant event (with ``mark_cycles``: each commit, the step boundary of an elastic loop)."""
+        if self.mark_cycles:
+            self._add({"name": name, "ph": "i", "s": "p", "ts": now() * 1e6, "pid": self._pid, "tid": round_})
+
+    def _add(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        if len(self.events) >= self.FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the pending events if this worker writes; otherwise keep only the newest."""
         with self._lock:
-            rounds = sorted({e["tid"] for e in self.events})
-            meta = [{"name": "process_name", "ph": "M", "pid": self._pid, "args": {"name": f"rank (pid {self._pid})"}}]
+            if self._file is None and not writes(self.path, self.rank):
+                del self.events[:-self.FLUSH_EVERY // 2]
+                return
+            self._write(self.events)
+            self.events = []
+
+    def _write(self, events: list[dict[str, Any]]) -> None:
+        if self._file is None:
+            self.written_to = self.path.replace(RANK_FIELD, str(self.rank or 0))
+            self._file = open(self.written_to, "w", encoding="utf-8")
+            self._file.write("[\n")
+        for event in events:
+            self._file.write((",\n" if self._count else "") + json.dumps(event))
+            self._count += 1
+            if "tid" in event:
+                self._rounds.add(event["tid"])
+        self._file.flush()
+
+    def close(self) -> str | None:
+        """Write the rest and close the array, if this worker writes; the file's path, or None."""
+        if self._closed:
+            return self.written_to
+        self.flush()
+        with self._lock:
+            self._closed = True
+            if self._file is None and not writes(self.path, self.rank):
+                return None
+            name = f"rank {self.rank} (pid {self._pid})" if self.rank is not None else f"pid {self._pid}"
+            meta = [{"name": "process_name", "ph": "M", "pid": self._pid, "args": {"name": name}}]
             meta += [{"name": "thread_name", "ph": "M", "pid": self._pid, "tid": r, "args": {"name": f"round {r}"}}
-                     for r in rounds]
-            tmp = self.path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(meta + self.events, f)
-            os.replace(tmp, self.path)
+                     for r in sorted(self._rounds)]
+            self._write(meta)
+            self._file.write("\n]\n")
+            self._file.close()
+            self._file = None
+            return self.written_to
 
 
 _active: Timeline | None = None
+_rank: int | None = None
+
+
+def note_rank(rank: int) -> None:
+    """This worker's rank in the round it just entered (the runtime, at every rendezvous):
+    whether it writes a shared timeline path is decided by its rank when it has events to write."""
+    global _rank
+    _rank = rank
+    t = _active
+    if t is not None:
+        t.rank = rank
 
 
 def active() -> Timeline | None:
