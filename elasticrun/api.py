@@ -35,7 +35,7 @@ _ALIASES = {"discovery_script": "host_discovery_script", "cooldown_range": "blac
             "num_proc": "np", "min_num_proc": "min_np", "max_num_proc": "max_np", "slots": "slots_per_host",
             "network_interfaces": "network_interface", "nics": "network_interface"}
 #: horovod.run's keywords that change nothing here (a check cache, the controller's name).
-_ACCEPTED = {"disable_cache", "use_gloo", "prefix_output_with_timestamp"}
+_ACCEPTED = {"disable_cache", "use_gloo"}
 
 
 def _horovod_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], list[str] | None]:
@@ -121,9 +121,9 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
     ``horovod.run``'s keywords work too: ``num_proc``, ``min_num_proc``, ``max_num_proc``,
     ``slots``, ``cooldown_range``, ``host_discovery_script``, ``network_interface(s)``/``nics``
     (several: the driver listens on the first, gloo gets them all), ``executable`` (the
-    workers' Python), ``np`` defaulting to 1; ``use_gloo``, ``disable_cache`` and
-    ``prefix_output_with_timestamp`` are accepted and change nothing; ``use_mpi=True`` and
-    ``mpi_args`` are refused (there is no MPI here).
+    workers' Python), ``np`` defaulting to 1, ``prefix_output_with_timestamp``; ``use_gloo`` and
+    ``disable_cache`` are accepted and change nothing; ``use_mpi=True`` and ``mpi_args`` are
+    refused (there is no MPI here).
 
     Raises ValueError for bad options (the command line's message), TypeError for an unknown
     keyword or something that cannot be pickled, and :class:`RunError` when the job fails or a

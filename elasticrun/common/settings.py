@@ -84,6 +84,11 @@ class JobSettings:
     ray_cpus_per_worker: float = 1.0
     ray_gpus_per_worker: float = 0.0
     ray_resources: dict[str, float] = field(default_factory=dict)  # custom resources per worker
+    # horovodrun's own flags (driver/parser.py add_horovodrun_arguments).
+    timeline_filename: str | None = None  # --timeline-filename: rank 0's Chrome trace (HOROVOD_TIMELINE)
+    timeline_mark_cycles: bool = False
+    prefix_output_with_timestamp: bool = False  # the console's worker lines start with the time
+    ignored_horovodrun_flags: tuple[str, ...] = ()  # Horovod engine tuning flags given: named in one warning
 
     @property
     def elastic_wait_limit(self) -> float:

@@ -48,7 +48,7 @@ print("ELASTICRUN-CHECK " + json.dumps(r))
 
 def wants_check(argv: list[str]) -> bool:
     """True if the command line asks for --check (not counting the training command's args)."""
-    if "--check" not in argv:
+    if not {"--check", "-cb", "--check-build"} & set(argv):
         return False
     probe = build_parser()
     for action in probe._actions:

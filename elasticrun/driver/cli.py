@@ -21,7 +21,14 @@ from elasticrun.common.paths import check_writable_dir, check_writable_file
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.sources import FixedHosts, ScriptDiscovery, discovery_command
 from elasticrun.driver import check, config, network
-from elasticrun.driver.parser import ExitingParser, RaisingParser, build_parser, read_hostfile
+from elasticrun.driver.parser import (
+    IGNORED_HOROVODRUN_FLAGS,
+    ExitingParser,
+    RaisingParser,
+    build_parser,
+    ignored_dest,
+    read_hostfile,
+)
 
 
 Fail = Callable[[str], NoReturn]
@@ -49,11 +56,12 @@ def _remote_settings(o: Mapping[str, Any], fail: Fail) -> dict:
             fail(f"--ssh-known-hosts {known}: no such readable file")
         known = os.path.abspath(known)
     address, nic = o["driver_address"], o["network_interface"]
-    if nic is not None:
+    if nic is not None:  # the driver listens on the first; gloo gets them all (GLOO_SOCKET_IFNAME)
+        first = nic.split(",")[0]
         try:
-            address = network.interface_address(nic)
+            address = network.interface_address(first)
         except OSError as exc:
-            fail(f"--network-interface {nic}: {exc.strerror or exc}")
+            fail(f"--network-interface {first}: {exc.strerror or exc}")
     elif address is not None:
         try:
             infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
@@ -134,6 +142,7 @@ def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, 
     # with the training output on the console.
     worker_level = "DEBUG" if o["verbose"] else (o["log_level"] or "WARNING")
     _check_output_paths(o, fail)
+    horovodrun = _horovodrun_settings(o, fail)
     return JobSettings(
         command=list(command), np=np, min_np=min_np, max_np=max_np, hosts=fixed, discovery_script=script,
         slots_per_host=slots, discovery_interval=o["discovery_interval"],
@@ -148,7 +157,29 @@ def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, 
         log_level=level,
         worker_log_level=worker_level,
         warm_start=o["warm_start"], preload=tuple(o["preload"] or ()),
-        **_remote_settings(o, fail), **ray)
+        **_remote_settings(o, fail), **ray, **horovodrun)
+
+
+def _horovodrun_settings(o: Mapping[str, Any], fail: Fail) -> dict:
+    """horovodrun's own flags (parser.add_horovodrun_arguments): MPI refused, the timeline and
+    output timestamps kept, the engine's tuning flags listed for one warning."""
+    for dest, flag in (("use_mpi", "--mpi"), ("use_jsrun", "--jsrun"), ("mpi_args", "--mpi-args"),
+                       ("binding_args", "--binding-args")):
+        if o.get(dest):
+            fail(f"{flag}: elasticrun has no MPI; its workers always talk over gloo, started by elasticrun "
+                 f"itself (drop {flag}, or use --gloo)")
+    timeline = o.get("timeline_filename")
+    if timeline is not None:
+        try:
+            check_writable_file(timeline, "--timeline-filename")
+        except ValueError as exc:
+            fail(str(exc))
+        timeline = os.path.abspath(timeline)
+    ignored = tuple(flag for flag in IGNORED_HOROVODRUN_FLAGS
+                    if o.get(ignored_dest(flag)) is not None and o.get(ignored_dest(flag)) is not False)
+    return dict(timeline_filename=timeline, timeline_mark_cycles=bool(o.get("timeline_mark_cycles")),
+                prefix_output_with_timestamp=bool(o.get("prefix_output_with_timestamp")),
+                ignored_horovodrun_flags=ignored)
 
 
 def _ray_settings(o: Mapping[str, Any], fail: Fail) -> dict:

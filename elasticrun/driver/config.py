@@ -17,6 +17,7 @@ import argparse
 import os
 from typing import Any, Mapping
 
+from elasticrun.driver import horovod_config
 from elasticrun.driver.parser import (
     module_list,
     non_negative_int,
@@ -24,6 +25,9 @@ from elasticrun.driver.parser import (
     positive_int,
     positive_seconds,
 )
+
+#: A config file is a few lines: more than this is not one (--config-file /dev/zero).
+MAX_CONFIG_BYTES = 1 << 20
 
 # Per-cluster options settable from the environment: variable -> argparse dest.
 ENV_VARS: dict[str, str] = {
@@ -143,16 +147,28 @@ def _toml_kind(value: Any) -> str:
 
 
 def read_config_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
-    """The options in TOML file ``path`` as argparse dests -> values (exit 2 on any problem)."""
+    """The options in TOML file ``path`` as argparse dests -> values (exit 2 on any problem).
+    A horovodrun YAML config file is read too (``horovod_config.py``)."""
     import tomllib
 
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         _fail(parser, f"--config-file {path}: {exc.strerror or exc}")
+    if len(raw) > MAX_CONFIG_BYTES:
+        _fail(parser, f"--config-file {path}: more than 1 MiB, not a config file")
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        _fail(parser, f"--config-file {path}: not valid TOML: {exc}")
+        try:
+            data = horovod_config.to_options(horovod_config.parse_yaml_sections(text))
+        except ValueError as yaml_exc:
+            if path.endswith((".yaml", ".yml")):
+                _fail(parser, f"--config-file {path}: not a horovodrun YAML config (elasticrun reads those and "
+                              f"TOML): {yaml_exc}")
+            _fail(parser, f"--config-file {path}: not valid TOML: {exc}")
     keys = _file_keys(parser)
     values: dict[str, Any] = {}
     seen: dict[str, str] = {}

@@ -119,7 +119,8 @@ class ElasticDriver:
                                heartbeat_timeout=settings.heartbeat_timeout,
                                evict_stragglers=settings.evict_stragglers),
             HostManager(cooldown_range=settings.cooldown_range), new_id=lambda: next(self._ids))
-        self._sink = OutputSink(self._rank_of, settings.output_filename)
+        self._sink = OutputSink(self._rank_of, settings.output_filename,
+                                timestamps=settings.prefix_output_with_timestamp)
         # It reports each worker's end through worker_exited() and its output to the sink.
         self._launcher: Launcher = launcher if launcher is not None else Launchers(settings)
         self._launcher.bind(self.worker_exited, self._sink)
@@ -161,6 +162,10 @@ class ElasticDriver:
 
     # --- main loop -------------------------------------------------------------------------
     def run(self) -> int:
+        if self.settings.ignored_horovodrun_flags:
+            log.warning("ignoring %s: Horovod's engine tuning flags have nothing to tune here (no tensor fusion "
+                        "cycle, response cache, autotuner or stall check; see docs/porting-from-horovod.md)",
+                        ", ".join(self.settings.ignored_horovodrun_flags))
         try:
             first = self._first_discovery()
         except BaseException:

@@ -59,6 +59,9 @@ def shared_environment(settings: JobSettings, base_env: Mapping[str, str], remot
     shared = forwarded_environment(base_env, s.forward_env) if remote else dict(base_env)
     if s.network_interface and "GLOO_SOCKET_IFNAME" not in base_env:
         shared["GLOO_SOCKET_IFNAME"] = s.network_interface
+    if s.timeline_filename:  # read by the worker's hvd.init(), as Horovod's workers read it
+        shared["HOROVOD_TIMELINE"] = s.timeline_filename
+        shared["HOROVOD_TIMELINE_MARK_CYCLES"] = "1" if s.timeline_mark_cycles else "0"
     shared.update(s.extra_env)
     shared["PYTHONUNBUFFERED"] = "1"
     return shared

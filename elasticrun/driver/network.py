@@ -71,7 +71,7 @@ def driver_bind_address(settings: "JobSettings") -> str | None:
     if getattr(settings, "driver_address", None):
         return settings.driver_address
     nic = getattr(settings, "network_interface", None)
-    return interface_address(nic) if nic else None
+    return interface_address(nic.split(",")[0]) if nic else None
 
 
 class DriverEndpoints:

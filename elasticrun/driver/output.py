@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from typing import IO, Callable, Protocol
 
 
@@ -21,8 +22,9 @@ class Output(Protocol):
 
 class OutputSink:
     def __init__(self, rank_of: Callable[[str], int], directory: str | None = None,
-                 stdout: IO[str] | None = None, stderr: IO[str] | None = None):
+                 stdout: IO[str] | None = None, stderr: IO[str] | None = None, timestamps: bool = False):
         self._rank_of = rank_of
+        self._timestamps = timestamps  # --prefix-output-with-timestamp: horovodrun's line format
         self._dir = directory
         self._console = {"stdout": stdout or sys.stdout, "stderr": stderr or sys.stderr}
         self._files: dict[tuple[int, str], IO[str]] = {}
@@ -33,7 +35,8 @@ class OutputSink:
         text = line if line.endswith("\n") else line + "\n"
         with self._lock:
             console = self._console[stream]
-            console.write(f"[{rank}]<{stream}>:{text}")
+            stamp = time.asctime() if self._timestamps else ""
+            console.write(f"{stamp}[{rank}]<{stream}>:{text}")
             console.flush()
             if self._dir is not None and rank >= 0:
                 self._file(rank, stream).write(text)

@@ -139,8 +139,8 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
     without -H/--hostfile/--host-discovery-script (localhost:NP, or a callable's hosts)."""
     p = parser_class(prog="elasticrun", description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="version", version=f"elasticrun {VERSION}")
-    p.add_argument("--check", action="store_true",
+    p.add_argument("-v", "--version", action="version", version=f"elasticrun {VERSION}")
+    p.add_argument("--check", "-cb", "--check-build", action="store_true",
                    help="check this installation (torch, gloo/NCCL, pyzmq, paramiko, cloudpickle) and that "
                         "each host of -H/--hostfile/--host-discovery-script is reachable (SSH, python, torch); "
                         "no training command needed; exit 0 when all is well, 1 otherwise")
@@ -186,7 +186,8 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
     p.add_argument("--start-timeout", type=positive_seconds, default=DEFAULT_START_TIMEOUT, metavar="SECONDS",
                    help="how long to wait for the first -np slots, and for a started worker to "
                         "contact the driver (default 30)")
-    p.add_argument("--collective-timeout", type=positive_seconds, default=DEFAULT_COLLECTIVE_TIMEOUT, metavar="SECONDS",
+    p.add_argument("--collective-timeout", "--gloo-timeout-seconds", type=positive_seconds,
+                   default=DEFAULT_COLLECTIVE_TIMEOUT, metavar="SECONDS",
                    help="a collective taking longer raises HorovodInternalError in the worker (default 60)")
     p.add_argument("--heartbeat-timeout", type=positive_seconds, default=DEFAULT_HEARTBEAT_TIMEOUT, metavar="SECONDS",
                    help="a worker that sends no heartbeat for this long (hung, stopped, off the network) "
@@ -216,6 +217,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
     add_remote_arguments(p)
     add_warm_start_arguments(p)
     add_ray_arguments(p)
+    add_horovodrun_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training command, e.g. python train.py")
     return p
 
@@ -254,9 +256,28 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--driver-address", metavar="ADDR",
                        help="address of this machine that workers connect to (default: for each host, the "
                             "address this machine uses to reach it; 127.0.0.1 for local workers)")
-    where.add_argument("--network-interface", metavar="NIC",
-                       help="use the IPv4 address of interface NIC as --driver-address; also sets "
-                            "GLOO_SOCKET_IFNAME=NIC for the workers unless it is set")
+    where.add_argument("--network-interface", "--network-interfaces", type=interface_list, action=_AddInterfaces,
+                       metavar="NIC[,NIC...]",
+                       help="use the IPv4 address of interface NIC (the first) as --driver-address; also sets "
+                            "GLOO_SOCKET_IFNAME=NIC[,NIC...] for the workers unless it is set (repeatable)")
+
+
+def interface_list(text: str) -> str:
+    """``NIC[,NIC...]``: network interface names, comma-joined (horovodrun's --network-interfaces)."""
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    bad = [n for n in names if len(n) > 15 or not all(c.isalnum() or c in "._-:@" for c in n)]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{(bad or [text])[0][:60]!r} is not a network interface name (NIC[,NIC...])")
+    return ",".join(names)
+
+
+class _AddInterfaces(argparse.Action):
+    """``--network-interface eth0 --network-interface eth1``: both, as horovodrun takes them."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        have = [n for n in (getattr(namespace, self.dest, None) or "").split(",") if n]
+        setattr(namespace, self.dest, ",".join(have + [n for n in values.split(",") if n not in have]))
 
 
 def module_list(text: str) -> tuple[str, ...]:
@@ -311,3 +332,62 @@ def read_hostfile(path: str) -> str:
     if len(text) > MAX_HOSTFILE_BYTES:
         raise ValueError(f"--hostfile {path}: more than 1 MiB, not a list of hosts")
     return text
+
+
+#: horovodrun's tuning flags for Horovod's own engine (tensor fusion, the response cache,
+#: autotuning, hierarchical algorithms, the stall check, MPI/NCCL threads, log timestamps):
+#: accepted so that a horovodrun command line runs unchanged, and named once in a warning,
+#: since there is nothing here they could tune. flag -> type of its value (None: no value).
+IGNORED_HOROVODRUN_FLAGS: dict[str, Any] = {
+    "--fusion-threshold-mb": non_negative_int, "--cycle-time-ms": non_negative_number,
+    "--cache-capacity": non_negative_int,
+    "--hierarchical-allreduce": None, "--no-hierarchical-allreduce": None,
+    "--hierarchical-allgather": None, "--no-hierarchical-allgather": None,
+    "--autotune": None, "--no-autotune": None, "--autotune-log-file": str,
+    "--autotune-warmup-samples": non_negative_int, "--autotune-steps-per-sample": non_negative_int,
+    "--autotune-bayes-opt-max-samples": non_negative_int, "--autotune-gaussian-process-noise": non_negative_number,
+    "--no-stall-check": None, "--stall-check": None,
+    "--stall-check-warning-time-seconds": non_negative_int, "--stall-check-shutdown-time-seconds": non_negative_int,
+    "--mpi-threads-disable": None, "--no-mpi-threads-disable": None,
+    "--num-nccl-streams": non_negative_int, "--ccl-bgt-affinity": non_negative_int,
+    "--thread-affinity": non_negative_int,
+    "--log-with-timestamp": None, "--log-without-timestamp": None,
+    "--log-hide-timestamp": None, "--no-log-hide-timestamp": None,
+}
+
+
+def ignored_dest(flag: str) -> str:
+    """The argparse dest of an ignored horovodrun flag (``--cycle-time-ms`` -> ``hvd_cycle_time_ms``)."""
+    return "hvd_" + flag[2:].replace("-", "_")
+
+
+def add_horovodrun_arguments(p: argparse.ArgumentParser) -> None:
+    """horovodrun's flags that have no counterpart of their own: the controller flags, the
+    timeline, output timestamps, and the tuning flags of Horovod's engine (ignored, named once)."""
+    g = p.add_argument_group(
+        "horovodrun command lines",
+        "A horovodrun command line runs unchanged. --gloo, --tcp and --disable-cache change nothing (workers "
+        "always talk over gloo, on TCP; nothing is cached); --mpi, --jsrun, --mpi-args and --binding-args are "
+        "refused (there is no MPI here). Horovod's engine tuning flags (" + ", ".join(
+            f for f in IGNORED_HOROVODRUN_FLAGS if not f.startswith("--no-")) + ") are accepted and named in "
+        "one warning: nothing here uses them (see docs/porting-from-horovod.md).")
+    g.add_argument("--gloo", dest="use_gloo", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--tcp", dest="use_tcp", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--disable-cache", dest="disable_cache", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--mpi", dest="use_mpi", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--jsrun", dest="use_jsrun", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--mpi-args", dest="mpi_args", metavar="ARGS", help=argparse.SUPPRESS)
+    g.add_argument("--binding-args", dest="binding_args", metavar="ARGS", help=argparse.SUPPRESS)
+    g.add_argument("--timeline-filename", metavar="FILE",
+                   help="record a Chrome trace of rank 0's collectives into FILE (written on rank 0's host "
+                        "when its worker ends), as hvd.start_timeline(FILE) in every worker would")
+    g.add_argument("--timeline-mark-cycles", action="store_true", help="with --timeline-filename: mark_cycles=True")
+    g.add_argument("--no-timeline-mark-cycles", dest="timeline_mark_cycles", action="store_false", default=False,
+                   help=argparse.SUPPRESS)
+    g.add_argument("--prefix-output-with-timestamp", "-prefix-timestamp", dest="prefix_output_with_timestamp",
+                   action="store_true", help="start each line of the workers' output on the console with the time")
+    for flag, kind in IGNORED_HOROVODRUN_FLAGS.items():
+        if kind is None:
+            g.add_argument(flag, dest=ignored_dest(flag), action="store_true", help=argparse.SUPPRESS)
+        else:
+            g.add_argument(flag, dest=ignored_dest(flag), type=kind, metavar="VALUE", help=argparse.SUPPRESS)
