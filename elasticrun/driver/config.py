@@ -52,6 +52,14 @@ ENV_VARS: dict[str, str] = {
     "ELASTICRUN_EVICT_STRAGGLERS": "evict_stragglers",
 }
 
+#: Horovod's variables for the same options (horovodrun reads them when the flag is not
+#: given): under the ``ELASTICRUN_*`` ones, so a job ported with its environment keeps them.
+HOROVOD_ENV_VARS = {
+    "HOROVOD_START_TIMEOUT": "start_timeout",
+    "HOROVOD_ELASTIC_TIMEOUT": "elastic_timeout",
+    "HOROVOD_GLOO_TIMEOUT_SECONDS": "collective_timeout",
+}
+
 #: Variables naming a setting that a --no-... flag turns off: 1 means on, not "the flag given".
 _SETTING_NAMED = {"ELASTICRUN_WARM_START"}
 
@@ -195,10 +203,11 @@ def read_config_file(parser: argparse.ArgumentParser, path: str) -> dict[str, An
 
 
 def read_environment(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> dict[str, Any]:
-    """Options set by ``ELASTICRUN_*`` variables (see ENV_VARS) as dests -> values."""
+    """Options set by ``ELASTICRUN_*`` variables (see ENV_VARS), and under them Horovod's
+    (HOROVOD_ENV_VARS), as dests -> values."""
     actions = {a.dest: a for a in parser._actions}
     values: dict[str, Any] = {}
-    for name, dest in ENV_VARS.items():
+    for name, dest in [*HOROVOD_ENV_VARS.items(), *ENV_VARS.items()]:
         text = environ.get(name)
         if text is None or text == "" or dest not in actions:
             continue

@@ -31,7 +31,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 @pytest.fixture
 def no_elasticrun_env(monkeypatch):
     for name in list(os.environ):
-        if name.startswith("ELASTICRUN_"):
+        if name.startswith(("ELASTICRUN_", "HOROVOD_")):
             monkeypatch.delenv(name)
     return monkeypatch
 
@@ -89,6 +89,30 @@ def test_env_lists_add_up(tmp_path, no_elasticrun_env):
 def test_env_names_never_collide_with_the_worker_protocol():
     protocol = {v for k, v in vars(protocol_env).items() if k.isupper() and isinstance(v, str)}
     assert protocol and not (set(config.ENV_VARS) & protocol)
+    # Nor Horovod's names with what the driver sets for workers (a job started from a worker).
+    from elasticrun.driver.environment import shared_environment, worker_environment
+    from elasticrun.driver.cli import parse_settings as parse
+    from elasticrun.driver.assignment import SlotInfo
+
+    s = parse(["-np", "1", "--timeline-filename", "/tmp/x.json", "python", "x.py"])
+    info = SlotInfo(host="h", slot=0, rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1)
+    given = set(worker_environment(s, info, job_id="j", worker_id="w", control_addr="a", notify_addr="b",
+                                   base_env={}, remote=True)) | set(shared_environment(s, {}, remote=True))
+    assert "HOROVOD_RANK" in given and not (set(config.HOROVOD_ENV_VARS) & given)
+
+
+def test_horovods_variables_under_ours_and_the_flags(tmp_path, no_elasticrun_env):
+    no_elasticrun_env.setenv("HOROVOD_START_TIMEOUT", "77")
+    no_elasticrun_env.setenv("HOROVOD_ELASTIC_TIMEOUT", "88")
+    no_elasticrun_env.setenv("HOROVOD_GLOO_TIMEOUT_SECONDS", "99")
+    s = parse_settings(["-np", "1", "python", "x.py"])
+    assert (s.start_timeout, s.elastic_timeout, s.collective_timeout) == (77, 88, 99)
+    no_elasticrun_env.setenv("ELASTICRUN_START_TIMEOUT", "11")
+    s = parse_settings(["-np", "1", "--elastic-timeout", "12", "python", "x.py"])
+    assert (s.start_timeout, s.elastic_timeout, s.collective_timeout) == (11, 12, 99)
+    no_elasticrun_env.setenv("HOROVOD_GLOO_TIMEOUT_SECONDS", "soon")
+    with pytest.raises(SystemExit):
+        parse_settings(["-np", "1", "python", "x.py"])
 
 
 def test_protocol_variables_in_the_environment_are_not_read(tmp_path, no_elasticrun_env):
