@@ -379,9 +379,10 @@ def add_horovodrun_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mpi-args", dest="mpi_args", metavar="ARGS", help=argparse.SUPPRESS)
     g.add_argument("--binding-args", dest="binding_args", metavar="ARGS", help=argparse.SUPPRESS)
     g.add_argument("--timeline-filename", metavar="FILE",
-                   help="record a Chrome trace of rank 0's collectives into FILE (written on rank 0's host "
-                        "when its worker ends), as hvd.start_timeline(FILE) in every worker would")
-    g.add_argument("--timeline-mark-cycles", action="store_true", help="with --timeline-filename: mark_cycles=True")
+                   help="record a Chrome trace of rank 0's collectives into FILE (written as it goes, on rank "
+                        "0's host), as hvd.start_timeline(FILE) in every worker would")
+    g.add_argument("--timeline-mark-cycles", action="store_true",
+                   help="with --timeline-filename: also mark every state.commit() on it")
     g.add_argument("--no-timeline-mark-cycles", dest="timeline_mark_cycles", action="store_false", default=False,
                    help=argparse.SUPPRESS)
     g.add_argument("--prefix-output-with-timestamp", "-prefix-timestamp", dest="prefix_output_with_timestamp",
