@@ -60,13 +60,8 @@ def _horovod_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], list[str
             continue
         if key in _ACCEPTED:
             continue
-        if name == "network_interface" and value is not None:
-            nics = [n.strip() for n in (value.split(",") if isinstance(value, str) else value) if n.strip()]
-            if len(nics) > 1:  # the driver listens on the first; gloo may use them all
-                env = dict(out.get("env") or {})
-                env.setdefault("GLOO_SOCKET_IFNAME", ",".join(nics))
-                out["env"] = env
-            value = nics[0] if nics else None
+        if name == "network_interface" and value is not None and not isinstance(value, str):
+            value = ",".join(map(str, value))  # nics=["eth0", "eth1"]: --network-interfaces eth0,eth1
         if key == "env" and isinstance(value, Mapping) and isinstance(out.get("env"), dict):
             value = {**out["env"], **value}
         if key == "verbose" and type(value) is int:

@@ -200,8 +200,8 @@ def rocm_built() -> bool:
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Record a Chrome trace of the collectives into ``file_path`` (see worker/trace.py), written
-    at :func:`stop_timeline` or exit by rank 0 alone, as Horovod's (``{rank}`` in the path: by
-    every rank, to its own file). ``mark_cycles``: also mark every ``state.commit()``. Works
+    as it goes and closed at :func:`stop_timeline` or exit, by rank 0 alone, as Horovod's
+    (``{rank}`` in the path: by every rank, to its own file). ``mark_cycles``: also mark every ``state.commit()``. Works
     before and after ``init()``."""
     _trace.start(file_path, mark_cycles)
 

@@ -175,8 +175,8 @@ def _horovodrun_settings(o: Mapping[str, Any], fail: Fail) -> dict:
         except ValueError as exc:
             fail(str(exc))
         timeline = os.path.abspath(timeline)
-    ignored = tuple(flag for flag in IGNORED_HOROVODRUN_FLAGS
-                    if o.get(ignored_dest(flag)) is not None and o.get(ignored_dest(flag)) is not False)
+    given = {flag: o.get(ignored_dest(flag)) for flag in IGNORED_HOROVODRUN_FLAGS}
+    ignored = tuple(flag for flag, value in given.items() if value is not None and value is not False)  # 0 counts
     return dict(timeline_filename=timeline, timeline_mark_cycles=bool(o.get("timeline_mark_cycles")),
                 prefix_output_with_timestamp=bool(o.get("prefix_output_with_timestamp")),
                 ignored_horovodrun_flags=ignored)

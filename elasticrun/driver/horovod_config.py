@@ -18,8 +18,8 @@ __all__ = ["parse_yaml_sections", "to_options"]
 
 _KEY = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*:(?:\s+(.*?))?\s*$")
 
-#: (section, key) -> elasticrun's long flag name. ``None`` as the section: a top-level key.
-_OPTIONS: dict[tuple[str | None, str], str] = {
+#: (section, key) -> elasticrun's long flag name (``controller``, the one top-level key, apart).
+_OPTIONS: dict[tuple[str, str], str] = {
     ("params", "fusion_threshold_mb"): "fusion-threshold-mb",
     ("params", "cycle_time_ms"): "cycle-time-ms",
     ("params", "cache_capacity"): "cache-capacity",

@@ -332,3 +332,13 @@ def test_durable_copy_keywords_mean_what_the_flags_mean(tmp_path):
     cli = parse_settings(["-np", "1", "-H", "localhost", "--checkpoint-dir", ckpt, "--checkpoint-interval", "5",
                           "--fresh", "--sigterm-grace", "3", "cmd"])
     assert kw == cli and kw.checkpoint_dir == ckpt and kw.fresh and kw.checkpoint_interval == 5.0
+
+
+@pytest.mark.parametrize("nics", [["lo", "lo"], "lo", ("lo",)])
+def test_horovod_nics_keywords_mean_the_network_interfaces_flag(nics):
+    from elasticrun.api import _horovod_keywords
+    from elasticrun.driver.cli import parse_settings, settings_from_keywords
+
+    options, _ = _horovod_keywords({"np": 1, "hosts": "localhost", "nics": nics})
+    flags = parse_settings(["-np", "1", "-H", "localhost", "--network-interfaces", "lo", "cmd"])
+    assert settings_from_keywords(options, ["cmd"]) == flags and flags.network_interface == "lo"
