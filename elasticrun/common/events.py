@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import enum
 import json
-import threading
 import time
-from typing import IO, Any
+from typing import Any
+
+from elasticrun.common.diagnostics import DiagnosticFile
+from elasticrun.common.ratelimit import LimitedLog
 
 
 class Kind(str, enum.Enum):
@@ -111,27 +113,23 @@ WORKER_KINDS = frozenset({Kind.NOTIFICATION_RECEIVED, Kind.INTERRUPT, Kind.FAILU
 
 
 class EventLog:
-    """Appends events to a JSON-lines file (thread-safe); a no-op without a path."""
+    """Appends events to a JSON-lines file (thread-safe); a no-op without a path. A write that
+    fails is a warning (``limited``), never an exception: the log describes the job, it must
+    not end it (elasticrun/common/diagnostics.py)."""
 
-    def __init__(self, path: str | None):
-        self._file: IO[str] | None = open(path, "a", buffering=1, encoding="utf-8") if path else None
-        self._lock = threading.Lock()
+    def __init__(self, path: str | None, limited: LimitedLog | None = None):
+        self._file = DiagnosticFile(path, "the event log", limited) if path else None
 
     def write(self, kind: Kind | str, source: str = "driver", t: float | None = None, **fields: Any) -> None:
         if self._file is None:
             return
         record = {"t": time.time() if t is None else t, "kind": str(kind), "source": source}
         record.update({k: v for k, v in fields.items() if v is not None})
-        line = json.dumps(record, separators=(",", ":"), default=str)
-        with self._lock:
-            if self._file is not None:
-                self._file.write(line + "\n")
+        self._file.write(json.dumps(record, separators=(",", ":"), default=str) + "\n")
 
     def close(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+        if self._file is not None:
+            self._file.close()
 
 
 def read_events(path: str) -> list[dict[str, Any]]:

@@ -3,6 +3,10 @@
 The prefix is the worker's rank *now* (ranks change across resets), looked up per line, so
 the console always reads like the current job. Per-rank files are opened in append mode,
 so a worker restarted into a rank never truncates what an earlier one wrote.
+
+Output is a diagnostic: a per-rank file that cannot be written (a full disk) is a warning,
+and a console that is gone (``elasticrun ... | head``) drops lines. Neither ends the pump:
+a pump that died would leave the worker blocked on a full pipe.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import threading
 import time
 from typing import IO, Callable, Protocol
 
+from elasticrun.common.diagnostics import DiagnosticFile
+from elasticrun.common.ratelimit import LimitedLog
+
 
 class Output(Protocol):
     """Where a launcher writes its workers' output, line by line (from any thread)."""
@@ -22,31 +29,41 @@ class Output(Protocol):
 
 class OutputSink:
     def __init__(self, rank_of: Callable[[str], int], directory: str | None = None,
-                 stdout: IO[str] | None = None, stderr: IO[str] | None = None, timestamps: bool = False):
+                 stdout: IO[str] | None = None, stderr: IO[str] | None = None, timestamps: bool = False,
+                 limited: LimitedLog | None = None):
         self._rank_of = rank_of
         self._timestamps = timestamps  # --prefix-output-with-timestamp: horovodrun's line format
         self._dir = directory
         self._console = {"stdout": stdout or sys.stdout, "stderr": stderr or sys.stderr}
-        self._files: dict[tuple[int, str], IO[str]] = {}
+        self._files: dict[tuple[int, str], DiagnosticFile] = {}
+        self._limited = limited
+        self._console_gone: set[str] = set()
         self._lock = threading.Lock()
 
     def write(self, worker_id: str, stream: str, line: str) -> None:
         rank = self._rank_of(worker_id)
         text = line if line.endswith("\n") else line + "\n"
         with self._lock:
-            console = self._console[stream]
-            stamp = time.asctime() if self._timestamps else ""
-            console.write(f"{stamp}[{rank}]<{stream}>:{text}")
-            console.flush()
+            if stream not in self._console_gone:
+                console = self._console[stream]
+                stamp = time.asctime() if self._timestamps else ""
+                try:
+                    console.write(f"{stamp}[{rank}]<{stream}>:{text}")
+                    console.flush()
+                except (OSError, ValueError):  # closed by whoever reads it: the files still get it
+                    self._console_gone.add(stream)
             if self._dir is not None and rank >= 0:
                 self._file(rank, stream).write(text)
 
-    def _file(self, rank: int, stream: str) -> IO[str]:
+    def _file(self, rank: int, stream: str) -> DiagnosticFile:
         f = self._files.get((rank, stream))
         if f is None:
             path = os.path.join(self._dir or ".", f"rank.{rank}")
-            os.makedirs(path, exist_ok=True)
-            f = open(os.path.join(path, stream), "a", buffering=1, encoding="utf-8")
+            try:
+                os.makedirs(path, exist_ok=True)
+            except OSError:
+                pass  # the file's open fails too, and says why
+            f = DiagnosticFile(os.path.join(path, stream), f"rank {rank}'s {stream} file", self._limited)
             self._files[(rank, stream)] = f
         return f
 

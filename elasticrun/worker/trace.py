@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import threading
 import time
 from typing import Any
 
 __all__ = ["Timeline", "active", "note_rank", "start", "stop", "writes"]
+
+log = logging.getLogger("elasticrun.worker")
 
 
 #: In a timeline's path, replaced by the rank: every rank writes its own file.
@@ -70,6 +73,8 @@ class Timeline:
         self._closed = False
         self._pid = os.getpid()
         self._lock = threading.Lock()
+        self.lost = 0  # events a failed write dropped
+        self._warned = False
 
     def record(self, name: str, start: float, end: float, round_: int, **args: Any) -> None:
         """One operation, ``start``/``end`` from ``time.perf_counter()``."""
@@ -87,13 +92,25 @@ class Timeline:
             self.flush()
 
     def flush(self) -> None:
-        """Write the pending events if this worker writes; otherwise keep only the newest."""
+        """Write the pending events if this worker writes; otherwise keep only the newest.
+        A write that fails (a full disk) drops them with one warning: the timeline describes
+        the training, it must not stop it."""
         with self._lock:
             if self._file is None and not writes(self.path, self.rank):
                 del self.events[:-self.FLUSH_EVERY // 2]
                 return
-            self._write(self.events)
-            self.events = []
+            events, self.events = self.events, []
+            try:
+                self._write(events)
+            except OSError as exc:
+                self._lost(exc, len(events))
+
+    def _lost(self, exc: OSError, n: int) -> None:
+        self.lost += n
+        if not self._warned:
+            self._warned = True
+            log.warning("cannot write the timeline %s: %s; training goes on (its events are dropped)",
+                        self.written_to or self.path, exc.strerror or exc)
 
     def _write(self, events: list[dict[str, Any]]) -> None:
         if self._file is None:
@@ -120,9 +137,17 @@ class Timeline:
             meta = [{"name": "process_name", "ph": "M", "pid": self._pid, "args": {"name": name}}]
             meta += [{"name": "thread_name", "ph": "M", "pid": self._pid, "tid": r, "args": {"name": f"round {r}"}}
                      for r in sorted(self._rounds)]
-            self._write(meta)
-            self._file.write("\n]\n")
-            self._file.close()
+            try:
+                self._write(meta)
+                self._file.write("\n]\n")
+                self._file.close()
+            except OSError as exc:
+                self._lost(exc, len(meta))
+                if self._file is not None:
+                    try:
+                        self._file.close()
+                    except OSError:
+                        pass
             self._file = None
             return self.written_to
 
