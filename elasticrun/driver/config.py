@@ -22,6 +22,7 @@ from elasticrun.driver.parser import (
     module_list,
     non_negative_int,
     non_negative_number,
+    port,
     positive_int,
     positive_seconds,
 )
@@ -99,7 +100,7 @@ def _type_name(action: argparse.Action) -> str:
         return "a list of strings"
     if action.nargs == 2:
         return "a list of 2 numbers"
-    if action.type in (positive_int, non_negative_int):
+    if action.type in (positive_int, non_negative_int, port):
         return "a whole number"
     if action.type is positive_seconds:
         return "a number of seconds"
@@ -130,7 +131,7 @@ def convert_value(action: argparse.Action, value: Any, named_by_flag: bool = Fal
                 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
             raise ValueError(expected)
         return [action.type(str(v)) for v in value]
-    if action.type in (positive_int, non_negative_int):
+    if action.type in (positive_int, non_negative_int, port):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(expected)
         return action.type(str(value))

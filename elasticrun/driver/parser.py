@@ -71,20 +71,37 @@ def non_negative_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number") from None
+    if not 0 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} must be between 0 and {MAX_COUNT:,}")
     return value
 
 
+#: The longest duration any option takes (a week): every timeout and interval must be a
+#: finite number the clocks, timers and gloo's millisecond timeouts can hold (1e12 s overflowed them).
+MAX_SECONDS = 7 * 24 * 3600
+
+
 def positive_seconds(text: str) -> float:
-    """A duration of more than 0 seconds (every timeout and interval)."""
+    """A duration of more than 0 seconds, at most MAX_SECONDS (every timeout and interval)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 seconds")
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of seconds") from None
+    if not 0 < value <= MAX_SECONDS:  # also refuses inf and nan
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} must be more than 0 and at most {MAX_SECONDS:,} seconds "
+                                         f"(7 days)")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port, 1 to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a port number") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} must be a port number from 1 to 65535")
     return value
 
 
@@ -229,7 +246,7 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--launcher", choices=["auto", "local", "ssh"], default="auto",
                    help="auto (default): SSH for hosts that are not this machine and for user@host names, "
                         "child processes otherwise; local: never SSH; ssh: always SSH, even to this machine")
-    g.add_argument("-p", "--ssh-port", type=positive_int, default=22, metavar="PORT", help="SSH port (default 22)")
+    g.add_argument("-p", "--ssh-port", type=port, default=22, metavar="PORT", help="SSH port (default 22)")
     g.add_argument("-i", "--ssh-identity-file", metavar="FILE",
                    help="private key to log in with (tried first; then the SSH agent and ~/.ssh keys)")
     g.add_argument("--ssh-user", metavar="USER", help="remote user for hosts without user@ (default: yours)")
