@@ -20,7 +20,7 @@ from elasticrun.common.hosts import MAX_SLOTS_PER_HOST, HostSpecError, parse_hos
 from elasticrun.common.paths import check_writable_dir, check_writable_file
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.sources import FixedHosts, ScriptDiscovery, discovery_command
-from elasticrun.driver import check, config, network
+from elasticrun.driver import check, checkpoints, config, network
 from elasticrun.driver.parser import (
     IGNORED_HOROVODRUN_FLAGS,
     ExitingParser,
@@ -285,8 +285,8 @@ def _check_output_paths(o: Mapping[str, Any], fail: Fail) -> None:
                 check_writable_file(os.path.join(o["output_filename"], "events.jsonl"), "--output-filename")
         if o["events_file"] is not None:
             check_writable_file(o["events_file"], "--events")
-        if o["checkpoint_dir"] is not None:
-            check_writable_dir(o["checkpoint_dir"], "--checkpoint-dir")
+        if o["checkpoint_dir"] is not None:  # the user's alone (0700 when made here): see docs/security.md
+            checkpoints.check_directory(o["checkpoint_dir"], "--checkpoint-dir")
     except ValueError as exc:
         fail(str(exc))
 

@@ -8,6 +8,7 @@ through a pipe that the ZeroMQ poller watches alongside the sockets.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -52,6 +53,16 @@ class Source(Protocol):
 
 def _when(wall: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall))
+
+
+#: How long a stop waits for the last durable copy (a scheduler's SIGTERM is followed by its
+#: SIGKILL: Kubernetes' default grace is 30 s, Slurm's KillWait 30 s).
+FINAL_COPY_LIMIT = 20.0
+#: Seconds after a copy request within which every worker has reported its newest commit (a
+#: few heartbeats): past it, "no newer commit" is known, not guessed.
+COMMIT_NEWS = 1.5
+#: What the stop needs beyond the copy and the workers' grace (the last output, the sockets).
+STOP_MARGIN = 3.0
 
 
 class JobFailed(Exception):
@@ -119,8 +130,12 @@ class ElasticDriver:
                                heartbeat_timeout=settings.heartbeat_timeout,
                                evict_stragglers=settings.evict_stragglers),
             HostManager(cooldown_range=settings.cooldown_range), new_id=lambda: next(self._ids))
+        # Problems that input can repeat without end (garbage frames, discovery output, failed
+        # diagnostic writes): a few lines and counts (elasticrun/common/ratelimit.py), flushed
+        # every loop and at the end.
+        self._limited = LimitedLog(log)
         self._sink = OutputSink(self._rank_of, settings.output_filename,
-                                timestamps=settings.prefix_output_with_timestamp)
+                                timestamps=settings.prefix_output_with_timestamp, limited=self._limited)
         # It reports each worker's end through worker_exited() and its output to the sink.
         self._launcher: Launcher = launcher if launcher is not None else Launchers(settings)
         self._launcher.bind(self.worker_exited, self._sink)
@@ -128,15 +143,12 @@ class ElasticDriver:
         self._notifications = Notifications()
         self._reported_problems: set[int] = set()  # hashes of discovery problems already said
         self._last_problems: int | None = None  # the previous discovery run's problems, hashed
-        # Problems that input can repeat without end (garbage frames, discovery output): a few
-        # lines and counts (elasticrun/common/ratelimit.py), flushed every loop and at the end.
-        self._limited = LimitedLog(log)
         self._summarized = False
         events_path = settings.events_file or (
             os.path.join(settings.output_filename, "events.jsonl") if settings.output_filename else None)
         if events_path and os.path.dirname(events_path):
             os.makedirs(os.path.dirname(events_path), exist_ok=True)
-        self._journal = EventLog(events_path)
+        self._journal = EventLog(events_path, self._limited)
         self._resets = ResetTracker()
         self._last_hosts: tuple[dict[str, int], list[str]] | None = None
         self._started = time.monotonic()
@@ -167,9 +179,11 @@ class ElasticDriver:
                         "cycle, response cache, autotuner or stall check; see docs/porting-from-horovod.md)",
                         ", ".join(self.settings.ignored_horovodrun_flags))
         try:
+            self._open_checkpoints()  # before anything starts: a directory in use or unusable is refused
             first = self._first_discovery()
         except BaseException:
             self._launcher.stop_all(0.0)  # nothing runs yet but, perhaps, a warm-start template
+            self._close_checkpoints()
             raise
         ctx = zmq.Context()
         # Only the job's workers get in: both sockets are CURVE servers, and this ZAP handler
@@ -209,6 +223,7 @@ class ElasticDriver:
             self._final_copy(exc.signum)
             log.warning("received %s: stopping %d worker(s)", exc, len(self.registry.live()))
             self._shutdown()
+            self._say_copy_kept()
             self._summarize()
             return 128 + exc.signum
         except BaseException:
@@ -222,6 +237,7 @@ class ElasticDriver:
             self._stop_discovery.set()
             if self._durable is not None:
                 self._durable.stop()
+            self._close_checkpoints()
             self._router.close(0)
             self._pub.close(0)
             self._zap.stop()
@@ -283,8 +299,9 @@ class ElasticDriver:
         self._limited.count("discovery warnings", found.more_warnings, f"from {where}")
         self._limited.flush()
 
-    def _loop(self, until: Callable[[], bool] | None = None, deadline: float | None = None) -> reg.Finish | None:
-        """Serve until the job finishes (or, for the final durable copy, ``until()`` or ``deadline``)."""
+    def _loop(self, until: Callable[[], bool] | None = None, stop_at: float | None = None) -> reg.Finish | None:
+        """Serve until the job finishes (or, for the final durable copy, until ``until()`` is
+        true, a second signal came, or ``stop_at`` passed: a promise printed on the console)."""
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -295,15 +312,11 @@ class ElasticDriver:
             now = time.monotonic()
             store_deadline = self._store.next_deadline()
             due = min(next_tick, store_deadline) if store_deadline is not None else next_tick
+            if stop_at is not None:
+                due = min(due, stop_at)
             events = dict(poller.poll(int(max(0.0, min(0.5, due - now)) * 1000) + 1))
-            if self._wake_r in events:
-                os.read(self._wake_r, 4096)
-            while True:
-                try:
-                    kind, payload = self._events.get_nowait()
-                except queue.Empty:
-                    break
-                self._on_event(kind, payload)
+            # Workers' messages first: what a worker sent before it died (its last heartbeat, its
+            # failure report) is read before the death its launcher posts.
             if self._router in events:
                 for _ in range(1000):  # drain what is there, then look at the other sources again
                     try:
@@ -316,6 +329,14 @@ class ElasticDriver:
                         self._limited.warn("dropped control frames", f"dropped a message of {n} frames "
                                            f"(a request is 1 frame)", f"messages of {n} frames")
                 self._limited.flush()
+            if self._wake_r in events:
+                os.read(self._wake_r, 4096)
+            while True:
+                try:
+                    kind, payload = self._events.get_nowait()
+                except queue.Empty:
+                    break
+                self._on_event(kind, payload)
             now = time.monotonic()
             if now >= next_tick or self.registry.dirty:
                 self._execute(self.registry.decide(now))
@@ -325,7 +346,7 @@ class ElasticDriver:
             self._ask_for_copy(now)
             if self.registry.finished is not None:
                 return self.registry.finished
-            if until is not None and (until() or self._hurry or (deadline is not None and now >= deadline)):
+            if until is not None and (until() or self._hurry or (stop_at is not None and time.monotonic() >= stop_at)):
                 return None
 
     def _on_event(self, kind: str, payload: Any) -> None:
@@ -347,8 +368,10 @@ class ElasticDriver:
                      (m.data_bytes + m.meta_bytes) / 1e6, durable.path)
             self._journal.write(Kind.DURABLE_WRITTEN, round=self.registry.round, number=m.number, commit=m.commit,
                                 bytes=m.data_bytes + m.meta_bytes, seconds=round(seconds, 3))
-        elif kind == "durable_warning":
-            self._limited.warn("durable copies", str(payload), "failed")
+        elif kind == "durable_failed":
+            began, line = payload
+            self._failed_copies.append((began, str(line)))
+            self._limited.warn("durable copies", str(line), "failed")
         elif kind == "exit":
             worker_id, code = payload
             self._journal.write(Kind.WORKER_EXITED, worker=worker_id, code=code, **self._where(worker_id))
@@ -376,7 +399,9 @@ class ElasticDriver:
     def _dispatch(self, identity: bytes, msg: Message) -> None:
         body = msg.body
         if msg.type == "heartbeat":
-            self.registry.heartbeat(str(body.get("worker")), time.monotonic(), Pace.parse(body.get("pace")))
+            steps = body.get("steps")
+            self.registry.heartbeat(str(body.get("worker")), time.monotonic(), Pace.parse(body.get("pace")),
+                                    steps if isinstance(steps, int) and not isinstance(steps, bool) else None)
             self._progress(body)
             self._reply(identity, msg, "heartbeat_ack", {
                 "round": self.registry.round, "aborted": self.registry.aborted,
@@ -520,32 +545,86 @@ class ElasticDriver:
             self._post("exit", (act.worker_id, 127))
 
     # --- durable copies (--checkpoint-dir) -------------------------------------------------------
-    def _start_durable(self, ctx: zmq.Context) -> DurableService | None:
-        """Find the newest durable copy to resume from, and serve the next ones."""
+    _checkpoints: checkpoints.CheckpointDir | None = None
+    _durable: DurableService | None = None
+    _copies: CopySchedule | None = None
+    _resume_from: checkpoints.Durable | None = None
+    _lineage = ""
+    _latest: tuple[int, int] = (0, 0)  # (steps, commit): the furthest any worker has reported
+    _progress_saved = 0.0
+    _failed_copies: collections.deque[tuple[float, str]]  # (when the copy began, why it failed): the newest
+
+    def _open_checkpoints(self) -> None:
+        """Take the checkpoint directory for this job (trusted, locked) and find the copy to
+        resume from. A directory that is not the user's, or in use by another job, is exit 2;
+        copies that exist but none of them usable stop the job before anything starts."""
         directory = self.settings.checkpoint_dir
         if directory is None:
-            return None
-        checkpoints.clean_stale(directory)
-        found = None if self.settings.fresh else checkpoints.newest(directory, warn=log.warning)
+            return
+        self._failed_copies = collections.deque(maxlen=8)
+        try:
+            cdir = checkpoints.CheckpointDir.open(directory)
+        except checkpoints.UntrustedDirectory as exc:
+            raise JobFailed(f"--checkpoint-dir {directory}: {exc}; run `chmod 700 {directory}` if it is yours, "
+                            f"or use a directory of your own", 2) from None
+        except checkpoints.CheckpointError as exc:
+            raise JobFailed(f"--checkpoint-dir {directory}: {exc}", 2) from None
+        self._checkpoints = cdir
+        try:
+            cdir.lock(self.job_id)
+            cdir.key()
+        except checkpoints.DirectoryInUse as exc:
+            raise JobFailed(f"--checkpoint-dir {exc}: one directory serves one job; wait for that job to end, or "
+                            f"use another directory", 2) from None
+        except checkpoints.UntrustedDirectory as exc:
+            raise JobFailed(f"--checkpoint-dir {directory}: {exc}; remove it if it is not yours, or use another "
+                            f"directory", 2) from None
+        except checkpoints.CheckpointError as exc:
+            raise JobFailed(f"--checkpoint-dir {directory}: {exc}", 2) from None
+        cdir.clean_stale()
+        self._lineage = uuid.uuid4().hex[:16]
+        if self.settings.fresh:
+            kept = cdir.numbers()
+            if kept:
+                log.info("--fresh: starting from the script's own state; the %d copies already in %s are kept "
+                         "(remove them when you no longer need them)", len(kept), directory)
+            return
+        scan = cdir.scan()
+        if scan.newest is None and scan.unusable:
+            lines = "\n".join(f"  {name}: {why}" for name, why in scan.unusable)
+            raise JobFailed(f"cannot resume: no durable copy in {directory} is usable:\n{lines}\nNothing was "
+                            f"started and nothing was deleted. To start over from the script's own state, run the "
+                            f"same command with --fresh (these copies stay where they are); or point "
+                            f"--checkpoint-dir elsewhere.")
+        for name, why in scan.unusable:
+            aside = cdir.move_aside(name)
+            log.warning("checkpoint %s is unusable (%s); moved aside to %s, trying an older one",
+                        os.path.join(directory, name), why, aside)
+        found = scan.newest
         if found is not None:
             self._resume_from = found
+            self._lineage = found.manifest.lineage
             self.registry.durable(found.manifest.commit)
             log.info("%s holds a durable copy of commit %d (%s): the job resumes from it (--fresh starts over)",
                      directory, found.manifest.commit, _when(found.manifest.saved_at))
-        service = DurableService(ctx, self._keys, self.job_id, directory,
+
+    def _close_checkpoints(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.close()  # releases the lock
+
+    def _start_durable(self, ctx: zmq.Context) -> DurableService | None:
+        """Serve the durable copies of the directory opened by :meth:`_open_checkpoints`."""
+        if self._checkpoints is None:
+            return None
+        service = DurableService(ctx, self._keys, self.job_id, self._checkpoints, lineage=self._lineage,
                                  on_written=lambda d, seconds: self._post("durable_written", (d, seconds)),
-                                 warn=lambda line: self._post("durable_warning", line), newest=found,
+                                 on_failed=lambda began, line: self._post("durable_failed", (began, line)),
+                                 newest=self._resume_from,
                                  stale_after=max(60.0, 2 * self.settings.checkpoint_interval))
         service.endpoint(zmq_endpoint(self._endpoints.address()))
         service.start()
         self._copies = CopySchedule(self.settings.checkpoint_interval)
         return service
-
-    _durable: DurableService | None = None
-    _copies: CopySchedule | None = None
-    _resume_from: checkpoints.Durable | None = None
-    _latest: tuple[int, int] = (0, 0)  # (steps, commit): the furthest any worker has reported
-    _progress_saved = 0.0
 
     def _ask_for_copy(self, now: float, force: bool = False) -> int | None:
         """Every --checkpoint-interval while a round trains, ask the workers for a durable copy:
@@ -564,38 +643,81 @@ class ElasticDriver:
             return
         self._latest = (steps, commit)
         now = time.monotonic()
-        if self._durable is not None and now - self._progress_saved > 2.0:
+        if self._checkpoints is not None and now - self._progress_saved > 2.0:
             self._progress_saved = now
-            checkpoints.save_progress(self._durable.directory, steps, commit)
+            try:
+                self._checkpoints.save_progress(steps, commit)
+            except OSError as exc:  # a diagnostic: it only shortens "N steps back" after a resume
+                self._limited.warn("diagnostic writes", f"cannot write {self._checkpoints.path}/progress.json: "
+                                   f"{exc.strerror or exc}; training goes on", "progress file")
 
     def _say_resumed(self, round_: int) -> None:
         durable = self._durable.newest if self._durable is not None else None
-        if durable is None:
+        if durable is None or self._checkpoints is None:
             return
         m = durable.manifest
-        latest = max(self._latest[0], checkpoints.load_progress(self._durable.directory)[0])
+        latest = max(self._latest[0], self._checkpoints.load_progress()[0])
         back = max(0, latest - m.steps)
         log.warning("resumed from checkpoint of %s, %d steps back (commit %d, %s)", _when(m.saved_at), back,
                     m.commit, durable.path)
         self._journal.write(Kind.RESUMED, round=round_, checkpoint=durable.path, commit=m.commit,
                             saved_at=m.saved_at, steps_back=back)
 
+    def _copy_held(self) -> str:
+        """What the directory holds now, for the lines of a stop."""
+        durable = self._durable.newest if self._durable is not None else None
+        if durable is None:
+            return f"{self.settings.checkpoint_dir} holds no durable copy of this job"
+        m = durable.manifest
+        return f"the newest durable copy is {durable.path} (commit {m.commit}, {_when(m.saved_at)})"
+
     def _final_copy(self, signum: int) -> None:
-        """Stopped by a signal: a last durable copy of the newest commit first (bounded; a
-        second signal skips it), so that a resumed job redoes nothing."""
+        """Stopped by a signal: a last durable copy of the newest commit first, so that a
+        resumed job redoes nothing. Bounded by FINAL_COPY_LIMIT whatever happens (no commit
+        comes, the disk is full, the service is broken), and skipped by a second signal."""
+        name = signal.Signals(signum).name
         if self._durable is None or self.registry.round < 0 or not self.registry.live():
             return
-        request = self._ask_for_copy(time.monotonic(), force=True)
-        if request is None:
-            return
-        limit = max(30.0, self.settings.checkpoint_interval)
-        log.warning("received %s: writing a last durable copy before stopping (at most %.0f s; again to skip)",
-                    signal.Signals(signum).name, limit)
         before = self._durable.newest
-        self._loop(until=lambda: self._durable.newest is not before, deadline=time.monotonic() + limit)
-        if self._durable.newest is before:
-            log.warning("no last durable copy: the newest on disk stays %s",
-                        before.path if before is not None else "none")
+        base = before.manifest.commit if before is not None else 0
+        if not self._durable.is_alive():
+            log.warning("received %s: no last durable copy (the durable-copy service has stopped)", name)
+            return
+        asked = time.monotonic()
+        request = self._ask_for_copy(asked, force=True)
+        if request is None:
+            log.warning("received %s: no last durable copy (the round is being re-formed)", name)
+            return
+        ends = FINAL_COPY_LIMIT + self.settings.stop_grace + STOP_MARGIN
+        log.warning("received %s: writing a last durable copy before stopping (at most %.0f s; again to skip); "
+                    "the job ends within %.0f s", name, FINAL_COPY_LIMIT, ends)
+        why: list[str] = []
+
+        def settled() -> bool:
+            if self._durable.newest is not before:
+                return True
+            failed = [line for began, line in self._failed_copies if began >= asked]
+            if failed:  # a copy begun after the request (so of the newest commit) failed
+                why.append(failed[-1])
+            elif not self._durable.is_alive():
+                why.append("the durable-copy service has stopped")
+            elif not self.registry.live():
+                why.append("every worker is gone")
+            elif time.monotonic() - asked >= COMMIT_NEWS and self._latest[1] <= base:
+                why.append(f"no commit newer than commit {base} was made")
+            return bool(why)
+
+        self._loop(until=settled, stop_at=asked + FINAL_COPY_LIMIT)
+        if self._durable.newest is not before:
+            return
+        if not why:
+            why.append("a second signal skipped it" if self._hurry
+                       else f"it was not written within {FINAL_COPY_LIMIT:.0f} s")
+        log.warning("no last durable copy: %s", why[0])
+
+    def _say_copy_kept(self) -> None:
+        if self._durable is not None:
+            log.warning("stopped: %s", self._copy_held())
 
     # --- the end -----------------------------------------------------------------------------
     def _conclude(self, finished: reg.Finish) -> int:
@@ -607,7 +729,10 @@ class ElasticDriver:
         self._summarize()
         self._journal.close()
         if finished.ok:
-            log.info("job succeeded in %.1f s: %s", elapsed, finished.reason)
+            if finished.complete:
+                log.info("job succeeded in %.1f s: %s", elapsed, finished.reason)
+            else:
+                log.warning("job ended in %.1f s: %s", elapsed, finished.reason)
             return 0
         raise JobFailed(f"The job failed after {elapsed:.1f} s: {finished.reason}.")
 

@@ -17,6 +17,10 @@ Worker -> driver messages (each answered with ``ack`` or ``error``, which is the
 One copy is written at a time: a request with a newer id replaces an unfinished one, and an
 unfinished copy is dropped after ``stale_after`` seconds (a rank died mid-transfer). A failed
 write is a warning: the job goes on with its in-memory commits and the older copies.
+
+Every request is answered, a bad one with an ``error`` naming what was wrong, and no request,
+however malformed, ends the service: an exception in handling one is one rate-limited line,
+and the thread serves the next (a dead service would leave a restore waiting for nothing).
 """
 
 from __future__ import annotations
@@ -43,21 +47,24 @@ class DurableService(threading.Thread):
     """Durable copies of the job's commits in ``directory``; see the module docstring.
 
     ``on_written(durable, seconds)`` is called (on this thread) when a copy is whole on disk;
-    ``warn(line)`` for a copy that failed.
+    ``on_failed(began, line)`` when a copy was not written (``began``: when its first message
+    came, on the monotonic clock: which request it answered is the workers' agreement).
+    ``lineage``: the lineage new copies carry (that of the copy resumed from, or a new one).
     """
 
-    def __init__(self, ctx: zmq.Context, keys: JobKeys, job_id: str, directory: str, *,
-                 on_written: Callable[[ck.Durable, float], None], warn: Callable[[str], None],
-                 keep: int = 2, stale_after: float = 600.0, newest: ck.Durable | None = None):
+    def __init__(self, ctx: zmq.Context, keys: JobKeys, job_id: str, directory: ck.CheckpointDir, *,
+                 on_written: Callable[[ck.Durable, float], None], on_failed: Callable[[float, str], None],
+                 lineage: str, keep: int = 2, stale_after: float = 600.0, newest: ck.Durable | None = None):
         super().__init__(name="elasticrun-durable", daemon=True)
         self.directory = directory
+        self._lineage = lineage
         self._codec = Codec(keys.secret, job_id, new_sender_id("driver-durable"))
         self._job = job_id
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         secure_server(self._sock, keys, MAX_FRAME_BYTES + 4096)
-        self._on_written, self._warn = on_written, warn
+        self._on_written, self._on_failed = on_written, on_failed
         self._keep, self._stale_after = keep, stale_after
         self._newest = newest  # what a restore reads
         self._writer: ck.Writer | None = None
@@ -67,6 +74,7 @@ class DurableService(threading.Thread):
         self._endpoints: dict[str, str] = {}
         self._to_bind: list[tuple[str, threading.Event]] = []
         self._dropped = LimitedLog(log)
+        self._broken = LimitedLog(log)  # requests that raised while handled
 
     # --- the driver's side ---------------------------------------------------------------------
     def bind(self, endpoint_base: str) -> str:
@@ -123,15 +131,23 @@ class DurableService(threading.Thread):
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stopping.is_set():
-            self._bind_requested()
-            if poller.poll(50):
-                for _ in range(64):
-                    try:
-                        parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._on_message([p.buffer for p in parts])
-            self._expire()
+            try:
+                self._bind_requested()
+                if poller.poll(50):
+                    for _ in range(64):
+                        try:
+                            parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_message([p.buffer for p in parts])
+                self._expire()
+            except zmq.ZMQError as exc:
+                if self._stopping.is_set():
+                    return
+                self._broken.warn("durable-copy service errors", f"the durable-copy service: {exc}", "zmq")
+            except Exception as exc:  # a bug must cost one request, never the service
+                self._broken.warn("durable-copy service errors", f"the durable-copy service: "
+                                  f"{type(exc).__name__}: {str(exc)[:200]}", type(exc).__name__)
 
     def _on_message(self, parts: list[memoryview]) -> None:
         if len(parts) not in (2, 3):
@@ -148,10 +164,16 @@ class DurableService(threading.Thread):
             return
         try:
             reply, data = self._handle(msg, blob)
-        except (ck.CheckpointError, KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, ck.CheckpointError) and self._writer is not None:
+        except ck.CheckpointError as exc:  # the copy being written cannot be finished
+            if self._writer is not None and msg.type.startswith("ckpt_") and msg.type not in ("ckpt_info", "ckpt_read"):
                 self._fail(str(exc))
             reply, data = {"error": str(exc)[:500]}, None
+        except (KeyError, TypeError, ValueError) as exc:  # a malformed request: refused, nothing changes
+            reply, data = {"error": f"bad {msg.type[:40]} request: {type(exc).__name__}: {str(exc)[:300]}"}, None
+        except Exception as exc:  # anything else: answered, said once in a while, and served on
+            self._broken.warn("durable-copy service errors", f"a {msg.type[:40]} request failed: "
+                              f"{type(exc).__name__}: {str(exc)[:200]}", type(exc).__name__)
+            reply, data = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}, None
         body = dict(reply, re=msg.body.get("req"))
         try:
             if data is None:
@@ -175,21 +197,27 @@ class DurableService(threading.Thread):
                     "shards": [[x.offset, x.size, x.sha256] for x in m.shards]}, None
         if msg.type == "ckpt_read":
             d = self.newest
-            if d is None or int(b["number"]) != d.manifest.number:
-                return {"error": f"durable copy {b.get('number')!r} is not the newest"}, None
-            name = {"meta": "meta.bin", "data": "data.bin"}[str(b["file"])]
-            return {}, ck.read_range(d.path, name, int(b["offset"]), min(int(b["size"]), CHUNK))
-        request = int(b["id"])
+            if d is None or _count(b, "number") != d.manifest.number:
+                return {"error": f"durable copy {str(b.get('number'))[:20]} is not the newest"}, None
+            name = {"meta": "meta.bin", "data": "data.bin"}.get(str(b.get("file")))
+            if name is None:
+                raise ValueError(f"file {str(b.get('file'))[:20]!r}: meta or data")
+            total = d.manifest.meta_bytes if name == "meta.bin" else d.manifest.data_bytes
+            offset, size = _count(b, "offset"), _count(b, "size")
+            if offset > total:
+                raise ValueError(f"offset {offset} lies past {name}'s {total} bytes")
+            return {}, self.directory.read_range(d, name, offset, min(size, CHUNK, total - offset))
+        request = _count(b, "id")
         if msg.type == "ckpt_begin":
             self._begin(request, b)
             return {}, None
         w = self._current(request)
         if msg.type == "ckpt_data":
-            w.write(int(b["offset"]), blob)
+            w.write(_count(b, "offset"), blob)
         elif msg.type == "ckpt_meta":
-            w.write_meta(int(b["offset"]), blob)
+            w.write_meta(_count(b, "offset"), blob)
         elif msg.type == "ckpt_end":
-            w.shard_done(int(b["offset"]), int(b["size"]), str(b["sha256"]))
+            w.shard_done(_count(b, "offset"), _count(b, "size"), str(b["sha256"]))
             if b.get("meta_sha256"):
                 w.meta_done(str(b["meta_sha256"]))
             if w.complete:
@@ -199,17 +227,24 @@ class DurableService(threading.Thread):
         return {}, None
 
     def _begin(self, request: int, b: dict[str, Any]) -> None:
+        world, rank = _count(b, "world"), _count(b, "rank")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} of {world}")
         if self._writing is not None and self._writing[0] != request:
             if request < self._writing[0]:
                 raise ValueError(f"copy {request} was replaced by copy {self._writing[0]}")
             self._fail(f"copy {self._writing[0]} was replaced by copy {request} before it was whole")
         if self._writer is None:
-            self._writer = ck.Writer(self.directory, ck.next_number(self.directory), commit=int(b["commit"]),
-                                     steps=int(b["steps"]), saved_at=float(b["saved_at"]), job=self._job,
-                                     world=int(b["world"]), data_bytes=int(b["data_bytes"]))
             self._writing = (request, time.monotonic())
-        if int(b["rank"]) == 0:
-            self._writer.meta_size(int(b["meta_bytes"]))
+            try:
+                self._writer = ck.Writer(self.directory, self.directory.next_number(), commit=_count(b, "commit"),
+                                         steps=_count(b, "steps"), saved_at=float(b["saved_at"]), job=self._job,
+                                         lineage=self._lineage, world=world, data_bytes=_count(b, "data_bytes"))
+            except ck.CheckpointError as exc:
+                self._fail(str(exc))
+                raise
+        if rank == 0:
+            self._writer.meta_size(_count(b, "meta_bytes"))
 
     def _current(self, request: int) -> ck.Writer:
         if self._writer is None or self._writing is None or self._writing[0] != request:
@@ -220,7 +255,11 @@ class DurableService(threading.Thread):
         assert self._writing is not None
         started = self._writing[1]
         self._writer, self._writing = None, None
-        durable = w.commit(self._keep)
+        try:
+            durable = w.commit(self._keep)
+        except ck.CheckpointError as exc:
+            self._on_failed(started, f"durable copy not written ({exc}); training goes on from the in-memory commits")
+            return
         with self._lock:
             self._newest = durable
         self._on_written(durable, time.monotonic() - started)
@@ -228,13 +267,22 @@ class DurableService(threading.Thread):
     def _fail(self, why: str) -> None:
         if self._writer is not None:
             self._writer.abort()
+        began = self._writing[1] if self._writing is not None else time.monotonic()
         self._writer, self._writing = None, None
-        self._warn(f"durable copy not written ({why}); training goes on from the in-memory commits")
+        self._on_failed(began, f"durable copy not written ({why}); training goes on from the in-memory commits")
 
     def _expire(self) -> None:
         if self._writing is not None and time.monotonic() - self._writing[1] > self._stale_after:
             self._fail(f"not all ranks sent their shards within {self._stale_after:g} s")
         self._dropped.flush()
+
+
+def _count(body: dict[str, Any], key: str) -> int:
+    """A non-negative whole number of a request (KeyError, ValueError: the request is refused)."""
+    value = body[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} must be a whole number, 0 or more, not {str(value)[:20]!r}")
+    return value
 
 
 class CopySchedule:

@@ -95,6 +95,7 @@ class WorkerRecord:
     restored: bool = False  # it rolled back to its last commit before asking for this round
     holds: bool = False  # it holds the job's newest committed state (see the module docstring)
     script_error: bool = False  # it failed with a Python exception of its own (not the machine's doing)
+    steps: int = -1  # optimizer steps it reported last (-1: none yet)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -175,6 +176,7 @@ class Event:
 class Finish:
     ok: bool
     reason: str
+    complete: bool = True  # False: a success that ended the job before every rank finished
 
 
 Action = Union[Launch, Assign, Dismiss, Kill, Notify, AbortRound, ForgetRounds, Event, Finish]
@@ -215,6 +217,7 @@ class Registry:
         self._said: set[str] = set()  # one-time messages of the current round
         self._empty_said = False  # an empty discovery listing was reported (until a non-empty one)
         self.durable_commit: int | None = None  # the commit of the newest durable copy (--checkpoint-dir)
+        self._ended_early: str | None = None  # "rank R exited 0 at step S while N ranks were training"
         self.stragglers = StragglerDetector()  # the workers' paces -> hosts that drag the job
 
     # --- events: they only record ----------------------------------------------------------
@@ -298,12 +301,14 @@ class Registry:
         self.durable_commit = commit
         self._dirty = True
 
-    def heartbeat(self, worker_id: str, now: float, pace: Pace | None = None) -> None:
-        """A sign of life from a worker, with the pace of its recent steps in this round (a
-        decision follows only when that pace may name a straggler, or when it stops)."""
+    def heartbeat(self, worker_id: str, now: float, pace: Pace | None = None, steps: int | None = None) -> None:
+        """A sign of life from a worker, with its step count and the pace of its recent steps in
+        this round (a decision follows only when that pace may name a straggler, or when it stops)."""
         w = self.workers.get(worker_id)
         if w is not None:
             w.last_seen = now
+            if steps is not None:
+                w.steps = steps
             if (pace is not None and pace.round == self.round and w.state is WorkerState.RUNNING
                     and w.round == self.round and self.stragglers.report(w.id, w.host, pace)):
                 self._dirty = True
@@ -317,6 +322,14 @@ class Registry:
         if w.state in (WorkerState.LEFT, WorkerState.FAILED):  # already accounted for
             return
         if code == 0:
+            training = [m for m in self._live_members() if m is not w]
+            if training and self._ended_early is None and w.round == self.round:
+                # Horovod's rule stands (one worker's success ends the job), but the summary
+                # must not read as if everyone finished.
+                at = f" at step {w.steps}" if w.steps >= 0 else ""
+                n = len(training)
+                self._ended_early = (f"rank {w.rank} exited 0{at} while {n} rank{'s' if n != 1 else ''} "
+                                     f"{'was' if n == 1 else 'were'} training")
             w.state = WorkerState.SUCCEEDED
             self._outbox.append(Event(Kind.WORKER_SUCCEEDED, f"{w.label} (rank {w.rank}) finished", {"host": w.host}))
             return
@@ -425,8 +438,8 @@ class Registry:
                 self._fail(w, f"sent no heartbeat for {now - w.last_seen:.1f} s "
                               f"(--heartbeat-timeout {limit:g} s); it is hung or unreachable", now)
 
-    def _finish(self, ok: bool, reason: str) -> list[Action]:
-        self.finished = Finish(ok, reason)
+    def _finish(self, ok: bool, reason: str, complete: bool = True) -> list[Action]:
+        self.finished = Finish(ok, reason, complete)
         return [self.finished]
 
     def _say_once(self, key: str, event: Event) -> list[Action]:
@@ -532,9 +545,20 @@ class Registry:
         if not any(w.state is WorkerState.RUNNING for w in self.workers.values()):
             failed = [w for w in self.workers.values() if w.state is WorkerState.FAILED and w.round == self.round]
             note = f" ({len(failed)} worker(s) of the last round failed)" if failed else ""
-            acts += self._finish(True, f"training finished after {self.round + 1} round(s), "
-                                       f"{self.reset_count} reset(s){note}")
+            unfinished = sorted(w.rank for w in self.final_round() if w.state is not WorkerState.SUCCEEDED)
+            if unfinished and self._ended_early is not None:
+                ranks = ", ".join(map(str, unfinished))
+                acts += self._finish(True, f"{self._ended_early}: the job ends there, as Horovod's does when one "
+                                           f"worker succeeds; rank(s) {ranks} did not finish training{note}",
+                                     complete=False)
+            else:
+                acts += self._finish(True, f"training finished after {self.round + 1} round(s), "
+                                           f"{self.reset_count} reset(s){note}")
         return acts
+
+    def _live_members(self) -> list[WorkerRecord]:
+        """Members of the current round still in it (training, or asking for the next round)."""
+        return [self.workers[wid] for wid in self.members.values() if self.workers[wid].state in _LIVE]
 
     def _during_round(self, target: list[SlotInfo], now: float) -> list[Action]:
         if self.aborted:

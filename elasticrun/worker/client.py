@@ -201,9 +201,16 @@ class ControlChannel(threading.Thread):
                 self._dropped.flush()
         finally:
             self._dropped.flush(force=True)
-            self._ship_events()  # what the worker recorded last (e.g. at a clean exit)
+            # What the worker did last (its final step count, the events of a clean exit): given
+            # a moment to leave (LINGER), so that the driver can say how far a rank got.
+            self._hb.setsockopt(zmq.LINGER, 200)
+            try:
+                self._hb.send(self._hb_codec.encode("heartbeat", self._heartbeat_body()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self._ship_events()
             self._sub.close(0)
-            self._hb.close(0)
+            self._hb.close()
             os.close(self._wake_r)
             os.close(self._wake_w)
 

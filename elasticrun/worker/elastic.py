@@ -199,7 +199,12 @@ def _restore_durable(state: State, rt: Any) -> None:
     (the sync then gives it to everyone). A copy that does not fit ends the job, with the
     first key that differs, instead of training from scratch."""
     loaded = time.monotonic()
-    info, meta, data = rt.fetch_durable()
+    try:
+        info, meta, data = rt.fetch_durable()
+    except Exception as exc:  # the checkpoint's fault or the driver's, never this host's
+        message = f"cannot read the durable copy from the checkpoint directory: {exc}"
+        rt.report_restore_failed(message)
+        raise RuntimeError(message) from None
     try:
         commit, steps = state.load_durable(meta, data)
     except durable.DurableMismatch as exc:

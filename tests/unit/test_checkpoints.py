@@ -1,5 +1,6 @@
-"""The durable copies on the driver's disk: atomic, checksummed, the newest two kept, and a
-broken copy never taken for a whole one (elasticrun/driver/checkpoints.py)."""
+"""The durable copies on the driver's disk: atomic, checksummed, signed, the newest two of a
+lineage kept, a broken copy never taken for a whole one, and a directory trusted only when it
+is the user's alone (elasticrun/driver/checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,21 @@ from elasticrun.driver import checkpoints as ck
 
 pytestmark = pytest.mark.timeout(60)
 
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (another user's files, a small tmpfs)")
 
-def write(directory, number=None, commit=5, data=b"0123456789" * 100, world=2, meta=b"meta"):
-    number = number or ck.next_number(str(directory))
-    w = ck.Writer(str(directory), number, commit=commit, steps=commit * 10, saved_at=1000.0 + number, job="j",
-                  world=world, data_bytes=len(data), meta=meta)
+
+@pytest.fixture
+def cdir(tmp_path):
+    d = ck.CheckpointDir.open(str(tmp_path / "ckpt"))
+    yield d
+    d.close()
+
+
+def write(d: ck.CheckpointDir, number=None, commit=5, data=b"0123456789" * 100, world=2, meta=b"meta",
+          lineage="L1", keep=2):
+    number = number or d.next_number()
+    w = ck.Writer(d, number, commit=commit, steps=commit * 10, saved_at=1000.0 + number, job="j",
+                  lineage=lineage, world=world, data_bytes=len(data), meta=meta)
     size = -(-len(data) // world)
     for r in range(world):
         part = data[r * size:(r + 1) * size]
@@ -26,31 +37,50 @@ def write(directory, number=None, commit=5, data=b"0123456789" * 100, world=2, m
             w.write(r * size + i, part[i:i + 64])
         w.shard_done(r * size, len(part), hashlib.sha256(part).hexdigest())
     assert w.complete
-    return w.commit(keep=2)
+    return w.commit(keep=keep)
 
 
-def test_a_copy_is_written_whole_and_read_back(tmp_path):
-    d = write(tmp_path)
-    assert os.path.basename(d.path) == "ckpt-000001" and d.manifest.commit == 5
-    assert ck.newest(str(tmp_path)).manifest == d.manifest
-    assert ck.read_range(d.path, "data.bin", 10, 5) == b"01234"
-    assert ck.read_range(d.path, "meta.bin", 0, 100) == b"meta"
+def copies(d: ck.CheckpointDir) -> list[str]:
+    return sorted(n for n in os.listdir(d.path) if "ckpt-" in n)
+
+
+def test_a_copy_is_written_whole_signed_and_read_back(cdir):
+    d = write(cdir)
+    assert d.name == "ckpt-000001" and d.manifest.commit == 5
+    assert cdir.scan().newest.manifest == d.manifest
+    assert cdir.read_range(d, "data.bin", 10, 5) == b"01234"
+    assert cdir.read_range(d, "meta.bin", 0, 100) == b"meta"
     assert oct(os.stat(os.path.join(d.path, "data.bin")).st_mode & 0o777) == "0o600"
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
+    assert oct(os.stat(cdir.path).st_mode & 0o777) == "0o700"
+    assert oct(os.stat(os.path.join(cdir.path, "key")).st_mode & 0o777) == "0o600"
+    assert "mac" in json.loads(open(os.path.join(d.path, "manifest.json")).read())
+    assert not [n for n in os.listdir(cdir.path) if n.startswith(".tmp")]
 
 
-def test_only_the_newest_two_are_kept(tmp_path):
+def test_only_the_newest_two_of_the_lineage_are_kept(cdir):
     for commit in (1, 2, 3, 4):
-        write(tmp_path, commit=commit)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt-000003", "ckpt-000004"]
-    assert ck.newest(str(tmp_path)).manifest.commit == 4
+        write(cdir, commit=commit)
+    assert copies(cdir) == ["ckpt-000003", "ckpt-000004"]
+    assert cdir.scan().newest.manifest.commit == 4
 
 
-@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "no manifest", "bad manifest", "bad meta"])
-def test_a_broken_newest_copy_falls_back_to_the_older_one_with_one_line(tmp_path, damage):
-    write(tmp_path, commit=1)
-    newest = write(tmp_path, commit=2)
+def test_rotation_never_deletes_another_jobs_copies(cdir):
+    """A copy this job did not write (another lineage: another job, or a run before --fresh)
+    stays, whatever rotation does to this job's own."""
+    write(cdir, commit=1, lineage="theirs")
+    write(cdir, commit=2, lineage="theirs")
+    for commit in (3, 4, 5):
+        write(cdir, commit=commit, lineage="mine")
+    assert copies(cdir) == ["ckpt-000001", "ckpt-000002", "ckpt-000004", "ckpt-000005"]
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "no manifest", "bad manifest", "bad meta",
+                                    "resigned by a stranger", "old format"])
+def test_a_broken_newest_copy_is_named_and_the_older_one_found(cdir, damage):
+    write(cdir, commit=1)
+    newest = write(cdir, commit=2)
     data = os.path.join(newest.path, "data.bin")
+    manifest = os.path.join(newest.path, "manifest.json")
     if damage == "flip a byte":
         with open(data, "r+b") as f:
             f.seek(700)
@@ -60,71 +90,195 @@ def test_a_broken_newest_copy_falls_back_to_the_older_one_with_one_line(tmp_path
     elif damage == "truncate":
         os.truncate(data, 300)
     elif damage == "no manifest":
-        os.remove(os.path.join(newest.path, "manifest.json"))
+        os.remove(manifest)
     elif damage == "bad manifest":
-        with open(os.path.join(newest.path, "manifest.json"), "w") as f:
-            json.dump({"format": 1, "number": "x"}, f)
-    else:
+        with open(manifest, "w") as f:
+            json.dump({"format": 2, "number": "x"}, f)
+    elif damage == "bad meta":
         with open(os.path.join(newest.path, "meta.bin"), "wb") as f:
             f.write(b"METR")
-    said: list[str] = []
-    found = ck.newest(str(tmp_path), said.append)
-    assert found is not None and found.manifest.commit == 1
-    assert len(said) == 1 and "ckpt-000002 is unusable" in said[0] and "\n" not in said[0], said
+    elif damage == "resigned by a stranger":  # new meta, checksums updated, but no key to sign with
+        obj = json.loads(open(manifest).read())
+        with open(os.path.join(newest.path, "meta.bin"), "wb") as f:
+            f.write(b"evil")
+        obj["meta"] = {"bytes": 4, "sha256": hashlib.sha256(b"evil").hexdigest()}
+        with open(manifest, "w") as f:
+            json.dump(obj, f)
+    else:
+        obj = json.loads(open(manifest).read())
+        obj["format"] = 1
+        with open(manifest, "w") as f:
+            json.dump(obj, f)
+    scan = cdir.scan()
+    assert scan.newest is not None and scan.newest.manifest.commit == 1
+    [(name, why)] = scan.unusable
+    assert name == "ckpt-000002" and why and "\n" not in why
+    if damage in ("resigned by a stranger", "old format"):
+        assert "not signed with this directory's key" in why
+    assert os.path.exists(newest.path)  # a scan deletes nothing
 
 
-def test_a_write_that_fails_leaves_the_durable_copies_alone(tmp_path):
-    good = write(tmp_path, commit=1)
-    w = ck.Writer(str(tmp_path), 2, commit=2, steps=0, saved_at=0, job="j", world=1, data_bytes=10, meta=b"m")
+def test_an_unusable_copy_is_moved_aside_and_its_number_never_reused(cdir):
+    write(cdir, commit=1)
+    bad = write(cdir, commit=2)
+    os.remove(os.path.join(bad.path, "manifest.json"))
+    assert cdir.move_aside("ckpt-000002") == "unusable-ckpt-000002"
+    assert cdir.next_number() == 3
+    assert sorted(os.listdir(os.path.join(cdir.path, "unusable-ckpt-000002"))) == ["data.bin", "meta.bin"]
+
+
+def test_nothing_in_the_directory_is_reached_through_a_link(cdir, tmp_path):
+    """A link planted at a copy's file, the progress file's temporary name or a copy itself is
+    never followed: the file it points to is neither read nor written."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    d = write(cdir, commit=1)
+    os.remove(os.path.join(d.path, "meta.bin"))
+    os.symlink(victim, os.path.join(d.path, "meta.bin"))
+    [(_, why)] = cdir.scan().unusable
+    assert "symbolic link" in why
+    os.symlink(victim, os.path.join(cdir.path, ".progress.json.tmp"))
+    cdir.save_progress(7, 3)
+    assert victim.read_text() == "precious" and cdir.load_progress() == (7, 3)
+    os.symlink(tmp_path, os.path.join(cdir.path, "ckpt-000009"))
+    assert "ckpt-000009" in dict(cdir.scan().unusable)
+    os.symlink(victim, os.path.join(cdir.path, "progress.json.x"))
+    os.replace(os.path.join(cdir.path, "progress.json.x"), os.path.join(cdir.path, "progress.json"))
+    assert cdir.load_progress() == (0, 0) and victim.read_text() == "precious"
+
+
+def test_the_lock_admits_one_job_and_names_the_holder(tmp_path):
+    path = str(tmp_path / "ckpt")
+    first = ck.CheckpointDir.open(path)
+    first.lock("job-one")
+    second = ck.CheckpointDir.open(path)
+    try:
+        with pytest.raises(ck.DirectoryInUse, match=rf"in use by job job-one \(pid {os.getpid()} on host "):
+            second.lock("job-two")
+        first.close()  # the holder ends (a kill -9 releases the flock the same way)
+        second.lock("job-two")
+    finally:
+        second.close()
+
+
+def test_a_dead_holders_lock_is_taken_over(tmp_path):
+    path = str(tmp_path / "ckpt")
+    code = ("import os, sys; from elasticrun.driver import checkpoints as ck; "
+            f"d = ck.CheckpointDir.open({path!r}); d.lock('gone'); os.kill(os.getpid(), 9)")
+    assert subprocess.run([os.sys.executable, "-c", code]).returncode == -9
+    d = ck.CheckpointDir.open(path)
+    try:
+        d.lock("next")
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777, 0o722])
+def test_a_directory_others_can_write_is_refused_in_one_line(tmp_path, mode):
+    path = tmp_path / "shared"
+    path.mkdir()
+    os.chmod(path, mode)
+    with pytest.raises(ValueError) as info:
+        ck.check_directory(str(path))
+    assert f"chmod 700 {path}" in str(info.value) and "writable to group or others" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_a_missing_directory_is_created_private(tmp_path):
+    ck.check_directory(str(tmp_path / "a" / "ckpt"))
+    assert oct(os.stat(tmp_path / "a" / "ckpt").st_mode & 0o777) == "0o700"
+
+
+def test_a_key_others_can_read_is_refused(cdir):
+    cdir.key()
+    os.chmod(os.path.join(cdir.path, "key"), 0o644)
+    again = ck.CheckpointDir.open(cdir.path)
+    try:
+        with pytest.raises(ck.UntrustedDirectory, match="open to group or others"):
+            again.key()
+    finally:
+        again.close()
+
+
+@root_only
+def test_a_directory_or_copy_of_another_user_is_refused(tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(ValueError, match="belongs to nobody, not to you"):
+        ck.check_directory(str(theirs))
+    d = ck.CheckpointDir.open(str(tmp_path / "ckpt"))
+    try:
+        good = write(d, commit=1)
+        planted = write(d, commit=2)
+        os.chown(os.path.join(planted.path, "meta.bin"), 65534, 65534)
+        scan = d.scan()
+        assert scan.newest.path == good.path and "belongs to nobody" in scan.unusable[0][1]
+    finally:
+        d.close()
+
+
+def test_a_write_that_fails_leaves_the_durable_copies_alone(cdir):
+    good = write(cdir, commit=1)
+    w = ck.Writer(cdir, 2, commit=2, steps=0, saved_at=0, job="j", lineage="L1", world=1, data_bytes=10, meta=b"m")
     w.write(0, b"01234")
     assert not w.complete
     w.abort()  # a rank died mid-transfer, or the disk filled up
-    assert ck.newest(str(tmp_path)).path == good.path
-    assert os.listdir(tmp_path) == ["ckpt-000001"]
+    assert cdir.scan().newest.path == good.path
+    assert copies(cdir) == ["ckpt-000001"]
 
 
-def test_bytes_outside_the_copy_and_damaged_shards_are_refused(tmp_path):
-    w = ck.Writer(str(tmp_path), 1, commit=1, steps=0, saved_at=0, job="j", world=1, data_bytes=10, meta=b"m")
+def test_bytes_outside_the_copy_and_damaged_shards_are_refused(cdir):
+    w = ck.Writer(cdir, 1, commit=1, steps=0, saved_at=0, job="j", lineage="L1", world=1, data_bytes=10, meta=b"m")
     with pytest.raises(ck.CheckpointError, match="outside"):
         w.write(8, b"xyz")
+    with pytest.raises(ck.CheckpointError, match="outside"):
+        w.write(-1, b"x")
+    with pytest.raises(ck.CheckpointError, match="outside"):
+        w.shard_done(5, 10, "0" * 64)
     w.write(0, b"0123456789")
     with pytest.raises(ck.CheckpointError, match="damaged"):
         w.shard_done(0, 10, hashlib.sha256(b"something else").hexdigest())
     w.abort()
 
 
-def test_an_unwritable_directory_is_one_line(tmp_path):
+def test_a_file_where_the_directory_should_be_is_one_line(tmp_path):
     target = tmp_path / "file"
     target.write_text("not a directory")
-    with pytest.raises(ck.CheckpointError, match="cannot write in") as info:
-        ck.Writer(str(target), 1, commit=1, steps=0, saved_at=0, job="j", world=1, data_bytes=1, meta=b"")
+    with pytest.raises(ValueError, match="is not a directory") as info:
+        ck.check_directory(str(target))
     assert "\n" not in str(info.value)
 
 
+@root_only
 def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=700", "tmpfs", str(mnt)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
     try:
-        good = write(mnt, commit=1, data=b"x" * 1000)
-        w = ck.Writer(str(mnt), 2, commit=2, steps=0, saved_at=0, job="j", world=1, data_bytes=1 << 20, meta=b"m")
+        d = ck.CheckpointDir.open(str(mnt))
+        good = write(d, commit=1, data=b"x" * 1000)
+        w = ck.Writer(d, 2, commit=2, steps=0, saved_at=0, job="j", lineage="L1", world=1, data_bytes=1 << 20,
+                      meta=b"m")
         with pytest.raises(ck.CheckpointError, match="No space left") as info:
             w.write(0, b"y" * (1 << 20))
         assert "\n" not in str(info.value)
         w.abort()
-        assert ck.newest(str(mnt)).path == good.path
+        assert d.scan().newest.path == good.path
+        d.close()
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
 
 
-def test_numbers_continue_after_copies_of_earlier_jobs(tmp_path):
-    write(tmp_path, commit=1)
-    write(tmp_path, commit=2)
-    (tmp_path / ".tmp-ckpt-000009-123").mkdir()  # a driver died while writing
-    ck.clean_stale(str(tmp_path))
-    assert ck.next_number(str(tmp_path)) == 3
-    assert sorted(os.listdir(tmp_path)) == ["ckpt-000001", "ckpt-000002"]
+def test_numbers_continue_after_copies_of_earlier_jobs(cdir):
+    write(cdir, commit=1)
+    write(cdir, commit=2)
+    os.mkdir(os.path.join(cdir.path, ".tmp-ckpt-000009-123"))  # a driver died while writing
+    cdir.clean_stale()
+    assert cdir.next_number() == 3
+    assert copies(cdir) == ["ckpt-000001", "ckpt-000002"]
 
 
 def test_copies_are_asked_for_at_once_then_every_interval():

@@ -53,13 +53,16 @@ def service(tmp_path):
         written.append(d)
         done.set()
 
-    svc = DurableService(ctx, keys, "job", str(tmp_path), on_written=on_written, warn=warned.append)
+    cdir = ck.CheckpointDir.open(str(tmp_path))
+    svc = DurableService(ctx, keys, "job", cdir, on_written=on_written,
+                         on_failed=lambda began, line: warned.append(line), lineage="L")
     endpoint = svc.bind("tcp://127.0.0.1")
     svc.start()
     yield ctx, keys, endpoint, svc, written, warned, done
     svc.stop()
     zap.stop()
     ctx.term()
+    cdir.close()
 
 
 def test_two_ranks_send_their_shards_and_a_restore_reads_the_copy_back(service, tmp_path):
@@ -77,7 +80,7 @@ def test_two_ranks_send_their_shards_and_a_restore_reads_the_copy_back(service, 
             s.close()
     [d] = written
     assert (d.manifest.commit, d.manifest.steps, d.manifest.world) == (42, 420, 2) and not warned
-    assert ck.newest(str(tmp_path)).manifest == d.manifest  # verified from disk
+    assert svc.directory.scan().newest.manifest == d.manifest  # verified from disk
     info, meta, data = durable.fetch(ctx, endpoint, keys.worker, "job")
     assert (info["commit"], meta) == (42, b"pickled rest")
     back = [torch.empty_like(t) for t in tensors]
@@ -99,4 +102,37 @@ def test_a_copy_whose_rank_never_finishes_is_dropped_and_the_old_one_stays(servi
     finally:
         s.close()
     assert warned and "not all ranks sent their shards" in warned[0] and not written
-    assert ck.newest(str(tmp_path)) is None and not [p for p in tmp_path.iterdir()]
+    assert svc.directory.scan().newest is None and [p.name for p in tmp_path.iterdir()] == ["key"]
+
+
+def test_every_request_is_answered_and_none_ends_the_service(service):
+    """Malformed and hostile requests from an authenticated peer (offset -1, a missing copy, a
+    wrong type, a file that is not there) each get an error, and the service still serves."""
+    ctx, keys, endpoint, svc, written, warned, done = service
+    ch = durable._Channel(ctx, endpoint, keys.worker, "job")
+    try:
+        for type_, body in [("ckpt_read", {"number": 1, "file": "meta", "offset": -1, "size": 10}),
+                            ("ckpt_read", {"number": "x", "file": "meta", "offset": 0, "size": 10}),
+                            ("ckpt_info", {}),
+                            ("ckpt_begin", {"id": 1, "rank": 5, "world": 2, "commit": 1, "steps": 1, "saved_at": 0,
+                                            "data_bytes": 10, "meta_bytes": 1}),
+                            ("ckpt_begin", {"id": -3}),
+                            ("ckpt_data", {"id": 9, "offset": 0}),
+                            ("ckpt_end", {"id": 9}),
+                            ("ckpt_nonsense", {"id": 1})]:
+            with pytest.raises(RuntimeError):
+                ch.request(type_, body, timeout=5)
+        assert svc.is_alive()
+    finally:
+        ch.close()
+    # Still serving: a whole copy goes through.
+    t = [torch.arange(100, dtype=torch.float32)]
+    entries = durable.layout([("x", t[0])])
+    s = durable.DurableSender(ctx, endpoint, keys.worker, "job")
+    try:
+        assert s.hand_off(2, 0, 1, commit=3, steps=3, tensors=t, entries=entries, meta=lambda: b"m")
+        assert done.wait(30), warned
+    finally:
+        s.close()
+    info, meta, data = durable.fetch(ctx, endpoint, keys.worker, "job")
+    assert info["commit"] == 3 and meta == b"m"

@@ -810,6 +810,27 @@ class TestSuccess:
         assert Dismiss("w1", "the job has finished") in acts
         assert of(acts, Finish) and of(acts, Finish)[0].ok
 
+    def test_a_rank_that_succeeds_while_others_train_is_named_and_the_end_is_not_finished(self):
+        """Horovod's rule (one success ends the job) stands, but the reason names who returned
+        early, at which step, and who never finished: not "training finished"."""
+        job = Job(np=3, min_np=1)
+        job.start({"a": 3})
+        job.reg.heartbeat("w1", 1.0, steps=5)
+        job.exit("w1", 0, at=2)
+        job.rdv("w0", at=3)  # its collective failed: it asks for the next round, and is dismissed
+        [finish] = of(job.exit("w2", 0, at=4), Finish)
+        assert finish.ok and not finish.complete
+        assert finish.reason.startswith("rank 1 exited 0 at step 5 while 2 ranks were training: the job ends there")
+        assert "rank(s) 0 did not finish training" in finish.reason
+
+    def test_ranks_that_all_finish_a_little_apart_are_a_finished_job(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 2})
+        job.reg.heartbeat("w0", 1.0, steps=40)
+        job.exit("w0", 0, at=2)
+        [finish] = of(job.exit("w1", 0, at=3), Finish)
+        assert finish == Finish(True, "training finished after 1 round(s), 0 reset(s)")
+
     def test_after_finish_only_replies(self):
         job = Job(np=1)
         job.start({"a": 1})

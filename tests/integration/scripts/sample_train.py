@@ -44,6 +44,11 @@ p.add_argument("--slow-start", default=None, metavar="HOST:SECONDS",
                help="workers on HOST take that much longer to start (before hvd.init())")
 p.add_argument("--slow", default=None, metavar="HOST:SLOT:SECONDS[@EPOCH:BATCH]",
                help="that worker sleeps SECONDS in every step (a straggler), from that step on")
+p.add_argument("--no-commit", action="store_true", help="never commit (nor at the end of an epoch)")
+p.add_argument("--ballast", type=float, default=0.0, metavar="MB",
+               help="the model also holds a buffer of MB megabytes (a state too big for a small disk)")
+p.add_argument("--exit-at", default=None, metavar="RANK:STEPS",
+               help="that rank's script returns (exit 0) after STEPS optimizer steps, while the others train on")
 args = p.parse_args()
 
 if args.slow_start:
@@ -62,6 +67,8 @@ y = (x @ torch.randn(8, generator=gen) > 0).long()
 dataset = TensorDataset(x, y, torch.arange(args.samples))
 
 model = torch.nn.Linear(8, args.classes)
+if args.ballast:
+    model.register_buffer("ballast", torch.zeros(int(args.ballast * (1 << 18))))
 optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                      named_parameters=model.named_parameters())
 sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=7)
@@ -182,8 +189,14 @@ def train(state):
                     f.write(str(state.epoch * 1000 + state.batch))
                 os.replace(args.progress + ".tmp", args.progress)
             maybe_kill(state.epoch, state.batch)
+            if args.exit_at:
+                who, steps = map(int, args.exit_at.split(":"))
+                if hvd.rank() == who and rt.steps == steps:
+                    raise SystemExit(0)
             time.sleep(args.sleep)
-            if state.batch % args.commit_every == 0:
+            if args.no_commit:
+                pass
+            elif state.batch % args.commit_every == 0:
                 state.commit()
             elif args.check_every_step:
                 state.check_host_updates()
@@ -191,7 +204,8 @@ def train(state):
         state.epoch += 1
         state.batch = 0
         state.sampler.set_epoch(state.epoch)
-        state.commit()
+        if not args.no_commit:
+            state.commit()
 
 
 train(state)
