@@ -52,6 +52,7 @@ class Kind(str, enum.Enum):
     DURABLE_WRITTEN = "durable_written"      # a durable copy of a commit is whole on disk
     ROUND_ABORTED = "round_aborted"
     ROUND_FORMED = "round_formed"
+    DEVICE_BACKEND = "device_backend"        # what carries CUDA tensors in this round, and why
     RESET = "reset"                          # a reset closed: cause, sizes and cost
     JOB_END = "job_end"
     # The workers' (source "worker"): the phases of a reset, as each worker lives them.
@@ -96,6 +97,7 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.DURABLE_WRITTEN: ("round", "number", "commit", "bytes", "seconds"),
     Kind.ROUND_ABORTED: ("round", "reason"),
     Kind.ROUND_FORMED: ("round", "message", "size", "hosts"),
+    Kind.DEVICE_BACKEND: ("round", "message", "backend"),
     Kind.RESET: ("cause", "trigger", "round", "from_size", "to_size", "seconds"),
     Kind.JOB_END: ("round", "ok", "reason"),
     Kind.NOTIFICATION_RECEIVED: ("round", "rank", "host", "slot", "ts"),

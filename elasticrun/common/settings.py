@@ -58,6 +58,7 @@ class JobSettings:
     checkpoint_dir: str | None = None  # durable copies of the newest commit (driver's disk)
     checkpoint_interval: float = DEFAULT_CHECKPOINT_INTERVAL  # how old the durable copy may get
     fresh: bool = False  # ignore durable copies already in checkpoint_dir
+    backend: str = "auto"  # what carries CUDA tensors: auto (NCCL where every worker has a GPU), gloo, nccl
     sigterm_grace: float = DEFAULT_SIGTERM_GRACE  # a worker told to stop leaves gracefully, at most this long
     evict_stragglers: bool = False  # move hosts that compute persistently slower out (and blacklist them)
     log_level: str = "INFO"

@@ -42,6 +42,12 @@ for m in ("torch", "elasticrun"):
         r[m] = getattr(__import__(m), "__version__", "?")
     except Exception as e:
         r[m + "_error"] = "%s: %s" % (type(e).__name__, e)
+try:
+    import torch, torch.distributed as dist
+    r["nccl"] = dist.is_available() and dist.is_nccl_available()
+    r["gpus"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+except Exception:
+    pass
 print("ELASTICRUN-CHECK " + json.dumps(r))
 '''
 
@@ -79,7 +85,22 @@ print("ELASTICRUN-CHECK " + json.dumps(r))
 '''
 
 
-def _installation(timeout: float = 120.0) -> list[tuple[bool, str]]:
+def backend_line(backend: str, nccl: bool, gpus: int, where: str = "here") -> tuple[bool, str]:
+    """What carries CUDA tensors on a machine with ``gpus`` GPUs (``nccl``: NCCL in its torch),
+    under ``--backend``: a failure only when nccl is asked for and cannot run there."""
+    can = nccl and gpus > 0
+    if backend == "gloo":
+        return True, "CUDA tensors: gloo (--backend gloo)"
+    if can:
+        return True, (f"CUDA tensors: NCCL {where} ({gpus} GPU(s): up to {gpus} worker(s) per host; more fall back "
+                      f"to gloo)" if backend == "auto" else f"CUDA tensors: NCCL {where} (--backend nccl, {gpus} GPU(s))")
+    why = "no NCCL in this torch" if not nccl else "no GPU"
+    if backend == "nccl":
+        return False, f"--backend nccl: NCCL cannot run {where} ({why})"
+    return True, f"CUDA tensors: gloo {where} ({why}; --backend auto)"
+
+
+def _installation(timeout: float = 120.0, backend: str = "auto") -> list[tuple[bool, str]]:
     lines: list[tuple[bool, str]] = [(True, f"elasticrun {VERSION}, python {sys.version.split()[0]} "
                                             f"({sys.executable})")]
     try:
@@ -99,6 +120,7 @@ def _installation(timeout: float = 120.0) -> list[tuple[bool, str]]:
                                                                          "collectives need it)"))
             lines.append((True, f"nccl: {'available' if r['nccl'] else 'not available'} ({r['gpus']} CUDA "
                                 f"device(s); not required)"))
+            lines.append(backend_line(backend, bool(r["nccl"]), int(r["gpus"])))
     try:
         import zmq
 
@@ -120,13 +142,15 @@ def _installation(timeout: float = 120.0) -> list[tuple[bool, str]]:
 
 
 # --- hosts -----------------------------------------------------------------------------------
-def _verdict(result: dict, python: str, where: str) -> tuple[bool, str]:
+def _verdict(result: dict, python: str, where: str, backend: str = "auto") -> tuple[bool, str]:
     if "cwd_error" in result:
         return False, f"{where}: no working directory {result['cwd_error']} (see --remote-cwd)"
     for m in ("torch", "elasticrun"):
         if m + "_error" in result:
             return False, f"{where}: {python} (python {result['python']}) cannot import {m}: {result[m + '_error']}"
-    return True, f"{where}: python {result['python']}, torch {result['torch']}, elasticrun {result['elasticrun']}"
+    ok, devices = backend_line(backend, bool(result.get("nccl")), int(result.get("gpus") or 0), "there")
+    return ok, (f"{where}: python {result['python']}, torch {result['torch']}, elasticrun {result['elasticrun']}; "
+                f"{devices}")
 
 
 def _parse_probe(out: str) -> dict | None:
@@ -139,7 +163,7 @@ def _parse_probe(out: str) -> dict | None:
     return None
 
 
-def _check_local(timeout: float) -> tuple[bool, str]:
+def _check_local(timeout: float, backend: str = "auto") -> tuple[bool, str]:
     try:
         proc = subprocess.run([sys.executable, "-c", _PROBE, os.getcwd()], capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
@@ -148,7 +172,7 @@ def _check_local(timeout: float) -> tuple[bool, str]:
     result = _parse_probe(proc.stdout)
     if result is None:
         return False, f"this machine: {sys.executable} failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
-    return _verdict(result, sys.executable, "this machine")
+    return _verdict(result, sys.executable, "this machine", backend)
 
 
 def _check_ssh(host: str, a: argparse.Namespace, timeout: float) -> tuple[bool, str]:
@@ -183,7 +207,7 @@ def _check_ssh(host: str, a: argparse.Namespace, timeout: float) -> tuple[bool, 
                 return False, (f"SSH to {conn.target} OK, but {opts.python!r} is not on the remote login PATH "
                                f"(see --remote-python)")
             return False, f"SSH to {conn.target} OK, but {opts.python} failed (exit {status}): {err.strip()[-300:]}"
-        return _verdict(result, opts.python, f"SSH to {conn.target} OK")
+        return _verdict(result, opts.python, f"SSH to {conn.target} OK", a.backend)
     finally:
         conn.close()
 
@@ -194,7 +218,7 @@ def _check_host(host: str, a: argparse.Namespace, timeout: float) -> tuple[bool,
         return _check_ssh(host, a, timeout)
     if not local:
         return False, "not this machine, and --launcher local never uses SSH"
-    return _check_local(timeout)
+    return _check_local(timeout, a.backend)
 
 
 def _fixed_hosts(parser: argparse.ArgumentParser, a: argparse.Namespace) -> dict[str, int] | None:
@@ -287,7 +311,7 @@ def main(argv: list[str]) -> int:
         print(line, flush=True)
 
     print("installation:", flush=True)
-    for good, text in _installation():
+    for good, text in _installation(backend=a.backend):
         say(f"{'OK  ' if good else 'FAIL'}  {text}")
     if a.host_discovery_script is not None:
         hosts = _discovered(a, say)

@@ -59,6 +59,8 @@ HOROVOD_ENV_VARS = {
     "HOROVOD_START_TIMEOUT": "start_timeout",
     "HOROVOD_ELASTIC_TIMEOUT": "elastic_timeout",
     "HOROVOD_GLOO_TIMEOUT_SECONDS": "collective_timeout",
+    "HOROVOD_GPU_ALLREDUCE": "backend",
+    "HOROVOD_GPU_OPERATIONS": "backend",
 }
 
 #: Variables naming a setting that a --no-... flag turns off: 1 means on, not "the flag given".

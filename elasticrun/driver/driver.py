@@ -128,7 +128,7 @@ class ElasticDriver:
                                reset_limit=settings.reset_limit, elastic_timeout=settings.elastic_timeout,
                                start_timeout=settings.start_timeout,
                                heartbeat_timeout=settings.heartbeat_timeout,
-                               evict_stragglers=settings.evict_stragglers),
+                               evict_stragglers=settings.evict_stragglers, backend=settings.backend),
             HostManager(cooldown_range=settings.cooldown_range), new_id=lambda: next(self._ids))
         # Problems that input can repeat without end (garbage frames, discovery output, failed
         # diagnostic writes): a few lines and counts (elasticrun/common/ratelimit.py), flushed
@@ -428,8 +428,10 @@ class ElasticDriver:
             worker_id = str(body.get("worker"))
             self._pending_rdzv[worker_id] = _Pending(identity, msg.sender, body.get("req"))
             error = body.get("error")
+            gpus = body.get("gpus")
             self.registry.rendezvous(worker_id, time.monotonic(), error=str(error)[:300] if error else None,
-                                     restored=body.get("restored") is True, has_state=body.get("has_state") is True)
+                                     restored=body.get("restored") is True, has_state=body.get("has_state") is True,
+                                     gpus=tuple(str(g)[:100] for g in gpus[:1024]) if isinstance(gpus, list) else ())
         else:  # answered, so that a peer never waits out its timeout for nothing
             self._reply(identity, msg, "error", {"error": f"this job does not serve {msg.type!r:.40} requests"})
             self._limited.warn("ignored requests", f"ignored a {msg.type!r:.40} message from {msg.sender:.40}",
@@ -467,7 +469,7 @@ class ElasticDriver:
                 if pending is not None:
                     self._reply(pending.identity, pending, "assignment", dict(
                         act.info.as_dict(), round=act.round, notify_ts=self._notifications.last_ts,
-                        must_sync=act.must_sync, restore=act.restore))
+                        must_sync=act.must_sync, restore=act.restore, device_backend=act.device_backend))
                 if act.restore:
                     self._say_resumed(act.round)
             elif isinstance(act, reg.ForgetRounds):

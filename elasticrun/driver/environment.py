@@ -87,7 +87,7 @@ def worker_environment(settings: JobSettings, info: SlotInfo, *, job_id: str, wo
         env.CONTROL_ADDR: control_addr, env.NOTIFY_ADDR: notify_addr,
         env.COLLECTIVE_TIMEOUT: str(s.collective_timeout), env.RENDEZVOUS_TIMEOUT: str(s.elastic_wait_limit),
         env.HEARTBEAT_INTERVAL: str(s.heartbeat_interval), env.DRIVER_TIMEOUT: str(s.driver_timeout),
-        env.LOG_LEVEL: s.worker_log_level, env.SIGTERM_GRACE: str(s.sigterm_grace), "PYTHONUNBUFFERED": "1",
+        env.LOG_LEVEL: s.worker_log_level, env.SIGTERM_GRACE: str(s.sigterm_grace), env.BACKEND: s.backend, "PYTHONUNBUFFERED": "1",
     })
     # Horovod's names and torch.distributed's, for scripts and libraries that read them; the
     # worker updates them (and sets MASTER_ADDR/MASTER_PORT) whenever it enters a new round.

@@ -94,6 +94,16 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def backend_name(text: str) -> str:
+    """--backend: auto, gloo or nccl (any case: Horovod's HOROVOD_GPU_OPERATIONS=NCCL)."""
+    value = text.strip().lower()
+    if value == "mpi":
+        raise argparse.ArgumentTypeError("elasticrun has no MPI: CUDA tensors go over nccl or gloo")
+    if value not in ("auto", "gloo", "nccl"):
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} must be auto, gloo or nccl")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port, 1 to 65535."""
     try:
@@ -209,6 +219,11 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
     p.add_argument("--heartbeat-timeout", type=positive_seconds, default=DEFAULT_HEARTBEAT_TIMEOUT, metavar="SECONDS",
                    help="a worker that sends no heartbeat for this long (hung, stopped, off the network) "
                         "is killed and its host handled as failed (default 5)")
+    p.add_argument("--backend", type=backend_name, default="auto", metavar="{auto,gloo,nccl}",
+                   help="what carries CUDA tensors: nccl (one GPU per worker; CPU tensors and the job's "
+                        "agreements stay on gloo), gloo (through host memory), or auto (default: nccl when "
+                        "every host of a round has a GPU per worker and NCCL, else gloo). Also "
+                        "HOROVOD_GPU_OPERATIONS=NCCL (see docs/gpu.md)")
     p.add_argument("--output-filename", metavar="DIR",
                    help="also append each rank's output to DIR/rank.N/stdout and stderr")
     p.add_argument("--events", metavar="FILE", dest="events_file",

@@ -96,6 +96,7 @@ class WorkerRecord:
     holds: bool = False  # it holds the job's newest committed state (see the module docstring)
     script_error: bool = False  # it failed with a Python exception of its own (not the machine's doing)
     steps: int = -1  # optimizer steps it reported last (-1: none yet)
+    gpus: tuple[str, ...] = ()  # the GPUs NCCL could use there (their UUIDs, in device order), as it reported
 
     @property
     def key(self) -> tuple[str, int]:
@@ -123,6 +124,8 @@ class Assign:
     must_sync: bool = True
     # Load the newest durable copy before the sync (rank 0 of a round that no holder joined).
     restore: bool = False
+    # What carries CUDA tensors in this round: "nccl" or "gloo", the same for every member.
+    device_backend: str = "gloo"
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,7 @@ class RegistryConfig:
     heartbeat_timeout: float | None = None  # None: never declare a silent worker hung
     fixed_hosts: bool = False  # -H / --hostfile: no host ever appears that is not listed now
     evict_stragglers: bool = False  # move straggler hosts out (and blacklist them), not only name them
+    backend: str = "auto"  # --backend: what carries CUDA tensors (see device_backend)
 
 
 class Registry:
@@ -218,6 +222,7 @@ class Registry:
         self._empty_said = False  # an empty discovery listing was reported (until a non-empty one)
         self.durable_commit: int | None = None  # the commit of the newest durable copy (--checkpoint-dir)
         self._ended_early: str | None = None  # "rank R exited 0 at step S while N ranks were training"
+        self._device_said: tuple[str, str] | None = None  # the last (backend, why) told
         self.stragglers = StragglerDetector()  # the workers' paces -> hosts that drag the job
 
     # --- events: they only record ----------------------------------------------------------
@@ -254,7 +259,7 @@ class Registry:
             self._outbox.append(Event(Kind.HOST_RESIZED, f"host {h} now has {hosts[h]} slots", {"host": h}))
 
     def rendezvous(self, worker_id: str, now: float, error: str | None = None, restored: bool = False,
-                   has_state: bool = False) -> None:
+                   has_state: bool = False, gpus: tuple[str, ...] = ()) -> None:
         """A worker asks for its place in the next round (first time, after an interrupt, or
         after ``error``: a collective failed on its side). ``restored``: it rolled back to its
         last commit (after any failed collective). ``has_state``: it has synced in a round
@@ -274,6 +279,7 @@ class Registry:
             self._abort(f"{w.label} left round {self.round} after an error: {error}")
         w.state, w.last_seen, w.restored = WorkerState.WAITING, now, restored
         w.holds = w.holds or has_state
+        w.gpus = tuple(gpus)[:1024]
 
     def leaving(self, worker_id: str, why: str, now: float) -> None:
         """A worker was told it will be stopped (SIGTERM: a reclaim, a pod deletion, scancel).
@@ -764,6 +770,10 @@ class Registry:
                                   f"job's state: every holder is gone. The new workers start from what the script "
                                   f"loads (its initial state or its own checkpoint); training since then is redone",
                                   {}, level="warning"))
+        backend, why = device_backend(self.config.backend, [(w.host, w.slot, w.gpus) for w in workers])
+        if backend is None:  # --backend nccl where NCCL cannot run: every round would fail the same way
+            return acts + self._finish(False, f"--backend nccl cannot run round {self.round + 1}: {why} (NCCL "
+                                              f"needs a GPU of its own per worker; use --backend auto or gloo)")
         self.round += 1
         if self.round > 0:
             self.reset_count += 1
@@ -776,7 +786,7 @@ class Registry:
         for info, w in zip(infos, workers):
             w.state, w.round, w.rank = WorkerState.RUNNING, self.round, info.rank
             self.members[info.key] = w.id
-            acts.append(Assign(w.id, self.round, info, must_sync or restore, restore and info.rank == 0))
+            acts.append(Assign(w.id, self.round, info, must_sync or restore, restore and info.rank == 0, backend))
         # Holders kept for a hand-over that are not in it, and anyone else waiting outside the
         # target, have no place now.
         keep = {i.key for i in self._target()} | set(self.members)
@@ -787,4 +797,33 @@ class Registry:
         hosts = sorted({i.host for i in infos})
         acts.append(Event(Kind.ROUND_FORMED, f"round {self.round}: {len(infos)} worker(s) on {len(hosts)} host(s)",
                           {"size": len(infos), "hosts": hosts}))
+        # Said when it matters and when it changes: a CPU job on machines without GPUs hears nothing.
+        if (backend, why) != self._device_said and (self._device_said is not None or backend == "nccl"
+                                                    or any(w.gpus for w in workers) or self.config.backend != "auto"):
+            self._device_said = (backend, why)
+            acts.append(Event(Kind.DEVICE_BACKEND, f"CUDA tensors go over {'NCCL' if backend == 'nccl' else 'gloo'} "
+                              f"in round {self.round} ({why})", {"backend": backend}))
         return acts
+
+
+def device_backend(requested: str, members: list[tuple[str, int, tuple[str, ...]]]) -> tuple[str | None, str]:
+    """What carries CUDA tensors in a round of ``members`` (host, slot, and the GPUs NCCL could
+    use there, as each worker reported: their UUIDs in device order), and why.
+
+    A worker's GPU is its slot's (``slot % GPUs``, the device elasticrun binds it to). NCCL when
+    ``requested`` allows it, every member has a GPU, and no two members would share one (NCCL
+    refuses two ranks on one GPU: two "hosts" that are one machine, more workers than GPUs);
+    gloo otherwise. (None, why) when ``--backend nccl`` was asked for and cannot run."""
+    if requested == "gloo":
+        return "gloo", "--backend gloo"
+    users: dict[str, list[str]] = {}
+    for host, slot, gpus in members:
+        if not gpus:
+            why = f"{host}[{slot}] has no GPU NCCL can use"
+            return (None, why) if requested == "nccl" else ("gloo", why)
+        users.setdefault(gpus[slot % len(gpus)], []).append(f"{host}[{slot}]")
+    shared = next((names for names in users.values() if len(names) > 1), None)
+    if shared is not None:
+        why = f"{' and '.join(shared[:2])} would share one GPU"
+        return (None, why) if requested == "nccl" else ("gloo", why)
+    return "nccl", ("--backend nccl" if requested == "nccl" else "one GPU per worker")

@@ -59,14 +59,15 @@ class Job:
     """A registry with an injected clock and worker ids w0, w1, ... in launch order."""
 
     def __init__(self, np=1, min_np=None, max_np=None, reset_limit=None, elastic_timeout=600.0,
-                 start_timeout=30.0, cooldown=None, seed=0, heartbeat_timeout=None, evict_stragglers=False):
+                 start_timeout=30.0, cooldown=None, seed=0, heartbeat_timeout=None, evict_stragglers=False,
+                 backend="auto"):
         self.now = 0.0
         self._ids = itertools.count()
         self.hosts = HostManager(cooldown_range=cooldown, rng=random.Random(seed))
         self.config = RegistryConfig(np=np, min_np=np if min_np is None else min_np, max_np=max_np,
                                      reset_limit=reset_limit, elastic_timeout=elastic_timeout,
                                      start_timeout=start_timeout, heartbeat_timeout=heartbeat_timeout,
-                                     evict_stragglers=evict_stragglers)
+                                     evict_stragglers=evict_stragglers, backend=backend)
         self.reg = Registry(self.config, self.hosts, lambda: f"w{next(self._ids)}")
 
     def _at(self, at):
@@ -79,9 +80,9 @@ class Job:
         self.reg.discovered(dict(hosts), self.now)
         return self.reg.decide(self.now)
 
-    def rdv(self, wid, at=None, has_state=False, error=None, restored=False):
+    def rdv(self, wid, at=None, has_state=False, error=None, restored=False, gpus=()):
         self._at(at)
-        self.reg.rendezvous(wid, self.now, error=error, restored=restored, has_state=has_state)
+        self.reg.rendezvous(wid, self.now, error=error, restored=restored, has_state=has_state, gpus=gpus)
         return self.reg.decide(self.now)
 
     def exit(self, wid, code=1, at=None, detail=""):
@@ -1586,3 +1587,53 @@ class TestStragglers:
         job.start({"a": 1, "b": 1, "c": 1})
         acts = job.paces(slow={"b"})
         assert [e.message for e in events(acts, "host_blacklisted")] == ["host b blacklisted permanently (a straggler)"]
+
+
+# --- what carries CUDA tensors ---------------------------------------------------------------------
+class TestDeviceBackend:
+    """The driver picks NCCL or gloo per round, the same for every member (a rank on NCCL and a
+    peer on gloo would wait for each other forever)."""
+
+    @pytest.mark.parametrize("requested, members, expected", [
+        ("gloo", [("a", 0, ("G0",)), ("b", 0, ("G1",))], ("gloo", "--backend gloo")),
+        ("auto", [("a", 0, ("G0",)), ("b", 0, ("G1",))], ("nccl", "one GPU per worker")),
+        ("auto", [("a", 0, ("G0", "G1")), ("a", 1, ("G0", "G1"))], ("nccl", "one GPU per worker")),
+        ("auto", [("a", 0, ("G0",)), ("a", 1, ("G0",))], ("gloo", "a[0] and a[1] would share one GPU")),
+        # one machine playing two hosts: the same GPU, seen by both
+        ("auto", [("localhost", 0, ("G0",)), ("127.0.0.1", 0, ("G0",))],
+         ("gloo", "localhost[0] and 127.0.0.1[0] would share one GPU")),
+        ("auto", [("a", 0, ("G0",)), ("b", 0, ())], ("gloo", "b[0] has no GPU NCCL can use")),
+        ("nccl", [("a", 0, ("G0",)), ("b", 0, ())], (None, "b[0] has no GPU NCCL can use")),
+        ("nccl", [("a", 0, ("G0",)), ("b", 0, ("G1",))], ("nccl", "--backend nccl")),
+    ])
+    def test_the_rule(self, requested, members, expected):
+        from elasticrun.driver.registry import device_backend
+
+        assert device_backend(requested, members) == expected
+
+    def test_every_member_is_told_the_same_and_the_console_hears_it_once(self):
+        job = Job(np=2, min_np=1)
+        launches = of(job.discover({"a": 1, "b": 1}), Launch)
+        acts = job.rdv(launches[0].worker_id, gpus=("G0",)) + job.rdv(launches[1].worker_id, gpus=("G1",))
+        assert {a.device_backend for a in of(acts, Assign)} == {"nccl"}
+        [said] = events(acts, "device_backend")
+        assert said.message == "CUDA tensors go over NCCL in round 0 (one GPU per worker)"
+        job.exit(launches[1].worker_id, 1, at=1)  # b fails; a rolls back and re-forms alone
+        acts = job.rdv(launches[0].worker_id, at=2, gpus=("G0",))
+        assert of(acts, Assign)[0].device_backend == "nccl" and not events(acts, "device_backend")
+
+    def test_a_cpu_job_hears_nothing_about_devices(self):
+        job = Job(np=2)
+        acts = []
+        for launch in of(job.discover({"a": 2}), Launch):
+            acts += job.rdv(launch.worker_id)
+        assert {a.device_backend for a in of(acts, Assign)} == {"gloo"} and not events(acts, "device_backend")
+
+    def test_backend_nccl_that_cannot_run_ends_the_job_saying_why(self):
+        job = Job(np=2, backend="nccl")
+        acts = []
+        for launch in of(job.discover({"a": 2}), Launch):
+            acts += job.rdv(launch.worker_id, gpus=("G0",))
+        [finish] = of(acts, Finish)
+        assert not finish.ok and "--backend nccl cannot run round 0: a[0] and a[1] would share one GPU" in finish.reason
+        assert not of(acts, Assign)
