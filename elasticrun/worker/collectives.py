@@ -4,6 +4,9 @@ Every collective is issued asynchronously and then waited on by polling, because
 gloo collective cannot be interrupted (gloo's abort() does not unblock it): polling lets a
 worker give up the moment the driver says the round is dead, or when the collective timeout
 passes. Either way the caller gets :class:`HorovodInternalError`, never a hang or a crash.
+CUDA tensors go over the round's NCCL group when the round has one (``worker/devices.py``):
+their works are polled the same way, and a NCCL communicator left behind by a dead peer is
+aborted by the runtime when the round ends, never waited on.
 Only gloo operations whose work reports completion while it runs are used (allreduce,
 broadcast, allgather, alltoall); gloo's reduce_scatter and send/recv complete only inside
 a blocking wait, so reducescatter and Adasum's pairwise exchanges are built on alltoall.
@@ -37,7 +40,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from elasticrun.worker import adasum, capacities, process_sets, rounds, trace
+from elasticrun.worker import adasum, capacities, devices, process_sets, rounds, trace
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
 from elasticrun.worker.process_sets import ProcessSet, global_process_set
 from elasticrun.worker.rounds import Round
@@ -148,15 +151,15 @@ def _look_for_join(r: Round) -> None:
     if r.log and r.log[0][0] > first:
         raise HorovodInternalError(f"a peer joined at operation {first}, but this rank only remembers operations "
                                    f"from {r.log[0][0]} on")
-    for seq, desc in list(r.log):
+    for seq, desc, kind in list(r.log):
         if seq >= first:
-            _publish(r, seq, desc)
+            _publish(r, seq, desc, kind)
 
 
-def _publish(r: Round, seq: int, desc: tuple[Any, ...]) -> None:
+def _publish(r: Round, seq: int, desc: tuple[Any, ...], kind: str) -> None:
     assert r.store is not None
     try:
-        r.store.set(join_key(f"op{seq}"), pickle.dumps(desc))
+        r.store.set(join_key(f"op{seq}"), pickle.dumps((desc, kind)))
     except Exception as exc:
         raise HorovodInternalError(f"could not publish operation {seq} for the joined ranks: {exc}") from exc
 
@@ -176,8 +179,24 @@ class _Done:
 _DONE = _Done()
 
 
+class _Polled:
+    """A NCCL work: its completion is polled (its ``wait()`` makes the caller's CUDA stream
+    wait, not the host), then ``wait()`` orders the caller's stream after it."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
 class _Works:
-    """Several gloo works waited on as one."""
+    """Several works waited on as one."""
 
     def __init__(self, works: list[Any]) -> None:
         self.works = works
@@ -214,37 +233,63 @@ def _handle(work: Any, what: str, finish: Callable[[], Any]) -> Handle:
     return Handle(work, what, finish, started=trace.now() if trace.active() is not None else 0.0)
 
 
+def on_device(r: Round, t: torch.Tensor | None) -> bool:
+    """Whether ``t`` goes over the round's NCCL group (a CUDA tensor in a round that has one)."""
+    return t is not None and r.device_backend == "nccl" and devices.is_device_tensor(t)
+
+
+def device_group(r: Round, members: tuple[int, ...], t: torch.Tensor) -> Any:
+    """The NCCL group of ``members`` (() for the whole round) in round ``r``, formed at its first use."""
+    g = r.device_groups.get(members)
+    if g is None:
+        if r.form_device_group is None:
+            raise HorovodInternalError(f"round {r.number} cannot form a NCCL group (no store)")
+        g = r.form_device_group(r, members, t.device)
+    return g
+
+
 def _issue(r: Round, start: Callable[[Any], Any], what: str, desc: tuple[Any, ...] | None = None,
-           pg: Any = None) -> Any:
+           pg: Any = None, on: torch.Tensor | None = None) -> Any:
     """Start a collective on round ``r``'s group (or on ``pg``, a process set's group), unless
-    the round has none or is aborted. Operations on the round's group are counted and their
-    descriptor ``desc`` remembered (and published while a peer is in join())."""
+    the round has none or is aborted. ``on``: the tensor it carries; a CUDA one goes over the
+    round's NCCL group when the round has one (a process set's ``pg`` is already its own).
+    Operations on the round's groups are counted and their descriptor ``desc`` remembered (and
+    published while a peer is in join())."""
     main = pg is None
-    if main:
-        pg = r.pg
-        if pg is None:
-            raise HorovodInternalError("no process group: the last reset did not complete")
     reason = r.abort_reason()
     if reason:
         raise HorovodInternalError(f"round {r.number} was aborted: {reason}")
+    device = main and on_device(r, on)
+    if device:
+        assert on is not None
+        pg = device_group(r, (), on)
+    elif main:
+        pg = r.pg
+        if pg is None:
+            raise HorovodInternalError("no process group: the last reset did not complete")
     if main:
         seq = r.calls
         r.calls = seq + 1
         d = desc if desc is not None else ("unknown", what)
-        r.log.append((seq, d))
+        kind = "cuda" if device else "cpu"
+        r.log.append((seq, d, kind))
         if r.join_active and not r.joined:
-            _publish(r, seq, d)
+            _publish(r, seq, d, kind)
     try:
-        return start(pg)
+        work = start(pg)
     except HorovodInternalError:
         raise
     except Exception as exc:
         raise HorovodInternalError(f"{what} failed to start: {exc}") from exc
+    if device or (not main and any(pg is g for g in r.device_groups.values())):
+        return _Polled(work)
+    return work
 
 
-def issue(r: Round, start: Callable[[Any], Any], what: str, desc: tuple[Any, ...] | None = None) -> Any:
+def issue(r: Round, start: Callable[[Any], Any], what: str, desc: tuple[Any, ...] | None = None,
+          on: torch.Tensor | None = None) -> Any:
     """:func:`_issue` on the round's group, for other modules of the worker (``join``)."""
-    return _issue(r, start, what, desc)
+    return _issue(r, start, what, desc, on=on)
 
 
 def wait(r: Round, work: Any, what: str) -> None:
@@ -252,11 +297,16 @@ def wait(r: Round, work: Any, what: str) -> None:
     _wait(r, work, what)
 
 
-def _group(r: Round, process_set: ProcessSet) -> tuple[Any, int, int, tuple[int, ...]]:
-    """A process set's (group, rank in it, size, members) in round ``r``; forming its group
-    (first use in the round) fails like a collective would."""
+def _group(r: Round, process_set: ProcessSet, on: torch.Tensor | None = None) -> tuple[Any, int, int, tuple[int, ...]]:
+    """A process set's (group, rank in it, size, members) in round ``r``: its NCCL group for a
+    CUDA ``on`` where the round has NCCL, else its gloo group. Forming a group (its first use in
+    the round) fails like a collective would."""
     try:
-        return process_sets.group(process_set, r)
+        pg, me, size, members = process_sets.group(process_set, r)
+        if on_device(r, on):
+            assert on is not None
+            pg = device_group(r, members, on)
+        return pg, me, size, members
     except ValueError:
         raise
     except Exception as exc:
@@ -331,9 +381,9 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     if process_set is global_process_set or process_set is None:
         size = r.size
         work = _issue(r, lambda pg: pg.allreduce([tensor], opts), what,
-                      ("allreduce", tensor.shape, tensor.dtype, _TORCH_OP_NAMES[torch_op]))
+                      ("allreduce", tensor.shape, tensor.dtype, _TORCH_OP_NAMES[torch_op]), on=tensor)
     else:
-        pg, _, size, _ = _group(r, process_set)
+        pg, _, size, _ = _group(r, process_set, tensor)
         work = _issue(r, lambda g: g.allreduce([tensor], opts), what, pg=pg)
 
     def finish() -> torch.Tensor:
@@ -365,7 +415,7 @@ def allreduce_inplace(tensor: torch.Tensor, op: Any, what: str) -> None:
     r = rounds.current()
     started = trace.now()
     _wait(r, _issue(r, lambda pg: pg.allreduce([tensor], opts), what,
-                    ("allreduce", tensor.shape, tensor.dtype, _TORCH_OP_NAMES[op])), what)
+                    ("allreduce", tensor.shape, tensor.dtype, _TORCH_OP_NAMES[op]), on=tensor), what)
     _traced(r, what, started)
 
 
@@ -495,7 +545,7 @@ def _adasum(tensors: list[torch.Tensor], what: str, prescale: float, postscale: 
             out = flat.new_empty(sum(col))
             matrix = tuple(tuple(x) for x in sends)
             _wait(r, _issue(r, lambda pg: pg.alltoall_base(out, inp, col, row, opts), what,
-                            ("alltoall", (), dtype, matrix)), what)
+                            ("alltoall", (), dtype, matrix), on=flat), what)
             if not any(col):
                 continue
             q = partners[me]
@@ -516,11 +566,12 @@ def _adasum(tensors: list[torch.Tensor], what: str, prescale: float, postscale: 
 # --------------------------------------------------------------------------- broadcast
 
 
-def _root_index(r: Round, root_rank: int, process_set: ProcessSet | None) -> tuple[Any, int]:
+def _root_index(r: Round, root_rank: int, process_set: ProcessSet | None,
+                on: torch.Tensor | None = None) -> tuple[Any, int]:
     """(group or None for the round's, root's rank in it): roots are global ranks, as in Horovod."""
     if _is_global(process_set):
         return None, root_rank
-    pg, _, _, members = _group(r, process_set)  # type: ignore[arg-type]
+    pg, _, _, members = _group(r, process_set, on)  # type: ignore[arg-type]
     if root_rank not in members:
         raise ValueError(f"root rank {root_rank} is not a member of {process_set}")
     return pg, members.index(root_rank)
@@ -531,11 +582,12 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     """Start overwriting ``tensor`` on every rank with its value on ``root_rank`` (a global rank)."""
     what = f"broadcast {name or tuple(tensor.shape)} from rank {root_rank}"
     r = rounds.current()
-    pg, root = _root_index(r, root_rank, process_set)
+    pg, root = _root_index(r, root_rank, process_set, tensor)
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = root, 0
     if pg is None:
-        work = _issue(r, lambda g: g.broadcast([tensor], opts), what, ("broadcast", tensor.shape, tensor.dtype, root))
+        work = _issue(r, lambda g: g.broadcast([tensor], opts), what, ("broadcast", tensor.shape, tensor.dtype, root),
+                      on=tensor)
     else:
         work = _issue(r, lambda g: g.broadcast([tensor], opts), what, pg=pg)
     return _handle(work, what, lambda: tensor)
@@ -567,9 +619,9 @@ def _allgather_same_async(tensor: torch.Tensor, what: str, process_set: ProcessS
     t = tensor.contiguous()
     if _is_global(process_set):
         outputs = [torch.empty_like(t) for _ in range(r.size)]
-        work = _issue(r, lambda pg: pg.allgather([outputs], [t]), what, ("allgather", t.shape, t.dtype))
+        work = _issue(r, lambda pg: pg.allgather([outputs], [t]), what, ("allgather", t.shape, t.dtype), on=t)
     else:
-        pg, _, size, _ = _group(r, process_set)  # type: ignore[arg-type]
+        pg, _, size, _ = _group(r, process_set, t)  # type: ignore[arg-type]
         outputs = [torch.empty_like(t) for _ in range(size)]
         work = _issue(r, lambda g: g.allgather([outputs], [t]), what, pg=pg)
     return _handle(work, what, lambda: outputs)
@@ -630,9 +682,14 @@ def _where(r: Round, process_set: ProcessSet | None) -> _Group:
     return _Group(pg, size, me, members)
 
 
-def _on(r: Round, g: _Group, start: Callable[[Any], Any], what: str, desc: tuple[Any, ...]) -> Any:
-    """Issue on the group of ``g``; descriptors only for the round's (joined ranks answer those)."""
-    return _issue(r, start, what, desc) if g.pg is None else _issue(r, start, what, pg=g.pg)
+def _on(r: Round, g: _Group, start: Callable[[Any], Any], what: str, desc: tuple[Any, ...],
+        on: torch.Tensor | None = None) -> Any:
+    """Issue on the group of ``g`` (its NCCL group for a CUDA ``on`` where the round has NCCL);
+    descriptors only for the round's (joined ranks answer those)."""
+    if g.pg is None:
+        return _issue(r, start, what, desc, on=on)
+    pg = device_group(r, g.key, on) if on is not None and on_device(r, on) else g.pg
+    return _issue(r, start, what, pg=pg)
 
 
 class _Tag:
@@ -654,7 +711,7 @@ def _gather_bytes(r: Round, g: _Group, t: torch.Tensor, rows: int, start: int, w
     output holds ``rows`` rows per member, in member order."""
     out = t.new_empty((g.size * rows,) + tuple(t.shape[1:]))
     (send, _), (recv, _) = _wire(_segment(t, start, rows)), _wire(out)
-    work = _on(r, g, lambda pg: pg._allgather_base(recv, send), what, tag())
+    work = _on(r, g, lambda pg: pg._allgather_base(recv, send), what, tag(), on=t)
     return out, work
 
 
@@ -676,7 +733,8 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     caps = capacities.usable(cache.get(key) or (0,) * len(ts), row_bytes)
     counts = torch.tensor([t.shape[0] for t in ts], dtype=torch.int64)
     table_out = torch.empty(g.size * len(ts), dtype=torch.int64)
-    tag = _Tag(("vgather", name, tuple(t.dtype for t in ts), tuple(tuple(t.shape[1:]) for t in ts)))
+    kind = "cuda" if ts and on_device(r, ts[0]) else "cpu"  # a joined rank makes its no-rows tensors there
+    tag = _Tag(("vgather", name, tuple(t.dtype for t in ts), tuple(tuple(t.shape[1:]) for t in ts), kind))
     # the capped rows first, then the counts: the rows do not wait for the counts' round trip
     first = [_gather_bytes(r, g, t, cap, 0, what, tag) if cap else None for t, cap in zip(ts, caps)]
     head = _on(r, g, lambda pg: pg._allgather_base(table_out, counts), what + ".sizes", tag())
@@ -756,14 +814,14 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     opts = dist.AllToAllOptions()
     ones = [1] * g.size
     counts, received_t = torch.tensor(sends, dtype=torch.int64), torch.empty(g.size, dtype=torch.int64)
-    tag = _Tag(("valltoall", name, t.dtype, rest_shape))
+    tag = _Tag(("valltoall", name, t.dtype, rest_shape, "cuda" if on_device(r, t) else "cpu"))
     _wait(r, _on(r, g, lambda pg: pg.alltoall_base(received_t, counts, ones, ones, opts), what + ".splits", tag()),
           what + ".splits")
     received = received_t.tolist()
     out = t.new_empty((sum(received),) + rest_shape)
     (send, row), (recv, _) = _wire(t), _wire(out)
     sb, rb = ([n * row for n in sends], [n * row for n in received]) if row != 1 else (sends, received)
-    work = _on(r, g, lambda pg: pg.alltoall_base(recv, send, rb, sb, opts), what, tag())
+    work = _on(r, g, lambda pg: pg.alltoall_base(recv, send, rb, sb, opts), what, tag(), on=t)
     return _handle(work, what, lambda: (out, received_t.to(splits_dtype)))
 
 
@@ -785,9 +843,9 @@ def _reducescatter_issue(tensor: torch.Tensor, what: str, op: int, prescale: flo
     recv = [mine] * size
     if _is_global(process_set):
         work = _issue(r, lambda pg: pg.alltoall_base(out, t, recv, counts, opts), what,
-                      ("alltoall", rest, t.dtype, tuple(tuple(counts) for _ in range(size))))
+                      ("alltoall", rest, t.dtype, tuple(tuple(counts) for _ in range(size))), on=t)
     else:
-        pg, _, _, _ = _group(r, process_set)
+        pg, _, _, _ = _group(r, process_set, t)
         work = _issue(r, lambda g: g.alltoall_base(out, t, recv, counts, opts), what, pg=pg)
 
     def finish(postscale: float) -> torch.Tensor:

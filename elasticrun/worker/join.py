@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elasticrun.worker import collectives, rounds
+from elasticrun.worker import collectives, devices, rounds
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
 from elasticrun.worker.rounds import Round
 
@@ -42,22 +42,29 @@ _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp
 _WAIT_SLICE = 0.5
 
 
-def _identity(shape: Any, dtype: torch.dtype, op: str) -> torch.Tensor:
+def _identity(shape: Any, dtype: torch.dtype, op: str, device: torch.device) -> torch.Tensor:
     """A tensor that leaves a reduction ``op`` unchanged."""
     if op == "sum":
-        return torch.zeros(shape, dtype=dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
     if op == "product":
-        return torch.ones(shape, dtype=dtype)
+        return torch.ones(shape, dtype=dtype, device=device)
     if dtype == torch.bool:
-        return torch.full(shape, op == "min", dtype=dtype)
+        return torch.full(shape, op == "min", dtype=dtype, device=device)
     info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
     high = float("inf") if dtype.is_floating_point else info.max
     low = float("-inf") if dtype.is_floating_point else info.min
-    return torch.full(shape, high if op == "min" else low, dtype=dtype)
+    return torch.full(shape, high if op == "min" else low, dtype=dtype, device=device)
 
 
-def _next(r: Round, seq: int) -> tuple[Any, ...]:
-    """The descriptor of operation ``seq``, waiting for it (abortable, bounded)."""
+def _device(kind: str) -> torch.device:
+    """Where a joined rank makes its tensors for an operation the others ran on ``kind``
+    tensors: this rank's GPU for theirs (the round's NCCL group), the CPU otherwise."""
+    return devices.kind_device(kind)
+
+
+def _next(r: Round, seq: int) -> tuple[tuple[Any, ...], str]:
+    """The descriptor of operation ``seq`` and its tensors' device kind, waiting for it
+    (abortable, bounded)."""
     assert r.store is not None
     key = collectives.join_key(f"op{seq}")
     deadline = time.monotonic() + r.collective_timeout
@@ -74,47 +81,50 @@ def _next(r: Round, seq: int) -> tuple[Any, ...]:
                                         f"timeout ({r.collective_timeout:g} s): {exc}") from None
 
 
-def _mirror(r: Round, desc: tuple[Any, ...]) -> None:
-    """Take part in the operation ``desc`` describes, contributing nothing."""
+def _mirror(r: Round, desc: tuple[Any, ...], on: str) -> None:
+    """Take part in the operation ``desc`` describes, contributing nothing, with tensors on the
+    device kind ``on`` the others used (so it goes over the same group as theirs)."""
     kind = desc[0]
     what = f"join: {kind}"
+    dev = _device(on)
     if kind == "allreduce":
         _, shape, dtype, op = desc
-        t = _identity(shape, dtype, op)
+        t = _identity(shape, dtype, op, dev)
         opts = dist.AllreduceOptions()
         opts.reduceOp = _OPS[op]
-        work = collectives.issue(r, lambda pg: pg.allreduce([t], opts), what, desc)
+        work = collectives.issue(r, lambda pg: pg.allreduce([t], opts), what, desc, on=t)
     elif kind == "broadcast":
         _, shape, dtype, root = desc
         if root == r.rank:
             raise ValueError("a broadcast from a rank that has called join(): the joined rank has no data to send")
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device=dev)
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
-        work = collectives.issue(r, lambda pg: pg.broadcast([t], opts), what, desc)
+        work = collectives.issue(r, lambda pg: pg.broadcast([t], opts), what, desc, on=t)
     elif kind == "allgather":
         _, shape, dtype = desc
-        t = torch.zeros(shape, dtype=dtype)
+        t = torch.zeros(shape, dtype=dtype, device=dev)
         outputs = [torch.empty_like(t) for _ in range(r.size)]
-        work = collectives.issue(r, lambda pg: pg.allgather([outputs], [t]), what, desc)
+        work = collectives.issue(r, lambda pg: pg.allgather([outputs], [t]), what, desc, on=t)
     elif kind == "vgather":  # a variable-size allgather: take part in its whole exchange, with no rows
-        _, name, dtypes, rests = desc
+        _, name, dtypes, rests, rows_on = desc
+        rows = _device(rows_on)
         collectives.synchronize(collectives.grouped_allgather_async(
-            [torch.zeros((0,) + tuple(rest), dtype=dtype) for dtype, rest in zip(dtypes, rests)], name))
+            [torch.zeros((0,) + tuple(rest), dtype=dtype, device=rows) for dtype, rest in zip(dtypes, rests)], name))
         return
     elif kind == "valltoall":
-        _, name, dtype, rest = desc
-        collectives.synchronize(collectives.alltoall_async(torch.zeros((0,) + tuple(rest), dtype=dtype),
-                                                           [0] * r.size, name))
+        _, name, dtype, rest, rows_on = desc
+        collectives.synchronize(collectives.alltoall_async(
+            torch.zeros((0,) + tuple(rest), dtype=dtype, device=_device(rows_on)), [0] * r.size, name))
         return
     elif kind == "alltoall":
         _, rest, dtype, matrix = desc
         row = list(matrix[r.rank])
         col = [matrix[i][r.rank] for i in range(r.size)]
-        inp = torch.zeros((sum(row),) + tuple(rest), dtype=dtype)
-        out = torch.empty((sum(col),) + tuple(rest), dtype=dtype)
+        inp = torch.zeros((sum(row),) + tuple(rest), dtype=dtype, device=dev)
+        out = torch.empty((sum(col),) + tuple(rest), dtype=dtype, device=dev)
         opts = dist.AllToAllOptions()
-        work = collectives.issue(r, lambda pg: pg.alltoall_base(out, inp, col, row, opts), what, desc)
+        work = collectives.issue(r, lambda pg: pg.alltoall_base(out, inp, col, row, opts), what, desc, on=inp)
     else:
         raise ValueError(f"join(): the other ranks ran an operation a joined rank cannot take part in: {desc!r}")
     collectives.wait(r, work, what)
@@ -138,16 +148,16 @@ def join(device: int = -1) -> int:
         if count == 1:
             store.set(collectives.join_key(f"{gen}/first"), str(seq))
         if count == r.size:  # the last one: everyone else waits at this very operation
-            store.set(collectives.join_key(f"op{seq}"), pickle.dumps(("end", r.rank)))
+            store.set(collectives.join_key(f"op{seq}"), pickle.dumps((("end", r.rank), "cpu")))
     except Exception as exc:
         raise HorovodInternalError(f"join() could not reach the round's store: {exc}") from exc
     r.joined = True
     try:
         while True:
-            desc = _next(r, r.calls)
+            desc, on = _next(r, r.calls)
             if desc[0] == "end":
                 return int(desc[1])
-            _mirror(r, desc)
+            _mirror(r, desc, on)
     finally:
         r.joined = False
         r.join_active = False

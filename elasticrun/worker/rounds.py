@@ -1,8 +1,9 @@
 """The round a worker is in, as the code that communicates in it sees it.
 
 A *round* is one membership of the job: its number, this worker's rank and the world size,
-the gloo process group formed for it, whether the driver aborted it, and whether its first
-step after a reset is still to come. The runtime makes a new :class:`Round` at every
+the gloo process group formed for it (and, for CUDA tensors, its NCCL groups: see
+``worker/devices.py``), whether the driver aborted it, and whether its first step after a
+reset is still to come. The runtime makes a new :class:`Round` at every
 rendezvous and installs it here; the collectives, the DistributedOptimizer and the broadcasts
 look it up once per operation (:func:`current`) instead of asking the runtime. So they depend
 on this small module only, and the runtime can call them (``check_host_updates``) without an
@@ -45,7 +46,8 @@ class Round:
 
     __slots__ = ("number", "rank", "size", "pg", "collective_timeout", "host_updates", "copy_requests", "copy_busy",
                  "step_done", "awaiting_first_step", "store", "subgroups", "calls", "log", "join_gen", "join_active",
-                 "joined", "capacities", "_aborted", "_emit", "__weakref__")
+                 "joined", "capacities", "device_backend", "device_groups", "form_device_group", "_aborted", "_emit",
+                 "__weakref__")
 
     def __init__(self, number: int, rank: int, size: int, *, collective_timeout: float,
                  host_updates: HostUpdates, aborted: Mapping[int, str],
@@ -73,10 +75,18 @@ class Round:
         self.store: dist.Store | None = None
         #: Gloo groups of the process sets used in this round, by their ranks (formed on first use).
         self.subgroups: dict[tuple[int, ...], Any] = {}
-        #: Operations issued on ``pg`` so far, and the recent ones as (seq, descriptor): what a
-        #: rank that called ``join()`` needs to take part in them (see worker/join.py).
+        #: What carries CUDA tensors in this round ("nccl" or "gloo"), as the driver told every
+        #: member (worker/devices.py).
+        self.device_backend = "gloo"
+        #: The round's NCCL groups, by members (() for the whole round's), formed at first use
+        #: by ``form_device_group(round, members, device)`` (the runtime's).
+        self.device_groups: dict[tuple[int, ...], Any] = {}
+        self.form_device_group: Callable[[Round, tuple[int, ...], Any], Any] | None = None
+        #: Operations issued on the round's groups so far, and the recent ones as (seq,
+        #: descriptor, device kind): what a rank that called ``join()`` needs to take part in
+        #: them (see worker/join.py).
         self.calls = 0
-        self.log: collections.deque[tuple[int, tuple[Any, ...]]] = collections.deque(maxlen=_LOG)
+        self.log: collections.deque[tuple[int, tuple[Any, ...], str]] = collections.deque(maxlen=_LOG)
         self.join_gen = 0  # join() calls completed in this round
         self.join_active = False  # some rank has joined: publish every operation's descriptor
         self.joined = False  # this rank is in join(), mirroring the others' operations

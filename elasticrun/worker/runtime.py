@@ -41,7 +41,7 @@ import zmq
 from elasticrun.common.events import Kind
 from elasticrun.common import env, settings
 from elasticrun.common.protocol import Message
-from elasticrun.worker import collectives, durable, rounds, trace
+from elasticrun.worker import collectives, devices, durable, rounds, trace
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from elasticrun.worker.durable import CopyRequests, DurableSender
@@ -137,6 +137,8 @@ class Runtime:
         self.pace = StepPace()  # this round's recent step and allreduce-wait times, for the heartbeats
         self.restore = False  # the driver's word for this round: load the newest durable copy first
         self.active_state: Any = None  # the state elastic.run is training (for interrupts at a step)
+        self.device: Any = None  # this rank's GPU, once a NCCL group was formed on it (it never changes)
+        self._gpus: list[str] | None = None  # GPUs NCCL could use here (asked once, at the first rendezvous)
         self._sender: DurableSender | None = None
         self._keys: Any = None
         self._leaving: float | None = None  # when SIGTERM came (the worker is leaving)
@@ -211,8 +213,23 @@ class Runtime:
         state = self.active_state
         return int(getattr(state, "commit_seq", 0)) if state is not None else 0
 
+    def gpus(self) -> list[str]:
+        """The GPUs NCCL could use here ([]: none, or --backend gloo), for the driver's choice of
+        what carries CUDA tensors: all that are visible until this worker has formed a NCCL group,
+        then the one it used (the driver assumed slot % GPUs; a script that chose otherwise is
+        then known as it is). Asked once: it initializes the CUDA driver."""
+        if self._gpus is None:
+            self._gpus = devices.nccl_gpus()
+        if self.device is not None and self._gpus:
+            return [devices.gpu_name(self.device.index or 0)]
+        return self._gpus
+
     def copy_busy(self) -> bool:
-        return self._sender is not None and self._sender.busy
+        """This rank cannot hand a durable copy off now: its last one is still being sent, or
+        it does not hold the job's state yet (a commit before ``elastic.run`` synced it, or
+        before rank 0 restored the durable copy it was told to: a copy then would replace the
+        very copy the job resumes from with the script's initial state)."""
+        return (self._sender is not None and self._sender.busy) or not self.has_state or self.restore
 
     def step_done(self, wait: float = 0.0) -> None:
         """The DistributedOptimizer reduced a step's gradients (with the agreed flags), after
@@ -238,8 +255,12 @@ class Runtime:
         old = self._round
         if old.pg is not None or old.subgroups:
             _drop_in_background((old.pg, dict(old.subgroups)))
+        for group in list(old.device_groups.values()):  # never waited on: the old round may hold a hung kernel
+            devices.abort_soon(group, f"round {old.number} is over")
+        old.device_groups.clear()
         self._round = self._new_round(number, rank, size, pg)
         self._round.store = store
+        self._round.form_device_group = self._form_device_group
         self.pace.new_round(number)
         rounds.install(self._round)
         return self._round
@@ -303,8 +324,47 @@ class Runtime:
                     self._abort(int(body["round"]), str(body.get("reason", "round aborted")))
 
     def _abort(self, round_: int, reason: str) -> None:
-        """Mark ``round_`` dead: collectives waiting in it give up at their next poll."""
+        """Mark ``round_`` dead: collectives waiting in it give up at their next poll, and its
+        NCCL communicators are aborted now, off this thread (a kernel waiting on a dead peer
+        would otherwise never end, and neither would a CUDA sync behind it)."""
         self._aborted[round_] = reason
+        r = self._round
+        if r.number == round_:
+            for pg in list(r.device_groups.values()):
+                devices.abort_soon(pg, f"round {round_} aborted")
+
+    def _form_device_group(self, r: Round, members: tuple[int, ...], device: Any) -> Any:
+        """The NCCL group of ``members`` (() for all of round ``r``) on ``device``, formed on the
+        round's store (collective: every member calls it at the same operation). Registered in
+        the round before it connects, so that an abort meanwhile aborts it too."""
+        if r.store is None or r.device_backend != "nccl":
+            raise HorovodInternalError(f"round {r.number} has no NCCL group")
+        if self.device is None:
+            self.device = device
+        elif device != self.device:
+            raise ValueError(f"a CUDA tensor on {device}, but this rank's NCCL groups are on {self.device} (one GPU "
+                             f"per worker: move the model to {self.device}, or call torch.cuda.set_device before "
+                             f"hvd.init())")
+        ranks = members or tuple(range(r.size))
+        store = dist.PrefixStore("elasticrun/nccl/" + (",".join(map(str, members)) if members else "all"), r.store)
+        started = time.monotonic()
+        try:
+            pg = devices.new_nccl(store, ranks.index(r.rank), len(ranks), self.collective_timeout)
+            r.device_groups[members] = pg
+            devices.connect(pg, device)
+        except Exception as exc:
+            r.device_groups.pop(members, None)
+            if "pg" in locals():
+                devices.abort_soon(pg, "its formation failed")
+            reason = r.abort_reason()
+            raise HorovodInternalError(f"could not form the NCCL group of round {r.number} on {device}"
+                                       f"{f' (the round was aborted: {reason})' if reason else ''}: {exc}") from exc
+        if r.abort_reason():  # aborted while it connected: the control thread may have missed it
+            devices.abort_soon(pg, "its round was aborted")
+            raise HorovodInternalError(f"round {r.number} was aborted: {r.abort_reason()}")
+        log.info("rank %d/%d: NCCL group of round %d on %s formed in %.1f ms", r.rank, r.size, r.number, device,
+                 (time.monotonic() - started) * 1000)
+        return pg
 
     def _on_driver_lost(self, silence: float) -> None:
         try:  # stderr is often a pipe to the dead driver: the message is best effort, the exit is not
@@ -340,7 +400,7 @@ class Runtime:
             try:
                 msg = self._client.request("rendezvous", {"worker": self.worker_id, "after_round": self.round,
                                                           "error": error, "restored": restored,
-                                                          "has_state": self.has_state},
+                                                          "has_state": self.has_state, "gpus": self.gpus()},
                                            timeout=self.rendezvous_timeout, what="this worker's place in the next round")
             except DriverTimeout as exc:
                 raise HorovodInternalError(str(exc)) from None
@@ -352,6 +412,7 @@ class Runtime:
                 raise SystemExit(0)
             a = msg.body
             self.enter_round(int(a["round"]), int(a["rank"]), int(a["size"]))
+            self._round.device_backend = "nccl" if a.get("device_backend") == "nccl" else "gloo"
             self.local_rank, self.local_size = int(a["local_rank"]), int(a["local_size"])
             self.cross_rank, self.cross_size = int(a["cross_rank"]), int(a["cross_size"])
             self.must_sync = bool(a.get("must_sync", True))
@@ -394,6 +455,11 @@ class Runtime:
         if r.rank != 0:
             master = store.get(_MASTER_KEY).decode()
         self.export_environment(master)
+        if r.device_backend == "nccl" and devices.requested() == "nccl":
+            # --backend nccl: the round's NCCL group now, connected, with its gloo group. (With
+            # auto, at the round's first CUDA collective: a CPU job never makes a CUDA context.)
+            device = self.device if self.device is not None else devices.rank_device(self.slot)
+            self._form_device_group(r, (), device)
 
     def report_failure(self, error: str) -> None:
         """Tell the driver this worker is failing, before the slow interpreter teardown.
@@ -445,6 +511,12 @@ class Runtime:
             self.emit(Kind.INTERRUPT, skip_sync=not added, **where)
             raise HostsUpdatedInterrupt(skip_sync=not added)
 
+    def before_commit_copy(self) -> None:
+        """A commit is about to overwrite its buffers: a durable copy still reading them on the
+        GPU goes first (ordered on the GPU; the host does not wait)."""
+        if self._sender is not None:
+            self._sender.order_after_staging()
+
     def send_durable(self, request: int, tensors: list[Any], entries: list[Any], meta: Callable[[], bytes]) -> None:
         """Hand this rank's shard of the commit just saved to the sender (the training thread's
         only cost: copying 1/size of the state into a staging buffer)."""
@@ -469,6 +541,11 @@ class Runtime:
                 log.debug("could not report the failed restore: %s", exc)
 
     def shutdown(self) -> None:
+        # The current round's NCCL groups are kept to the end (an abort costs a second; the
+        # process's end frees them); aborts already under way are waited for.
+        for group in self._round.device_groups.values():
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+        devices.settle_aborts()
         _settle_drops()
         if self._sender is not None:
             self._sender.close()
