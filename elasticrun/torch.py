@@ -171,7 +171,7 @@ def mpi_threads_supported() -> bool:
 
 def nccl_built() -> int:
     """What torch reports: NCCL's version code if torch has NCCL, else 0 (as Horovod's).
-    elasticrun's own collectives never use NCCL."""
+    elasticrun's collectives use it for CUDA tensors where the round agreed on it (--backend)."""
     if not dist.is_nccl_available():
         return 0
     try:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from elasticrun.worker import collectives, process_sets, rounds
+from elasticrun.worker import collectives, devices, process_sets, rounds
 from elasticrun.worker.process_sets import ProcessSet, global_process_set
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
@@ -56,19 +56,30 @@ def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, name: str,
     if len(process_sets.members(process_set, r)) == 1:
         return
     is_root = r.rank == root_rank
-    sizes = [_nbytes(t.shape, t.dtype) for t in tensors]
+    # Packed where they live: CUDA tensors in a buffer on their GPU (over NCCL where the round
+    # has it, never through host memory), CPU tensors in a host buffer. CPU first, the same
+    # order on every rank (every rank holds the same tensors on the same kinds of device).
+    by_kind: dict[str, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_kind.setdefault(t.device.type, []).append(i)
+    n = 0
     with torch.no_grad():
-        for n, chunk in enumerate(_plan(sizes)):
-            _, last_off, last_nb = chunk[-1]
-            buf = torch.empty(last_off + last_nb, dtype=torch.uint8)
-            if is_root:
-                for i, off, nb in chunk:
-                    buf[off:off + nb].copy_(tensors[i].detach().reshape(-1).view(torch.uint8))
-            collectives.broadcast_(buf, root_rank, f"{name}[{n}]", process_set)
-            if not is_root:
-                for i, off, nb in chunk:
-                    t = tensors[i]
-                    t.copy_(buf[off:off + nb].view(t.dtype).view(t.shape))
+        for kind in sorted(by_kind, key=lambda k: (k != "cpu", k)):
+            members = by_kind[kind]
+            device = tensors[members[0]].device
+            sizes = [_nbytes(tensors[i].shape, tensors[i].dtype) for i in members]
+            for chunk in _plan(sizes):
+                _, last_off, last_nb = chunk[-1]
+                buf = torch.empty(last_off + last_nb, dtype=torch.uint8, device=device)
+                if is_root:
+                    for j, off, nb in chunk:
+                        buf[off:off + nb].copy_(tensors[members[j]].detach().reshape(-1).view(torch.uint8))
+                collectives.broadcast_(buf, root_rank, f"{name}[{n}]", process_set)
+                n += 1
+                if not is_root:
+                    for j, off, nb in chunk:
+                        t = tensors[members[j]]
+                        t.copy_(buf[off:off + nb].view(t.dtype).view(t.shape))
 
 
 def broadcast_parameters(params: Mapping[str, Any] | Iterable[Any], root_rank: int, prefix: str | None = None,
@@ -95,12 +106,13 @@ class _TensorSpec(NamedTuple):
     index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    kind: str = "cpu"  # the root's device type: receivers make theirs on the same kind (the same group)
 
 
 def _strip(obj: Any, out: list[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         out.append(obj)
-        return _TensorSpec(len(out) - 1, tuple(obj.shape), obj.dtype)
+        return _TensorSpec(len(out) - 1, tuple(obj.shape), obj.dtype, obj.device.type)
     if isinstance(obj, dict):
         return {k: _strip(v, out) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -145,7 +157,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     if r.rank != root_rank:
         specs: list[_TensorSpec] = []
         _collect_specs(skeleton, specs)
-        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(specs, key=lambda s: s.index)]
+        tensors = [torch.empty(s.shape, dtype=s.dtype, device=devices.kind_device(s.kind))
+                   for s in sorted(specs, key=lambda s: s.index)]
     _broadcast_tensors(tensors, root_rank, "broadcast_optimizer_state", process_set)
     if r.rank != root_rank:
         optimizer.load_state_dict(_fill(skeleton, tensors))

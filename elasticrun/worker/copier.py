@@ -1,15 +1,23 @@
 """Copy plans: the tensor copy a commit makes, with as little Python per tensor as possible.
 
-A commit copies every tensor of the state into a host buffer. For a state of a few large
-tensors that is a memcpy. For a state of hundreds of small tensors (a small CNN or a
-transformer: weights, biases, norms, Adam's two moments and step counters) the bytes are
-cheap and the per-tensor overhead is not: torch's ``copy_`` costs about 1 µs of dispatch
-per call, and walking ``state_dict()`` and checking each buffer costs more.
+A commit copies every tensor of the state into a buffer. For a state of a few large tensors
+that is a memcpy. For a state of hundreds of small tensors (a small CNN or a transformer:
+weights, biases, norms, Adam's two moments and step counters) the bytes are cheap and the
+per-tensor overhead is not: torch's ``copy_`` costs about 1 µs of dispatch per call, and
+walking ``state_dict()`` and checking each buffer costs more.
+
+Where the buffers live (:func:`commit_buffers`): host memory for CPU tensors; for CUDA
+tensors, the same GPU while the copies fit beside training (a device-to-device copy at HBM
+speed, which a GPU user's commit costs in Horovod too), else pinned host memory (PCIe speed,
+said once).
 
 A :class:`CopyPlan` is built once for a list of live tensors and their buffers and then
 replayed. Small contiguous CPU tensors are copied with one ``memmove`` each (about 0.3 µs,
-and the GIL is released during the copy); large ones and device tensors keep ``copy_``
-(multi-threaded for large CPU tensors, asynchronous into pinned memory from the GPU).
+and the GIL is released during the copy); large ones keep ``copy_`` (multi-threaded for large
+CPU tensors, asynchronous into pinned memory from the GPU); device-to-device pairs go in one
+``_foreach_copy_`` per GPU, ordered on the caller's stream and never waited for by the host
+(whatever reads the buffers runs on that stream after them), or on a side stream for a
+background commit (:meth:`CopyPlan.run_async`).
 
 Safety: the plan keeps a reference to every source's storage, so a raw copy can never read
 freed memory, even if the live tensor was re-pointed (``p.data = ...``) after the plan was
@@ -20,14 +28,90 @@ built. Whether it still describes the live state is checked with :meth:`CopyPlan
 from __future__ import annotations
 
 import ctypes
+import logging
 import operator
+import os
 from collections import deque
 from itertools import starmap
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["CopyPlan", "MEMMOVE_MAX_BYTES"]
+__all__ = ["CopyPlan", "DeviceCopy", "MEMMOVE_MAX_BYTES", "commit_buffers"]
+
+log = logging.getLogger("elasticrun.worker")
+
+#: GPU memory a device commit must leave free (a share of the GPU's total): training's own
+#: peaks (activations, the allocator's fragmentation) need room beside the committed copy.
+DEVICE_HEADROOM = 0.10
+_said_host: set[str] = set()  # devices whose commits were sent to host memory (said once each)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _fits_on_device(device: torch.device, needed: int) -> bool:
+    """Whether ``needed`` more bytes of committed copies fit on ``device`` beside training,
+    leaving DEVICE_HEADROOM of it free (the allocator's cached blocks count as free)."""
+    if os.environ.get("ELASTICRUN_COMMIT_ON_DEVICE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    except Exception:  # no answer: the safe place
+        return False
+    ok = free + cached - needed >= DEVICE_HEADROOM * total
+    if not ok and str(device) not in _said_host:
+        _said_host.add(str(device))
+        log.warning("the committed copy (%.0f MB more) does not fit on %s beside training (%.0f MB free of %.0f): "
+                    "commits of its tensors go to pinned host memory, at PCIe speed", needed / 1e6, device,
+                    (free + cached) / 1e6, total / 1e6)
+    return ok
+
+
+def commit_buffers(sources: Sequence[torch.Tensor], previous: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    """A buffer for the committed copy of each of ``sources``: ``previous[i]`` when it still
+    fits (same shape and dtype, and where this commit keeps copies), else a new one. CPU
+    tensors: host memory. CUDA tensors: their own GPU when every copy of that GPU fits beside
+    training (one decision per GPU and call), else pinned host memory."""
+    needed: dict[torch.device, int] = {}
+    for src, prev in zip(sources, previous):
+        if src.is_cuda and not (prev is not None and prev.device == src.device and prev.shape == src.shape
+                                and prev.dtype == src.dtype):
+            needed[src.device] = needed.get(src.device, 0) + _nbytes(src)
+    on_device = {d: _fits_on_device(d, n) for d, n in needed.items()}
+    out = []
+    for src, prev in zip(sources, previous):
+        where = src.device if src.is_cuda and on_device.get(src.device, True) else torch.device("cpu")
+        if prev is not None and prev.shape == src.shape and prev.dtype == src.dtype and prev.device == where:
+            out.append(prev)
+        else:
+            out.append(torch.empty(src.shape, dtype=src.dtype, device=where,
+                                   pin_memory=src.is_cuda and where.type == "cpu"))
+    return out
+
+
+class DeviceCopy:
+    """Device-to-device copies enqueued on a side stream (a background commit's): :meth:`wait`
+    makes the caller's stream wait for them on the GPU; the host never blocks."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self._events = events
+
+    def wait(self) -> None:
+        for event in self._events:
+            torch.cuda.current_stream(event.device).wait_event(event)
+
+
+_side_streams: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream
 
 #: Up to this size a raw ``memmove`` beats ``copy_`` (whose cost is dispatch, not bytes);
 #: above it ``copy_`` may use several threads.
@@ -57,7 +141,10 @@ class CopyPlan:
         self._buffers = list(buffers)
         self._raw: list[tuple[int, int, int]] = []
         self._torch: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._device = False
+        # Device-to-device pairs by GPU: (buffers, sources), one _foreach_copy_ each.
+        self._d2d: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._device = False  # some pair involves a GPU
+        self._to_host = False  # some GPU tensor is copied to host memory: run() waits for it
         self._all: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (buffers, sources)
         for src, dst in zip(self._keep, self._buffers):
             nbytes = src.numel() * src.element_size()
@@ -67,12 +154,22 @@ class CopyPlan:
             self._all[1].append(src)
             if _raw_copyable(src, dst):
                 self._raw.append((_data_ptr(dst), _data_ptr(src), nbytes))
+            elif src.is_cuda and dst.device == src.device:
+                pair = self._d2d.setdefault(src.device, ([], []))
+                pair[0].append(dst)
+                pair[1].append(src)
+                self._device = True
             else:
                 self._torch.append((dst, src))
                 self._device = self._device or src.device.type != "cpu"
+                self._to_host = self._to_host or (src.is_cuda and not dst.is_cuda)
 
     def __len__(self) -> int:
         return len(self._sources)
+
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(source, buffer) of every copy the plan makes."""
+        return list(zip(self._all[1], self._all[0]))
 
     def split(self, first: Callable[[torch.Tensor], bool]) -> tuple[CopyPlan, CopyPlan]:
         """Two plans: the pairs whose source satisfies ``first``, and the others."""
@@ -89,6 +186,11 @@ class CopyPlan:
             return False
         return list(map(_data_ptr, self._sources)) == self._ptrs
 
+    @property
+    def device_only(self) -> bool:
+        """Every copy is device-to-device (a background commit needs no thread: see run_async)."""
+        return bool(self._d2d) and not self._raw and not self._torch
+
     def run_released(self) -> None:
         """The same copy in one torch call, which takes the GIL once instead of once per
         tensor: for a background thread, whose per-tensor GIL hand-offs would otherwise
@@ -99,11 +201,31 @@ class CopyPlan:
             with torch.no_grad():
                 torch._foreach_copy_(*self._all)
 
+    def run_async(self) -> DeviceCopy:
+        """The device-to-device copies on a side stream, after what the caller's stream has
+        queued so far (the commit point): the training thread pays the enqueue, the GPU copies
+        beside the next forward pass. The returned :class:`DeviceCopy` orders a stream after them."""
+        events = []
+        with torch.no_grad():
+            for device, (dsts, srcs) in self._d2d.items():
+                side = _side_stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    torch._foreach_copy_(dsts, srcs)
+                event = torch.cuda.Event()
+                event.record(side)
+                events.append(event)
+        return DeviceCopy(events)
+
     def run(self) -> None:
-        """Copy every source into its buffer (waits for device copies)."""
+        """Copy every source into its buffer. Copies into host memory are complete when it
+        returns; device-to-device ones are queued on the caller's stream, before anything it
+        queues later (a restore, the next step), so the host does not wait for them."""
         deque(starmap(_memmove, self._raw), 0)
         with torch.no_grad():
             for dst, src in self._torch:
                 dst.copy_(src, non_blocking=src.is_cuda)
-        if self._device and torch.cuda.is_available():
+            for dsts, srcs in self._d2d.values():
+                torch._foreach_copy_(dsts, srcs)
+        if self._to_host:
             torch.cuda.synchronize()

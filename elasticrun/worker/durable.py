@@ -7,10 +7,11 @@ rest (``meta``: the non-tensor state and the index of the tensors).
 
 Off the training path: at the commit the ranks agreed to copy, the training thread only copies
 its shard out of the commit buffers into a staging buffer (:meth:`DurableSender.hand_off`:
-1/N of the state, at memcpy speed); a background thread then sends it to the driver, chunk by
-chunk, each acknowledged (the flow control: at most one chunk in flight per rank). A copy that
-cannot be sent (the driver refuses it, a timeout) is dropped with a warning: the job goes on
-with its in-memory commits.
+1/N of the state, at memcpy speed; from a GPU, it only queues that copy, on a side stream
+into pinned memory, and the sending thread waits for it); a background thread then sends it
+to the driver, chunk by chunk, each acknowledged (the flow control: at most one chunk in
+flight per rank). A copy that cannot be sent (the driver refuses it, a timeout) is dropped
+with a warning: the job goes on with its in-memory commits.
 """
 
 from __future__ import annotations
@@ -74,6 +75,50 @@ def copy_range(tensors: Sequence[torch.Tensor], entries: Sequence[Entry], offset
             continue
         src = t if t.is_contiguous() and t.device.type == "cpu" else t.detach().to("cpu").contiguous()
         ctypes.memmove(dst + (lo - offset), src.data_ptr() + (lo - e.offset), hi - lo)
+
+
+def stage_range(tensors: Sequence[torch.Tensor], entries: Sequence[Entry], offset: int,
+                staging: torch.Tensor) -> Any:
+    """:func:`copy_range` into ``staging`` (pinned host memory, uint8) where some tensors are on a
+    GPU: their bytes are copied on a side stream, after what the caller's stream queued so far
+    (the commit), without the host waiting; CPU tensors' bytes are copied now. Returns the
+    CUDA event that marks the GPU copies done (the sender waits for it before reading)."""
+    end = offset + staging.numel()
+    dst = staging.data_ptr()
+    device = next(t.device for t in tensors if t.is_cuda)
+    side = _staging_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.no_grad(), torch.cuda.stream(side):
+        for t, e in zip(tensors, entries):
+            lo, hi = max(offset, e.offset), min(end, e.offset + e.nbytes)
+            if lo >= hi:
+                continue
+            if t.is_cuda:
+                flat = t.detach().reshape(-1) if t.is_contiguous() else t.detach().contiguous().reshape(-1)
+                staging[lo - offset:hi - offset].copy_(flat.view(torch.uint8)[lo - e.offset:hi - e.offset],
+                                                       non_blocking=True)
+            else:
+                src = t.detach().contiguous()
+                ctypes.memmove(dst + (lo - offset), src.data_ptr() + (lo - e.offset), hi - lo)
+        event = torch.cuda.Event()
+        event.record(side)
+    return event
+
+
+_staging_streams: dict[torch.device, Any] = {}
+
+
+def _staging_stream(device: torch.device) -> Any:
+    stream = _staging_streams.get(device)
+    if stream is None:
+        stream = _staging_streams[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def _view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU uint8 tensor, as a memoryview (no copy, no numpy)."""
+    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B") if t.numel() else \
+        memoryview(b"")
 
 
 def fill_range(tensors: Sequence[torch.Tensor], entries: Sequence[Entry], offset: int, data: bytes) -> None:
@@ -190,8 +235,9 @@ class _Copy:
     saved_at: float
     data_bytes: int
     offset: int
-    staged: bytearray
+    staged: bytearray | memoryview
     meta: bytes  # rank 0 only
+    ready: Any = None  # a CUDA event: the staging copy from the GPU is done (None: it was done at once)
 
 
 class _Channel:
@@ -248,6 +294,8 @@ class DurableSender:
         self._channel = _Channel(ctx, endpoint, keys, job_id)
         self._pending: _Copy | None = None
         self._staging = bytearray()  # reused: a fresh one would page-fault in on the training thread
+        self._pinned: torch.Tensor | None = None  # reused too: the staging of shards that live on a GPU
+        self._staged_event: Any = None  # the last GPU staging copy (a commit must not overwrite its source first)
         self._cv = threading.Condition()
         self._busy = False
         self._closed = False
@@ -270,14 +318,31 @@ class DurableSender:
                 return False
             total = entries[-1].offset + entries[-1].nbytes if entries else 0
             offset, size = shard_range(total, rank, world)
-            if len(self._staging) != size:
-                self._staging = bytearray(size)
-            staged = self._staging
-            copy_range(tensors, entries, offset, memoryview(staged))
+            ready = None
+            if any(t.is_cuda for t in tensors) and size:
+                if self._pinned is None or self._pinned.numel() != size:
+                    self._pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+                ready = self._staged_event = stage_range(tensors, entries, offset, self._pinned)
+                staged: bytearray | memoryview = _view(self._pinned)
+            else:
+                if len(self._staging) != size:
+                    self._staging = bytearray(size)
+                staged = self._staging
+                copy_range(tensors, entries, offset, memoryview(staged))
             self._pending = _Copy(request, rank, world, commit, steps, time.time(), total, offset, staged,
-                                  meta() if rank == 0 else b"")
+                                  meta() if rank == 0 else b"", ready)
             self._cv.notify()
             return True
+
+    def order_after_staging(self) -> None:
+        """Order the caller's CUDA stream after the last staging copy from the GPU (its source,
+        the commit's buffers, is about to be overwritten); the host does not wait."""
+        event = self._staged_event
+        if event is not None:
+            if event.query():
+                self._staged_event = None
+            else:
+                torch.cuda.current_stream(event.device).wait_event(event)
 
     def close(self) -> None:
         with self._cv:
@@ -304,6 +369,8 @@ class DurableSender:
                     self._busy = False
 
     def _send(self, c: _Copy) -> None:
+        if c.ready is not None:
+            c.ready.synchronize()  # the bytes from the GPU are in the staging buffer
         ch = self._channel
         ch.request("ckpt_begin", {"id": c.request, "rank": c.rank, "world": c.world, "commit": c.commit,
                                   "steps": c.steps, "saved_at": c.saved_at, "data_bytes": c.data_bytes,

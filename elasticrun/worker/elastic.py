@@ -77,7 +77,19 @@ class State:
 
         def meta() -> bytes:  # rank 0 only, on this thread: the state does not move meanwhile
             return durable.encode_meta(structure, entries, self.commit_seq, rt.steps)
-        rt.send_durable(request, [t for _, t in tensors], entries, meta)
+        rt.send_durable(request, self._staging_sources([t for _, t in tensors]), entries, meta)
+
+    @staticmethod
+    def _before_commit_copy() -> None:
+        """A commit is about to overwrite its buffers: a durable copy still reading them goes first."""
+        if runtime.is_initialized():
+            runtime.get().before_commit_copy()
+
+    def _staging_sources(self, tensors: list[Any]) -> list[Any]:
+        """Where a durable copy reads the commit's tensors from (the live ones, equal to the
+        commit right after it; a state that keeps committed copies on the GPU names those:
+        they do not change until the next commit, so the copy to host needs no stall)."""
+        return tensors
 
     def load_durable(self, meta: bytes, data: bytes) -> tuple[int, int]:
         """Put a durable copy into this state (live and committed); (commit, steps) it holds.

@@ -3,8 +3,9 @@ and syncs each attribute of a type it knows.
 
 A handler wraps one value (a model, an optimizer, an LR scheduler, an ``ElasticSampler``, or
 a user's type registered with :func:`register_handler`). ``save``/``restore`` are local and
-must cost about a memcpy: tensors are copied into host buffers allocated at the first save
-and reused afterwards (no pickling, no new allocations while shapes stay the same), and
+must cost about a memcpy: tensors are copied into buffers allocated at the first save and
+reused afterwards (no pickling, no new allocations while shapes stay the same): host memory
+for CPU tensors, the same GPU for CUDA tensors while they fit (``copier.commit_buffers``).
 ``restore()`` copies them back in place, so parameters and optimizer state keep their
 identity (hooks, the DistributedOptimizer and ``torch.compile`` keep pointing at the live
 tensors). ``merge`` and ``sync(root)`` are collectives.
@@ -24,7 +25,7 @@ import torch
 
 from elasticrun.worker import collectives
 from elasticrun.worker.broadcast import broadcast_optimizer_state, broadcast_parameters
-from elasticrun.worker.copier import CopyPlan
+from elasticrun.worker.copier import CopyPlan, DeviceCopy, commit_buffers
 from elasticrun.worker.optimizer import abandon_step
 from elasticrun.worker.sampler import ElasticSampler
 
@@ -62,12 +63,13 @@ class StateHandler:
     def merge(self) -> None:
         """Collective step before a commit's save (default: nothing to agree on)."""
 
-    def save_deferred(self, guarded: frozenset[int]) -> Callable[[], None] | None:
+    def save_deferred(self, guarded: frozenset[int]) -> Callable[[], None] | DeviceCopy | None:
         """A save split in two for ``TorchState(background_commit=True)``: do now what may
         change before the next optimizer step, and return the rest (a function another
-        thread will run before any optimizer in the state steps again), or None if nothing
-        is left. ``guarded`` holds the ids of the parameters those optimizers update.
-        The default saves everything now."""
+        thread will run before any optimizer in the state steps again; or, for copies from
+        GPU to GPU, a :class:`DeviceCopy` already queued on a side stream, which the next step
+        waits for on the GPU), or None if nothing is left. ``guarded`` holds the ids of the
+        parameters those optimizers update. The default saves everything now."""
         self.save()
         return None
 
@@ -75,11 +77,10 @@ class StateHandler:
         """Local step after a reset (the world may have a new size)."""
 
 
-def _host_buffer(buf: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
-    """``buf`` if it can hold ``src``, else a new host buffer (pinned for GPU sources)."""
-    if buf is not None and buf.shape == src.shape and buf.dtype == src.dtype:
-        return buf
-    return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
+def _later(plan: CopyPlan) -> Callable[[], None] | DeviceCopy:
+    """The deferred part of a background commit: queued on a side stream now when it is all
+    GPU to GPU, else a function for the commit thread."""
+    return plan.run_async() if plan.device_only else plan.run_released
 
 
 # Bumped whenever any module registers (or replaces) a parameter, a buffer or a submodule:
@@ -163,7 +164,7 @@ class ModelStateHandler(StateHandler):
         self._extra = {k: copy.deepcopy(t) for k, t in live.items() if not isinstance(t, torch.Tensor)}
         sources = [live[k] for k in names]
         if self._plan is None or not self._plan.current(sources) or list(self._buffers) != names:
-            self._buffers = {k: _host_buffer(self._buffers.get(k), live[k]) for k in names}
+            self._buffers = dict(zip(names, commit_buffers(sources, [self._buffers.get(k) for k in names])))
             self._plan = CopyPlan(sources, list(self._buffers.values()))
             self._split = None
         self._plan.run()
@@ -175,7 +176,7 @@ class ModelStateHandler(StateHandler):
         else:
             self._dicts, self._sizes = [], []
 
-    def save_deferred(self, guarded: frozenset[int]) -> Callable[[], None] | None:
+    def save_deferred(self, guarded: frozenset[int]) -> Callable[[], None] | DeviceCopy | None:
         # Buffers (BatchNorm statistics change in forward) and parameters no optimizer of
         # the state updates are copied now; the guarded parameters later.
         if not self._plan_is_current():
@@ -185,7 +186,7 @@ class ModelStateHandler(StateHandler):
             now_plan, later_plan = self._plan.split(lambda t: id(t) not in guarded)  # type: ignore[union-attr]
             self._split = (guarded, now_plan, later_plan)
         self._split[1].run()
-        return self._split[2].run_released
+        return _later(self._split[2])
 
     def restore(self) -> None:
         live = self.value.state_dict(keep_vars=True)
@@ -198,9 +199,10 @@ class ModelStateHandler(StateHandler):
             saved.update(copy.deepcopy(self._extra))
             self.value.load_state_dict(saved)
             return
-        with torch.no_grad():
-            for name, buf in self._buffers.items():
-                live[name].copy_(buf)
+        with torch.no_grad():  # one call for all: a copy per tensor costs its launch on a GPU
+            names = list(self._buffers)
+            if names:
+                torch._foreach_copy_([live[k] for k in names], [self._buffers[k] for k in names])
 
     def sync(self, root: int) -> None:
         broadcast_parameters(self.value.state_dict(), root_rank=root)
@@ -268,9 +270,9 @@ class OptimizerStateHandler(StateHandler):
         if self._save_unless_current():
             self._plan.run()  # type: ignore[union-attr]
 
-    def save_deferred(self, guarded: frozenset[int]) -> Callable[[], None] | None:
+    def save_deferred(self, guarded: frozenset[int]) -> Callable[[], None] | DeviceCopy | None:
         # Only a step changes the optimizer's tensors, and steps wait for the copy.
-        return self._plan.run_released if self._save_unless_current() else None  # type: ignore[union-attr]
+        return _later(self._plan) if self._save_unless_current() else None  # type: ignore[arg-type]
 
     def _rebuild(self, params: list[torch.Tensor]) -> None:
         opt = self.value
@@ -278,6 +280,7 @@ class OptimizerStateHandler(StateHandler):
         buffers: dict[tuple[int, str], torch.Tensor] = {}
         sources: list[torch.Tensor] = []
         self._plain_keys = []
+        keys: list[tuple[int, str]] = []
         for i, p in enumerate(params):
             live = opt.state.get(p)
             if not live:
@@ -285,13 +288,16 @@ class OptimizerStateHandler(StateHandler):
             entry: dict[str, Any] = {}
             for k, v in live.items():
                 if isinstance(v, torch.Tensor):
-                    entry[k] = buffers[(i, k)] = _host_buffer(self._buffers.get((i, k)), v)
+                    entry[k] = None  # its buffer, below (the entry keeps the live order of keys)
+                    keys.append((i, k))
                     self._devices[(i, k)] = v.device
                     sources.append(v)
                 else:
                     entry[k] = copy.deepcopy(v)
                     self._plain_keys.append((i, live, k))
             state[i] = entry
+        for (i, k), buf in zip(keys, commit_buffers(sources, [self._buffers.get(key) for key in keys])):
+            state[i][k] = buffers[(i, k)] = buf
         for gone in [k for k in self._devices if k not in buffers]:
             del self._devices[gone]
         self._buffers, self._state = buffers, state
@@ -311,6 +317,8 @@ class OptimizerStateHandler(StateHandler):
         abandon_step(opt)  # a step in progress belongs to the failed round
         for group, saved in zip(opt.param_groups, self._groups):
             group.update(copy.deepcopy(saved))
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
         with torch.no_grad():
             for i, p in enumerate(self._params()):
                 entry = self._state.get(i)
@@ -328,9 +336,12 @@ class OptimizerStateHandler(StateHandler):
                     cur = live.get(k)
                     if (isinstance(cur, torch.Tensor) and cur.shape == v.shape and cur.dtype == v.dtype
                             and cur.device == device):
-                        cur.copy_(v)
+                        dsts.append(cur)
+                        srcs.append(v)
                     else:
                         live[k] = v.to(device, copy=True)
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
 
     def sync(self, root: int) -> None:
         broadcast_optimizer_state(self.value, root_rank=root)

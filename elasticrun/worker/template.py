@@ -118,6 +118,16 @@ def stop_blas_threads() -> list[str]:
     return stopped
 
 
+def cuda_initialized() -> bool:
+    """Whether this process has initialized CUDA (a fork after that leaves the child's CUDA
+    unusable). Asks torch only if something imported it: never initializes anything itself."""
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    try:
+        return bool(cuda is not None and cuda.is_initialized())
+    except Exception:
+        return False
+
+
 def preload(modules: list[str]) -> dict[str, str]:
     """Import ``modules``; the ones that failed, with why."""
     failed = {}
@@ -451,6 +461,9 @@ class Template:
         if len(threads) != 1:
             return (f"the template has {len(threads)} threads ({', '.join(threads)}): forking it is not "
                     f"safe"), None, ""
+        if cuda_initialized():
+            return ("CUDA was initialized in the template (by a --preload module): a process forked after "
+                    "that cannot use the GPU"), None, ""
         return "", cmd, interpreter
 
     def start_worker(self, client: Client, req: dict[str, Any]) -> WorkerJob | None:
@@ -747,6 +760,9 @@ def main(argv: list[str] | None = None) -> int:
     threads = thread_names()
     if len(threads) != 1:
         say(f"{len(threads)} threads after the imports ({', '.join(threads)}): every worker starts fresh")
+    if cuda_initialized():
+        say("CUDA was initialized by the imports (a --preload module): every worker starts fresh, since a "
+            "process forked after CUDA's initialization cannot use the GPU")
     # The imported modules' objects stay out of every later collection (the workers' pages stay
     # shared, copy-on-write). No gc.collect() first: it costs 0.15 s for a few thousand cycles
     # the imports left, which the freeze keeps (a few hundred KiB).
@@ -754,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.enable()
     print(warmstart.READY_PREFIX + json.dumps({
         "socket": path, "pid": os.getpid(), "python": sys.executable, "preloaded": [m for m in modules if m not in failed],
-        "failed": failed, "threads": len(threads), "blas_stopped": blas,
+        "failed": failed, "threads": len(threads), "blas_stopped": blas, "cuda_initialized": cuda_initialized(),
         "seconds": round(time.monotonic() - started, 3)}), flush=True)
     job = template.serve()
     if job is not None:  # a forked child: run the worker in place of the template

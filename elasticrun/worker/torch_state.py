@@ -17,6 +17,7 @@ import torch
 import torch.distributed
 
 from elasticrun.worker import collectives, durable, rounds
+from elasticrun.worker.copier import DeviceCopy
 from elasticrun.worker.elastic import ObjectState
 # The handler API, importable from here as before the split.
 from elasticrun.worker.state_handlers import (
@@ -78,6 +79,7 @@ class TorchState(ObjectState):
         object.__setattr__(self, "_commit_seq", 0)  # saves by commit(); the newest commit wins a sync
         object.__setattr__(self, "_background", bool(background_commit))
         object.__setattr__(self, "_pending", None)  # the background copy in flight (a Future)
+        object.__setattr__(self, "_device_copies", [])  # background GPU-to-GPU copies in flight (DeviceCopy)
         object.__setattr__(self, "_copy_thread", None)  # ThreadPoolExecutor, created at first use
         object.__setattr__(self, "_guarded", weakref.WeakKeyDictionary())  # optimizer -> its step hook
         super().__init__(**plain)
@@ -85,7 +87,13 @@ class TorchState(ObjectState):
 
     def wait_for_commit(self) -> None:
         """Return once the last commit's background copy (if any) is complete; raise what
-        it raised. A no-op without ``background_commit``."""
+        it raised. A no-op without ``background_commit``. Copies from GPU to GPU are waited
+        for on the GPU: the caller's stream is ordered after them, the host goes on."""
+        copies = self._device_copies
+        if copies:
+            self._device_copies = []
+            for c in copies:
+                c.wait()
         pending = self._pending
         if pending is None:
             return
@@ -150,9 +158,12 @@ class TorchState(ObjectState):
 
     def _save_local(self, background: bool = False) -> None:
         self.wait_for_commit()  # the buffers are about to be overwritten
+        self._before_commit_copy()  # ... and a durable copy may still be reading them on the GPU
         if background:
             guarded = self._guard_optimizers()
-            later = [f for f in (h.save_deferred(guarded) for h in self._handlers.values()) if f is not None]
+            deferred = [f for f in (h.save_deferred(guarded) for h in self._handlers.values()) if f is not None]
+            self._device_copies = [f for f in deferred if isinstance(f, DeviceCopy)]
+            later = [f for f in deferred if not isinstance(f, DeviceCopy)]
             if later:
                 if self._copy_thread is None:
                     self._copy_thread = concurrent.futures.ThreadPoolExecutor(
@@ -162,6 +173,21 @@ class TorchState(ObjectState):
             for handler in self._handlers.values():
                 handler.save()
         self._save_objects()
+
+    def _staging_sources(self, tensors: list[Any]) -> list[Any]:
+        """The committed copies on the GPU stand in for the live tensors they copy (the durable
+        copy then reads them beside training, and the next step need not wait)."""
+        self.wait_for_commit()  # a background copy into them may still run (waited for on the GPU)
+        kept: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
+        for handler in self._handlers.values():
+            plan = getattr(handler, "_plan", None)
+            if plan is not None:
+                for src, buf in plan.pairs():
+                    if buf.is_cuda and buf.device == src.device:
+                        kept[(src.data_ptr(), src.dtype, src.numel())] = buf
+        if not kept:
+            return tensors
+        return [kept.get((t.data_ptr(), t.dtype, t.numel()), t) if t.is_cuda else t for t in tensors]
 
     def durable_state(self) -> dict[str, Any]:
         """The handled objects' ``state_dict()`` (model, optimizer, LR scheduler, sampler) and

@@ -153,7 +153,7 @@ def test_a_bad_true_false_variable_is_one_line():
 @pytest.mark.parametrize("toml,expected", [
     ("min-np = 1\nbogus-option = 3\n", "unknown key 'bogus-option'"),
     ('min-np = "2"\n', "key 'min-np' must be a whole number, not a string ('2')"),
-    ("ssh-port = 0\n", "key 'ssh-port': '0' must be at least 1"),
+    ("ssh-port = 0\n", "key 'ssh-port': '0' must be a port number from 1 to 65535"),
     ('blacklist-cooldown-range = [1]\n', "key 'blacklist-cooldown-range' must be a list of 2 numbers"),
     ('launcher = "telnet"\n', "key 'launcher' must be one of 'auto', 'local', 'ssh'"),
     ('verbose = "yes"\n', "key 'verbose' must be true or false"),

@@ -172,6 +172,23 @@ def test_the_same_command_again_resumes_after_the_driver_was_killed(job):
     assert_exactly_once(history_across_runs(job, resumed["commit"]))
 
 
+def test_a_commit_before_elastic_run_never_replaces_the_copy_the_job_resumes_from(job):
+    """A script that commits its initial state before ``hvd.elastic.run`` (where rank 0 restores
+    the durable copy) must not hand that initial state off as the newest durable copy: the
+    restore would then load it, and the resumed job would start over from scratch."""
+    ckpt = job.tmp / "ckpt"
+    run_until_a_copy_then_kill_the_driver(job, ckpt, [])
+    newest = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "manifest.json").read_text())["commit"]
+    r = job.run(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--checkpoint-dir", str(ckpt),
+                 "--checkpoint-interval", "0.05", "--events", str(job.tmp / "events2.jsonl")],
+                sample_cmd(job, "--commit-every", "2", "--sleep", "0.03", "--commit-before-run"))
+    assert r.returncode == 0, r.output
+    assert f"restored the durable copy of commit {newest} " in r.stderr, r.stderr
+    [resumed] = [e for e in events(job.tmp / "events2.jsonl") if e["kind"] == "resumed"]
+    assert resumed["commit"] == newest
+    assert_exactly_once(history_across_runs(job, newest))
+
+
 def test_a_corrupt_newest_copy_is_skipped_for_the_one_before(job):
     ckpt = job.tmp / "ckpt"
     run_until_a_copy_then_kill_the_driver(job, ckpt, [])

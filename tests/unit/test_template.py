@@ -311,3 +311,44 @@ def _wait_gone(pid: int, timeout: float) -> None:
             return
         time.sleep(0.02)
     raise AssertionError(f"process {pid} still runs")
+
+
+def test_the_template_never_touches_cuda(tmp_path):
+    """A fork after CUDA's initialization leaves the worker without a GPU: the template's imports
+    (torch, elasticrun.torch, the warm-up) must not initialize it, nor even ask about GPUs (which
+    initializes the CUDA driver). A sitecustomize records every such call."""
+    record = tmp_path / "cuda_calls"
+    (tmp_path / "sitecustomize.py").write_text(
+        "import torch, functools\n"
+        f"RECORD = {str(record)!r}\n"
+        "def spy(name, real):\n"
+        "    @functools.wraps(real)\n"
+        "    def call(*a, **k):\n"
+        "        open(RECORD, 'a').write(name + '\\n')\n"
+        "        return real(*a, **k)\n"
+        "    return call\n"
+        "for name in ('is_available', 'device_count', 'init', '_lazy_init', 'current_device', 'set_device',\n"
+        "             'mem_get_info', 'get_device_name'):\n"
+        "    setattr(torch.cuda, name, spy(name, getattr(torch.cuda, name)))\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), TMPDIR=str(tmp_path))
+    t = warm.LocalTemplate([sys.executable, "-m", warm.TEMPLATE_MODULE], env)
+    try:
+        t.wait_ready(60)
+        assert "elasticrun.torch" in t.info["preloaded"] and t.info["cuda_initialized"] is False
+    finally:
+        t.stop(10)
+    assert not record.exists(), f"the template asked torch.cuda: {record.read_text().split()}"
+
+
+def test_a_template_whose_preload_initialized_cuda_forks_nothing(tmp_path):
+    (tmp_path / "gpu_lib.py").write_text("import torch\ntorch.cuda.is_initialized = lambda: True  # as if it had\n")
+    (tmp_path / "t.py").write_text("pass\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), TMPDIR=str(tmp_path))
+    t = warm.LocalTemplate([sys.executable, "-m", warm.TEMPLATE_MODULE, "--bare", "--preload", "gpu_lib"], env)
+    try:
+        t.wait_ready(30)
+        assert t.info["cuda_initialized"] is True
+        with pytest.raises(warm.Unavailable, match="CUDA was initialized in the template"):
+            _ask(t.info["socket"], [sys.executable, "t.py"], env, str(tmp_path))
+    finally:
+        t.stop(10)

@@ -47,6 +47,8 @@ p.add_argument("--slow", default=None, metavar="HOST:SLOT:SECONDS[@EPOCH:BATCH]"
 p.add_argument("--no-commit", action="store_true", help="never commit (nor at the end of an epoch)")
 p.add_argument("--ballast", type=float, default=0.0, metavar="MB",
                help="the model also holds a buffer of MB megabytes (a state too big for a small disk)")
+p.add_argument("--commit-before-run", action="store_true",
+               help="state.commit() once before hvd.elastic.run (the script's initial state, before any resume)")
 p.add_argument("--exit-at", default=None, metavar="RANK:STEPS",
                help="that rank's script returns (exit 0) after STEPS optimizer steps, while the others train on")
 args = p.parse_args()
@@ -208,6 +210,8 @@ def train(state):
             state.commit()
 
 
+if args.commit_before_run:
+    state.commit()
 train(state)
 if hvd.rank() == 0:
     with torch.no_grad():
