@@ -50,6 +50,7 @@ from elasticrun.worker.collectives import (
     synchronize,
 )
 from elasticrun.worker.elastic import ObjectState, State, run
+from elasticrun.worker.agreement import CollectiveMismatch
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from elasticrun.worker.functions import (
     allgather,
@@ -220,6 +221,7 @@ elastic = types.SimpleNamespace(
 __all__ = [
     "Adasum",
     "Average",
+    "CollectiveMismatch",
     "Compression",
     "DistributedOptimizer",
     "ElasticSampler",

@@ -62,6 +62,11 @@ def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, name: str,
     by_kind: dict[str, list[int]] = {}
     for i, t in enumerate(tensors):
         by_kind.setdefault(t.device.type, []).append(i)
+    # One agreement for the whole call (a model that differs between ranks would otherwise make
+    # the packed broadcasts differ in size): then the broadcasts themselves need none.
+    collectives.agree(r, {"collective": name, "root": root_rank,
+                          "tensors": tuple((str(t.dtype), tuple(t.shape), t.device.type) for t in tensors)},
+                      name, process_set)
     n = 0
     with torch.no_grad():
         for kind in sorted(by_kind, key=lambda k: (k != "cpu", k)):
@@ -74,7 +79,7 @@ def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, name: str,
                 if is_root:
                     for j, off, nb in chunk:
                         buf[off:off + nb].copy_(tensors[members[j]].detach().reshape(-1).view(torch.uint8))
-                collectives.broadcast_(buf, root_rank, f"{name}[{n}]", process_set)
+                collectives.broadcast_(buf, root_rank, f"{name}[{n}]", process_set, trusted=True)
                 n += 1
                 if not is_root:
                     for j, off, nb in chunk:
@@ -148,6 +153,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     the root is what every rank loads.
     """
     del model
+    if not optimizer.state:
+        # As Horovod's: an optimizer that never stepped gets zero gradients for its trainable
+        # parameters that have none (Horovod makes them for the dummy step it takes there).
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if isinstance(p, torch.Tensor) and p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
     r = rounds.current()
     if len(process_sets.members(process_set, r)) == 1:
         return

@@ -40,7 +40,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from elasticrun.worker import adasum, capacities, devices, process_sets, rounds, trace
+from elasticrun.worker import adasum, agreement, capacities, devices, process_sets, rounds, trace
+from elasticrun.worker.agreement import CollectiveMismatch
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
 from elasticrun.worker.process_sets import ProcessSet, global_process_set
 from elasticrun.worker.rounds import Round
@@ -223,14 +224,18 @@ class Handle:
     done: bool = False
     result: Any = None
     started: float = 0.0  # for the timeline (only set while one records)
+    name: str | None = None  # the user's name for it, in flight until synchronized
 
     def __call__(self) -> Any:
         """``handle()`` == ``synchronize(handle)`` (Horovod's sparse allreduce returns a function)."""
         return synchronize(self)
 
 
-def _handle(work: Any, what: str, finish: Callable[[], Any]) -> Handle:
-    return Handle(work, what, finish, started=trace.now() if trace.active() is not None else 0.0)
+def _handle(work: Any, what: str, finish: Callable[[], Any], name: str | None = None) -> Handle:
+    """A handle for ``work``; a ``name`` given is in flight until the handle is synchronized."""
+    if name is not None:
+        rounds.current().in_flight.add(name)
+    return Handle(work, what, finish, started=trace.now() if trace.active() is not None else 0.0, name=name)
 
 
 def on_device(r: Round, t: torch.Tensor | None) -> bool:
@@ -317,6 +322,56 @@ def _is_global(process_set: ProcessSet | None) -> bool:
     return process_set is None or process_set is global_process_set
 
 
+def _ps_id(process_set: ProcessSet | None) -> Any:
+    return 0 if _is_global(process_set) else (process_set.process_set_id, tuple(process_set.ranks or ()))
+
+
+def _agree(r: Round, signature: dict[str, Any], what: str, process_set: ProcessSet | None = None) -> None:
+    """Collective, before a user's collective: every rank of the group submitted the same
+    ``signature`` (see worker/agreement.py), or every rank raises :class:`CollectiveMismatch`
+    saying which ranks differed in what. One tiny allgather of digests on the CPU group (one
+    message each way: the cheapest exchange gloo has, ~0.14 ms on 2 ranks here); the full
+    signatures travel only when they differ. A rank in ``join()`` sends zeros, which match any."""
+    if _is_global(process_set):
+        pg, size = None, r.size
+    else:
+        pg, _, size, _ = _group(r, process_set)  # type: ignore[arg-type]
+    if size == 1:
+        return
+    mine = agreement.words(signature)
+    t = torch.tensor(mine, dtype=torch.int64)
+    out = torch.empty(2 * size, dtype=torch.int64)
+    label = f"{what} (its arguments)"
+    start = lambda g: g._allgather_base(out, t)  # noqa: E731
+    work = _issue(r, start, label, ("allgather", t.shape, t.dtype)) if pg is None else _issue(r, start, label, pg=pg)
+    _wait(r, work, label)
+    words = out.tolist()
+    if all((x, y) == mine or (x, y) == (0, 0) for x, y in zip(words[0::2], words[1::2])):
+        return
+    _disagreed(r, signature, process_set)
+
+
+def agree(r: Round, signature: dict[str, Any], what: str, process_set: ProcessSet | None = None) -> None:
+    """:func:`_agree`, for the other modules of the worker (broadcast, the optimizer)."""
+    _agree(r, signature, what, process_set)
+
+
+def _disagreed(r: Round, signature: dict[str, Any] | None, process_set: ProcessSet | None) -> None:
+    """The ranks' signatures differ: gather them and raise the same error on every rank."""
+    signatures = allgather_object(signature, name="collective signatures",
+                                  process_set=process_set if process_set is not None else global_process_set)
+    members = process_sets.members(process_set, r)
+    raise CollectiveMismatch(agreement.message(signatures, members))
+
+
+def _check_name(r: Round, name: str | None, what: str) -> None:
+    """Horovod's rule: two operations in flight at once cannot share a name (each rank knows
+    its own: every rank raises the same error at the same call)."""
+    if name is not None and name in r.in_flight:
+        raise ValueError(f"{what}: an operation named {name!r} is already in progress; names of collectives in "
+                         f"flight at the same time must differ (as in Horovod)")
+
+
 def poll(handle: Handle) -> bool:
     """True when the collective has completed (successfully or not)."""
     return handle.done or bool(handle.work.is_completed())
@@ -326,6 +381,8 @@ def synchronize(handle: Handle) -> Any:
     """Wait for an asynchronous collective and return its output (a tensor; a list of them for
     grouped operations; ``(output, received_splits)`` for alltoall)."""
     if not handle.done:
+        if handle.name is not None:
+            rounds.current().in_flight.discard(handle.name)
         _wait(rounds.current(), handle.work, handle.what)
         handle.result = handle.finish()
         handle.done = True
@@ -349,62 +406,91 @@ def _resolve_op(op: int | str | None, average: bool | None) -> int:
     return Average if op is None else op_value(op)
 
 
+class UnsupportedOperation(RuntimeError, ValueError):
+    """An op a collective does not support (Horovod raises RuntimeError; a ValueError too, as
+    elasticrun raised before)."""
+
+
 def _scale(t: torch.Tensor, factor: float) -> None:
+    """Scale ``t`` in place; integers as Horovod scales them: in double precision, truncated
+    toward zero (an average of -75 and 0 is -37, not -38)."""
     if factor != 1.0:
         if t.is_floating_point() or t.is_complex():
             t.mul_(factor)
-        else:  # integers: Horovod divides with floor
+        else:
             inv = 1.0 / factor
             if inv == int(inv):
-                t.floor_divide_(int(inv))
+                t.div_(int(inv), rounding_mode="trunc")
             else:
-                t.copy_((t * factor).to(t.dtype))
+                t.copy_((t.double() * factor).trunc().to(t.dtype))
 
 
 # --------------------------------------------------------------------------- allreduce
 
 
+#: dtypes no backend reduces, and what they are reduced as (then cast back: the same wrap-around).
+_REDUCE_AS = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
+def _signature(kind: str, name: str | None, tensors: Sequence[torch.Tensor], process_set: ProcessSet | None,
+               **more: Any) -> dict[str, Any]:
+    """What every rank must submit alike to a collective (see worker/agreement.py)."""
+    return dict(more, collective=kind, name=name, process_set=_ps_id(process_set),
+                dtype=tuple(str(t.dtype) for t in tensors), device=tuple(t.device.type for t in tensors))
+
+
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: int | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> Handle:
-    """Start an in-place allreduce of ``tensor``; returns a handle for :func:`synchronize`."""
+                     process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> Handle:
+    """Start an in-place allreduce of ``tensor``; returns a handle for :func:`synchronize`.
+    ``trusted``: the caller knows every rank submits the same (elasticrun's own reductions):
+    no agreement first."""
     op = _resolve_op(op, average)
     what = f"allreduce {name or tuple(tensor.shape)}"
+    r = rounds.current()
+    if not trusted:
+        _check_name(r, name, what)
+        _agree(r, _signature("allreduce", name, [tensor], process_set, op=op, shape=tuple(tensor.shape)), what,
+               process_set)
     if op == Adasum:
         return _adasum([tensor], what, prescale_factor, postscale_factor, process_set, single=True)
     torch_op = _TORCH_OPS[op]
+    wide = _REDUCE_AS.get(tensor.dtype)
+    data = tensor if wide is None else tensor.to(wide)
     if prescale_factor != 1.0:
-        _scale(tensor, prescale_factor)
+        _scale(data, prescale_factor)
     opts = dist.AllreduceOptions()
     opts.reduceOp = torch_op
-    r = rounds.current()
     if process_set is global_process_set or process_set is None:
         size = r.size
-        work = _issue(r, lambda pg: pg.allreduce([tensor], opts), what,
-                      ("allreduce", tensor.shape, tensor.dtype, _TORCH_OP_NAMES[torch_op]), on=tensor)
+        work = _issue(r, lambda pg: pg.allreduce([data], opts), what,
+                      ("allreduce", data.shape, data.dtype, _TORCH_OP_NAMES[torch_op]), on=data)
     else:
-        pg, _, size, _ = _group(r, process_set, tensor)
-        work = _issue(r, lambda g: g.allreduce([tensor], opts), what, pg=pg)
+        pg, _, size, _ = _group(r, process_set, data)
+        work = _issue(r, lambda g: g.allreduce([data], opts), what, pg=pg)
 
     def finish() -> torch.Tensor:
-        _scale(tensor, postscale_factor / size if op == Average else postscale_factor)
+        _scale(data, postscale_factor / size if op == Average else postscale_factor)
+        if data is not tensor:
+            tensor.copy_(data)
         return tensor
-    return _handle(work, what, finish)
+    return _handle(work, what, finish, None if trusted else name)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: int | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: ProcessSet = global_process_set) -> Handle:
+                    process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> Handle:
     """Start an allreduce of a copy of ``tensor`` (the input is not modified)."""
     return allreduce_async_(tensor.detach().clone(), average, name, op, prescale_factor, postscale_factor,
-                            process_set)
+                            process_set, trusted=trusted)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: int | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+               process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> torch.Tensor:
     """Reduce ``tensor`` in place over all ranks and return it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set,
+                                        trusted=trusted))
 
 
 def allreduce_inplace(tensor: torch.Tensor, op: Any, what: str) -> None:
@@ -430,11 +516,16 @@ def _flat_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                              op: int | str | None = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0,
-                             process_set: ProcessSet = global_process_set) -> Handle:
+                             process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> Handle:
     """Start an in-place allreduce of every tensor of ``tensors``, fused into one buffer per dtype."""
     op = _resolve_op(op, average)
     tensors = list(tensors)
     what = f"grouped allreduce {name or len(tensors)}"
+    r = rounds.current()
+    if not trusted:
+        _check_name(r, name, what)
+        _agree(r, _signature("grouped allreduce", name, tensors, process_set, op=op,
+                             shape=tuple(tuple(t.shape) for t in tensors)), what, process_set)
     if op == Adasum:
         return _adasum(tensors, what, prescale_factor, postscale_factor, process_set, single=False)
     parts: list[tuple[list[int], torch.Tensor, Handle]] = []
@@ -444,7 +535,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
         if len(idx) == 1 and flat.data_ptr() != tensors[idx[0]].data_ptr():
             flat = flat.clone()
         parts.append((idx, flat, allreduce_async_(flat, None, what, op, prescale_factor, postscale_factor,
-                                                  process_set)))
+                                                  process_set, trusted=True)))
 
     def finish() -> list[torch.Tensor]:
         with torch.no_grad():
@@ -458,36 +549,42 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                         t.copy_(flat[off:off + n].view_as(t))
                     off += n
         return tensors
-    return _handle(_Works([h.work for _, _, h in parts]), what, finish)
+    return _handle(_Works([h.work for _, _, h in parts]), what, finish, None if trusted else name)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                             op: int | str | None = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> Handle:
+                            process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> Handle:
     """As :func:`grouped_allreduce_async_`, on copies (the inputs are not modified)."""
     return grouped_allreduce_async_([t.detach().clone() for t in tensors], average, name, op, prescale_factor,
-                                    postscale_factor, process_set)
+                                    postscale_factor, process_set, trusted=trusted)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                        op: int | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+                       process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> list[torch.Tensor]:
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+                                                process_set, trusted=trusted))
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: int | str | None = None,
-                           process_set: ProcessSet = global_process_set) -> Handle:
+                           process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> Handle:
     """Allreduce a sparse COO tensor by gathering every rank's indices and values (as Horovod);
     the result (``synchronize(h)`` or ``h()``) is an uncoalesced sparse tensor."""
     op = Average if op is None else op_value(op)
     if op not in (Average, Sum):
-        raise ValueError("sparse allreduce supports op=Average or op=Sum")
+        raise UnsupportedOperation("sparse allreduce supports op=Average or op=Sum")
     t = tensor
     what = f"sparse allreduce {name or tuple(t.shape)}"
+    if not trusted:
+        r = rounds.current()
+        _check_name(r, name, what)
+        _agree(r, _signature("sparse allreduce", name, [t._values()], process_set, op=op, shape=tuple(t.shape)),
+               what, process_set)
     # indices and values share one exchange of their (equal) row counts
-    gathered = grouped_allgather_async([t._indices().t().contiguous(), t._values().contiguous()], name, process_set)
+    gathered = grouped_allgather_async([t._indices().t().contiguous(), t._values().contiguous()], name, process_set,
+                                       trusted=True)
     size = len(process_sets.members(process_set, rounds.current()))
 
     def finish() -> torch.Tensor:
@@ -578,31 +675,44 @@ def _root_index(r: Round, root_rank: int, process_set: ProcessSet | None,
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Handle:
+                     process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> Handle:
     """Start overwriting ``tensor`` on every rank with its value on ``root_rank`` (a global rank)."""
     what = f"broadcast {name or tuple(tensor.shape)} from rank {root_rank}"
     r = rounds.current()
+    if not trusted:
+        _check_name(r, name, what)
+        _agree(r, _signature("broadcast", name, [tensor], process_set, shape=tuple(tensor.shape), root=root_rank),
+               what, process_set)
     pg, root = _root_index(r, root_rank, process_set, tensor)
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = root, 0
+    # A dtype the backends refuse (int16, complex, ...) travels as its bytes; a tensor that is
+    # not contiguous through a contiguous copy, written back when it arrives.
+    held = tensor if tensor.is_contiguous() else tensor.contiguous()
+    wire = held if held.dtype in _GLOO_DTYPES else held.reshape(-1).view(torch.uint8)
     if pg is None:
-        work = _issue(r, lambda g: g.broadcast([tensor], opts), what, ("broadcast", tensor.shape, tensor.dtype, root),
-                      on=tensor)
+        work = _issue(r, lambda g: g.broadcast([wire], opts), what, ("broadcast", wire.shape, wire.dtype, root),
+                      on=wire)
     else:
-        work = _issue(r, lambda g: g.broadcast([tensor], opts), what, pg=pg)
-    return _handle(work, what, lambda: tensor)
+        work = _issue(r, lambda g: g.broadcast([wire], opts), what, pg=pg)
+
+    def finish() -> torch.Tensor:
+        if held is not tensor:
+            tensor.copy_(held)
+        return tensor
+    return _handle(work, what, finish, None if trusted else name)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> Handle:
+                    process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> Handle:
     """Start a broadcast into a copy of ``tensor`` (the input is not modified)."""
-    return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
+    return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set, trusted=trusted)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+               process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> torch.Tensor:
     """Overwrite ``tensor`` on every rank with its value on ``root_rank``."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set, trusted=trusted))
 
 
 # --------------------------------------------------------------------------- allgather
@@ -716,7 +826,7 @@ def _gather_bytes(r: Round, g: _Group, t: torch.Tensor, rows: int, start: int, w
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                            process_set: ProcessSet = global_process_set) -> Handle:
+                            process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> Handle:
     """Start concatenating each tensor of ``tensors`` from every rank along dim 0 (first
     dimensions may differ per rank).
 
@@ -726,6 +836,10 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     ts = [_rows(t).contiguous() for t in tensors]
     what = f"allgather {name or [tuple(t.shape) for t in ts]}"
     r = rounds.current()
+    if not trusted:
+        _check_name(r, name, what)
+        _agree(r, _signature("allgather", name, ts, process_set, rows_of=tuple(tuple(t.shape[1:]) for t in ts)),
+               what, process_set)
     g = _where(r, process_set)
     key = ("allgather", name, tuple((t.dtype, tuple(t.shape[1:])) for t in ts))
     cache = _capacities(r, g.key)
@@ -763,18 +877,18 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
                     chunks.append(second[k][0][i * rests[k]:i * rests[k] + b])
             results.append(torch.cat(chunks) if chunks else t.new_empty((0,) + tuple(t.shape[1:])))
         return results
-    return _handle(_Works(works) if works else _DONE, what, finish)
+    return _handle(_Works(works) if works else _DONE, what, finish, None if trusted else name)
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
-                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+                      process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> list[torch.Tensor]:
+    return synchronize(grouped_allgather_async(tensors, name, process_set, trusted=trusted))
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> Handle:
+                    process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> Handle:
     """Start concatenating ``tensor`` from every rank along dim 0; first dimensions may differ."""
-    inner = grouped_allgather_async([tensor], name, process_set)
+    inner = grouped_allgather_async([tensor], name, process_set, trusted=trusted)
     return _handle(inner.work, inner.what, lambda: synchronize(inner)[0])
 
 
@@ -788,7 +902,8 @@ def _even_split(rows: int, size: int) -> list[int]:
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
-                   name: str | None = None, process_set: ProcessSet = global_process_set) -> Handle:
+                   name: str | None = None, process_set: ProcessSet = global_process_set, *,
+                   trusted: bool = False) -> Handle:
     """Start sending ``splits[i]`` rows of ``tensor`` (in order) to member ``i`` and receiving what
     every member sends here; ``synchronize`` returns ``(output, received_splits)``. Without
     ``splits`` the rows are split evenly (the first ranks one more).
@@ -802,6 +917,9 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     t = _rows(tensor).contiguous()
     what = f"alltoall {name or tuple(t.shape)}"
     if splits is None:
+        if t.shape[0] % g.size:
+            raise ValueError(f"alltoall without splits needs the first dimension ({t.shape[0]}) to be divisible by "
+                             f"the number of ranks ({g.size}); pass splits to send uneven parts")
         sends = _even_split(t.shape[0], g.size)
         splits_dtype = torch.int32
     else:
@@ -812,17 +930,30 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
                              f"first dimension of the tensor ({t.shape[0]})")
     rest_shape = tuple(t.shape[1:])
     opts = dist.AllToAllOptions()
-    ones = [1] * g.size
-    counts, received_t = torch.tensor(sends, dtype=torch.int64), torch.empty(g.size, dtype=torch.int64)
+    # Each member gets, with the count of rows this rank sends it, this rank's signature (see
+    # worker/agreement.py): the exchange of counts checks the ranks agree, at no extra cost. A
+    # rank in join() (trusted) sends none, and takes any.
+    if trusted:
+        a = b = 0
+    else:
+        _check_name(r, name, what)
+        a, b = agreement.words(_signature("alltoall", name, [t], process_set, rest=rest_shape))
+    three = [3] * g.size
+    counts = torch.tensor([x for n in sends for x in (n, a, b)], dtype=torch.int64)
+    received_t = torch.empty(3 * g.size, dtype=torch.int64)
     tag = _Tag(("valltoall", name, t.dtype, rest_shape, "cuda" if on_device(r, t) else "cpu"))
-    _wait(r, _on(r, g, lambda pg: pg.alltoall_base(received_t, counts, ones, ones, opts), what + ".splits", tag()),
+    _wait(r, _on(r, g, lambda pg: pg.alltoall_base(received_t, counts, three, three, opts), what + ".splits", tag()),
           what + ".splits")
-    received = received_t.tolist()
+    table = received_t.tolist()
+    if not trusted and any((sa, sb) != (a, b) and (sa, sb) != (0, 0) for sa, sb in zip(table[1::3], table[2::3])):
+        _disagreed(r, _signature("alltoall", name, [t], process_set, rest=rest_shape), process_set)
+    received = table[0::3]
+    received_t = torch.tensor(received, dtype=torch.int64)
     out = t.new_empty((sum(received),) + rest_shape)
     (send, row), (recv, _) = _wire(t), _wire(out)
     sb, rb = ([n * row for n in sends], [n * row for n in received]) if row != 1 else (sends, received)
     work = _on(r, g, lambda pg: pg.alltoall_base(recv, send, rb, sb, opts), what, tag(), on=t)
-    return _handle(work, what, lambda: (out, received_t.to(splits_dtype)))
+    return _handle(work, what, lambda: (out, received_t.to(splits_dtype)), None if trusted else name)
 
 
 def _reducescatter_issue(tensor: torch.Tensor, what: str, op: int, prescale: float,
@@ -833,8 +964,12 @@ def _reducescatter_issue(tensor: torch.Tensor, what: str, op: int, prescale: flo
     me = members.index(r.rank) if r.rank in members else -1
     if me < 0:
         raise ValueError(f"rank {r.rank} is not a member of {process_set}")
-    t = _rows(tensor)
-    t = t * prescale if prescale != 1.0 else t.contiguous()
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor of at least one dimension (it scatters along the first)")
+    t = tensor.detach().contiguous()
+    if prescale != 1.0:
+        t = t.clone()
+        _scale(t, prescale)  # in the tensor's own dtype, integers too
     counts = _even_split(t.shape[0], size)
     mine = counts[me]
     rest = tuple(t.shape[1:])
@@ -857,28 +992,39 @@ def _reducescatter_issue(tensor: torch.Tensor, what: str, op: int, prescale: flo
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int | str = Average,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> Handle:
+                        postscale_factor: float = 1.0, *, trusted: bool = False) -> Handle:
     """Start reducing ``tensor`` over the ranks and scattering the result along dim 0: member
     ``i`` gets rows ``[sum(counts[:i]), ...)`` of the reduction, the first ``rows % size``
     members one row more (as Horovod). The input is not modified."""
     op = op_value(op)
     if op not in (Average, Sum):
-        raise ValueError("reducescatter supports op=Average or op=Sum")
+        raise UnsupportedOperation("reducescatter supports op=Average or op=Sum")
     what = f"reducescatter {name or tuple(tensor.shape)}"
+    if not trusted:
+        r = rounds.current()
+        _check_name(r, name, what)
+        _agree(r, _signature("reducescatter", name, [tensor], process_set, op=op, shape=tuple(tensor.shape)),
+               what, process_set)
     work, finish = _reducescatter_issue(tensor, what, op, prescale_factor, process_set)
-    return _handle(work, what, lambda: finish(postscale_factor))
+    return _handle(work, what, lambda: finish(postscale_factor), None if trusted else name)
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: int | str = Average,
                                 process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> Handle:
+                                postscale_factor: float = 1.0, *, trusted: bool = False) -> Handle:
     """:func:`reducescatter_async` of each tensor; ``synchronize`` returns the list of results."""
     op = op_value(op)
     if op not in (Average, Sum):
-        raise ValueError("reducescatter supports op=Average or op=Sum")
+        raise UnsupportedOperation("reducescatter supports op=Average or op=Sum")
     what = f"grouped reducescatter {name or len(tensors)}"
+    if not trusted:
+        r = rounds.current()
+        _check_name(r, name, what)
+        _agree(r, _signature("grouped reducescatter", name, list(tensors), process_set, op=op,
+                             shape=tuple(tuple(t.shape) for t in tensors)), what, process_set)
     parts = [_reducescatter_issue(t, what, op, prescale_factor, process_set) for t in tensors]
-    return _handle(_Works([w for w, _ in parts]), what, lambda: [f(postscale_factor) for _, f in parts])
+    return _handle(_Works([w for w, _ in parts]), what, lambda: [f(postscale_factor) for _, f in parts],
+                   None if trusted else name)
 
 
 # --------------------------------------------------------------------------- objects, barrier
@@ -892,15 +1038,19 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Any:
+                     process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> Any:
     """Send a picklable object from ``root_rank`` to every rank (cloudpickle)."""
-    is_root = rounds.current().rank == root_rank
+    r = rounds.current()
+    if not trusted:
+        _agree(r, dict(collective="broadcast_object", name=name, root=root_rank, process_set=_ps_id(process_set)),
+               f"broadcast_object {name or ''}", process_set)
+    is_root = r.rank == root_rank
     payload = cloudpickle.dumps(obj) if is_root else b""
     length = torch.tensor([len(payload)], dtype=torch.int64)
-    broadcast_(length, root_rank, f"{name or 'object'}.size", process_set)
+    broadcast_(length, root_rank, f"{name or 'object'}.size", process_set, trusted=True)
     data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if is_root
             else torch.empty(int(length.item()), dtype=torch.uint8))
-    broadcast_(data, root_rank, name or "object", process_set)
+    broadcast_(data, root_rank, name or "object", process_set, trusted=True)
     return obj if is_root else cloudpickle.loads(_bytes(data))
 
 
@@ -920,4 +1070,4 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     if _is_global(process_set):
         allreduce_inplace(torch.zeros(1), dist.ReduceOp.SUM, "barrier")
     else:
-        allreduce_(torch.zeros(1), op=Sum, name="barrier", process_set=process_set)
+        allreduce_(torch.zeros(1), op=Sum, name="barrier", process_set=process_set, trusted=True)

@@ -138,7 +138,7 @@ class ObjectState(State):
 
     def __init__(self, bcast_object: Callable[[Any], Any] | None = None, **kwargs: Any):
         super().__init__()
-        self._bcast_object = bcast_object or (lambda obj: collectives.broadcast_object(obj, root_rank=0))
+        self._bcast_object = bcast_object or (lambda obj: collectives.broadcast_object(obj, root_rank=0, trusted=True))
         self._saved_state: dict[str, Any] = {}
         self.__dict__.setdefault("_commit_seq", 0)
         for name, value in kwargs.items():
@@ -225,6 +225,7 @@ def _restore_durable(state: State, rt: Any) -> None:
         raise RuntimeError(message) from None
     rt.steps = steps
     rt.restore = False
+    rt.report_restored(commit, steps)
     log.warning("rank 0: restored the durable copy of commit %d (%d steps, %.1f MB) in %.2f s", commit, steps,
                 (len(meta) + len(data)) / 1e6, time.monotonic() - loaded)
 

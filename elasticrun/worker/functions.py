@@ -11,7 +11,9 @@ collective of the incoming gradients:
 * reducescatter: an allgather of the gradients, times the size for ``op=Sum``, times the
   scale factors.
 
-Every backward is a collective, so every rank must run backward through the same ones.
+Every backward is a collective, so every rank must run backward through the same ones. A
+forward checks first that every rank submitted the same (worker/agreement.py); a backward is
+trusted: the shapes it reduces are those its forward agreed on.
 """
 
 from __future__ import annotations
@@ -60,16 +62,16 @@ def _apply(fn: type[torch.autograd.Function], inputs: Sequence[torch.Tensor], *a
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
-                prescale: float, postscale: float, process_set: ProcessSet) -> torch.Tensor:
+                prescale: float, postscale: float, process_set: ProcessSet, trusted: bool = False) -> torch.Tensor:
         ctx.args = (average, op, prescale, postscale, process_set)
         return collectives.synchronize(collectives.allreduce_async(tensor, average, name, op, prescale, postscale,
-                                                                   process_set))
+                                                                   process_set, trusted=trusted))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         average, op, prescale, postscale, process_set = ctx.args
-        return (allreduce(grad, average=average, op=op, prescale_factor=prescale, postscale_factor=postscale,
-                          process_set=process_set), None, None, None, None, None, None)
+        reduced = _apply(_Allreduce, (grad,), grad, average, None, op, prescale, postscale, process_set, True)
+        return reduced, None, None, None, None, None, None, None
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -87,17 +89,16 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, average: bool | None, name: str | None, op: Any, prescale: float, postscale: float,
-                process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                process_set: ProcessSet, trusted: bool, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.args = (average, op, prescale, postscale, process_set)
         return tuple(collectives.synchronize(collectives.grouped_allreduce_async(
-            list(tensors), average, name, op, prescale, postscale, process_set)))
+            list(tensors), average, name, op, prescale, postscale, process_set, trusted=trusted)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         average, op, prescale, postscale, process_set = ctx.args
-        reduced = grouped_allreduce(list(grads), average=average, op=op, prescale_factor=prescale,
-                                    postscale_factor=postscale, process_set=process_set)
-        return (None, None, None, None, None, None, *reduced)
+        reduced = _apply(_GroupedAllreduce, grads, average, None, op, prescale, postscale, process_set, True, *grads)
+        return (None, None, None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -108,13 +109,13 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     pairs = [compression.compress(t) for t in tensors]
     compressed = [t for t, _ in pairs]
     out = _apply(_GroupedAllreduce, compressed, average, name, op, prescale_factor, postscale_factor, process_set,
-                 *compressed)
+                 False, *compressed)
     return [compression.decompress(t, c) for t, (_, c) in zip(out, pairs)]
 
 
 def _own_rows(grad: torch.Tensor, rows: int, process_set: ProcessSet) -> torch.Tensor:
     """This rank's rows of an allgathered gradient (Horovod: averaged over the ranks first)."""
-    reduced = collectives.allreduce_(grad.contiguous().clone(), op=Average, process_set=process_set)
+    reduced = collectives.allreduce_(grad.contiguous().clone(), op=Average, process_set=process_set, trusted=True)
     counts = torch.cat(collectives.allgather_same(torch.tensor([rows], dtype=torch.int64), "grad.rows", process_set))
     me = _position(process_set)
     offset = int(counts[:me].sum()) if me else 0
@@ -174,7 +175,8 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        reduced = collectives.allreduce_(grad.contiguous().clone(), op=Average, process_set=ctx.process_set)
+        reduced = collectives.allreduce_(grad.contiguous().clone(), op=Average, process_set=ctx.process_set,
+                                         trusted=True)
         if rounds.current().rank != ctx.root_rank:
             reduced.zero_()
         return reduced, None, None, None
@@ -199,7 +201,7 @@ class _Alltoall(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> Any:
         back, _ = collectives.synchronize(collectives.alltoall_async(grad.contiguous(), ctx.received,
-                                                                     process_set=ctx.process_set))
+                                                                     process_set=ctx.process_set, trusted=True))
         return back, None, None, None
 
 
@@ -217,7 +219,7 @@ def _reducescatter_grad(grad: torch.Tensor, op: int, prescale: float, postscale:
     factor = prescale * postscale * (len(process_sets.members(process_set, rounds.current())) if op == Sum else 1)
     if factor != 1.0:
         g = g * factor
-    return collectives.grouped_allgather([g], "reducescatter.grad", process_set)[0]
+    return collectives.grouped_allgather([g], "reducescatter.grad", process_set, trusted=True)[0]
 
 
 class _Reducescatter(torch.autograd.Function):

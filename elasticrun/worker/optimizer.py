@@ -152,7 +152,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # --- setup ------------------------------------------------------------------------
     def _dist_setup(self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None, compression: type[Compressor],
                     backward_passes_per_step: int, op: int | str, gradient_predivide_factor: float,
-                    bucket_cap_mb: float, process_set: ProcessSet | None = None) -> None:
+                    bucket_cap_mb: float, process_set: ProcessSet | None = None,
+                    sparse_as_dense: bool = False) -> None:
         op = collectives.op_value(op)
         if op not in (Average, Sum, Adasum):
             raise ValueError(f"DistributedOptimizer supports op=Average, op=Sum or op=Adasum, not {op!r}")
@@ -176,6 +177,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._dist_buckets: list[_Bucket] = []
         self._dist_slots: dict[torch.Tensor, tuple[_Bucket, int]] = {}
         self._dist_hooks: dict[torch.Tensor, Any] = {}
+        # Sparse gradients (an Embedding(sparse=True)) are reduced as Horovod reduces them, as
+        # sparse tensors (every rank's indices and values gathered), unless sparse_as_dense: a
+        # parameter is known sparse from its first sparse gradient on, and then leaves the
+        # buckets. Per step: its backward passes seen, and its reduction in flight.
+        self._dist_sparse_as_dense = bool(sparse_as_dense)
+        self._dist_sparse: dict[torch.Tensor, None] = {}  # an ordered set: every rank reduces them in one order
+        self._dist_sparse_found = False  # a parameter became sparse this step: rebuild the buckets after it
+        self._dist_sparse_passes: dict[torch.Tensor, int] = {}
+        self._dist_sparse_handles: dict[torch.Tensor, Handle] = {}
+        self._dist_agreed: tuple[int, int] | None = None  # (round, bucket layout) the ranks agreed on
         self._dist_next = 0  # first bucket not launched yet (launch order = bucket order)
         # The round of the step in progress, held weakly: the old round's group must be
         # released off the training thread (see runtime._drop_in_background).
@@ -211,12 +222,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._dist_buckets, self._dist_slots = [], {}
             return
         params: list[torch.Tensor] = []
-        seen: set[torch.Tensor] = set()
+        seen: set[torch.Tensor] = set(self._dist_sparse)
+        hooked: list[torch.Tensor] = list(self._dist_sparse)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad and p not in seen:
                     seen.add(p)
                     params.append(p)
+                    hooked.append(p)
         buckets: list[_Bucket] = []
         open_: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
         for p in reversed(params):  # gradients of the last layers are ready first
@@ -235,10 +248,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             b.name = first if len(b.params) == 1 else f"gradient bucket {b.index} ({first} .. {last})"
         self._dist_buckets = buckets
         self._dist_slots = {p: (b, i) for b in buckets for i, p in enumerate(b.params)}
+        self._dist_layout = getattr(self, "_dist_layout", 0) + 1  # a new layout: agreed again before use
         # Hooks hold the optimizer weakly: an optimizer that was dropped must not keep
         # reducing gradients of a model that a new optimizer now trains.
         self_ref = weakref.ref(self)
-        for p in params:
+        for p in hooked:
             if p not in self._dist_hooks:
                 def hook(param: torch.Tensor, self_ref: weakref.ref = self_ref) -> None:
                     opt = self_ref()
@@ -258,6 +272,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 b.buffer = None
         self._dist_next = 0
         self._dist_cycle_round = None
+        self._dist_sparse_passes = {}
+        self._dist_sparse_handles = {}
+
+    def _dist_member(self, r: Round) -> bool:
+        """Whether this rank reduces in this round: a process set's optimizer on a rank outside
+        the set steps with its own gradients, as Horovod's does."""
+        return self._dist_ps is None or r.rank in process_sets.members(self._dist_ps, r)
+
+    def _dist_sparse_reduce(self, p: torch.Tensor, r: Round) -> None:
+        """Start the sparse reduction of ``p``'s gradient (an empty one where this rank has none)."""
+        g = p.grad
+        if g is None or not g.is_sparse:
+            g = torch.sparse_coo_tensor(torch.empty((p.dim(), 0), dtype=torch.int64, device=p.device),
+                                        torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device),
+                                        tuple(p.shape))
+        op = Sum if self._dist_op == Sum else Average
+        self._dist_sparse_handles[p] = collectives.sparse_allreduce_async(
+            g.coalesce(), name=self._dist_names.get(p, "sparse"), op=op,
+            process_set=self._dist_ps if self._dist_ps is not None else global_process_set, trusted=True)
 
     def _dist_has_handles(self) -> bool:
         return any(b.handle is not None and not b.handle.done for b in self._dist_buckets)
@@ -275,6 +308,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return r
 
     def _dist_on_grad(self, p: torch.Tensor) -> None:
+        if not self._dist_sparse_as_dense and (p in self._dist_sparse or (p.grad is not None and p.grad.is_sparse)):
+            self._dist_on_sparse_grad(p)
+            return
         slot = self._dist_slots.get(p)
         if slot is None:
             return
@@ -296,6 +332,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._dist_clear(discard=True)
             raise
 
+    def _dist_on_sparse_grad(self, p: torch.Tensor) -> None:
+        try:
+            r = self._dist_begin()
+            if p not in self._dist_sparse:  # its first sparse gradient: sparse from now on
+                self._dist_sparse[p] = None
+                self._dist_sparse_found = True
+            passes = self._dist_sparse_passes.get(p, 0) + 1
+            if passes > self.backward_passes_per_step or p in self._dist_sparse_handles:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before call to "
+                    "step(). Increase backward_passes_per_step to accumulate gradients locally.")
+            self._dist_sparse_passes[p] = passes
+            if passes == self.backward_passes_per_step and r.size > 1 and self._dist_member(r):
+                self._dist_sparse_reduce(p, r)
+        except BaseException:
+            self._dist_clear(discard=True)
+            raise
+
     def _dist_launch_ready(self, r: Round) -> None:
         buckets = self._dist_buckets
         while self._dist_next < len(buckets) and buckets[self._dist_next].ready == len(buckets[self._dist_next].params):
@@ -303,8 +357,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._dist_next += 1
 
     def _dist_stage(self, b: _Bucket, i: int, r: Round) -> None:
-        """Copy parameter ``i``'s gradient into the bucket's flat buffer (zeros if it has none)."""
-        if r.size == 1:
+        """Copy parameter ``i``'s gradient into the bucket's flat buffer (zeros if it has none,
+        or if it is reduced sparsely: it leaves the buckets after this step)."""
+        if r.size == 1 or not self._dist_member(r):
             return  # Average and Sum over one rank are the identity: skip the copies
         if b.buffer is None:
             b.buffer = torch.empty(b.numel + (_FLAGS if self._dist_flags and _carries_flags(b) else 0), dtype=b.dtype,
@@ -313,7 +368,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         dst = b.buffer[off:off + p.numel()]
         g = p.grad
         with torch.no_grad():
-            if g is None:  # no gradient here, but another rank may have one
+            if g is None or p in self._dist_sparse:  # no (dense) gradient here, but another rank may have one
                 dst.zero_()
             else:
                 dst.copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
@@ -321,8 +376,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _dist_launch(self, b: _Bucket, r: Round) -> None:
         b.launched = True
-        if r.size == 1:
+        if r.size == 1 or not self._dist_member(r):
             return
+        if self._dist_agreed != (r.number, self._dist_layout):
+            # Once per round and per bucket layout: the ranks' buckets match (a model that
+            # differs between ranks would otherwise make the reductions differ in size).
+            collectives.agree(r, {"collective": "DistributedOptimizer", "op": self._dist_op,
+                                  "buckets": tuple((x.numel, str(x.dtype), x.device.type) for x in self._dist_buckets)},
+                              "DistributedOptimizer", self._dist_ps)
+            self._dist_agreed = (r.number, self._dist_layout)
         for i, staged in enumerate(b.staged):  # gradients whose hook never fired this step
             if not staged:
                 self._dist_stage(b, i, r)
@@ -341,11 +403,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self._dist_ps is None:
                 size = r.size
                 b.handle = collectives.allreduce_async_(tensor, name=b.name, op=Sum,
-                                                        prescale_factor=self._dist_prescale)
+                                                        prescale_factor=self._dist_prescale, trusted=True)
             else:
                 size = len(process_sets.members(self._dist_ps, r))
                 b.handle = collectives.allreduce_async_(tensor, name=b.name, op=Sum,
-                                                        prescale_factor=self._dist_prescale, process_set=self._dist_ps)
+                                                        prescale_factor=self._dist_prescale, process_set=self._dist_ps,
+                                                        trusted=True)
             b.scale = self._dist_postscale / size if self._dist_op == Average else self._dist_postscale
 
     def _dist_finish(self, b: _Bucket, r: Round) -> None:
@@ -362,6 +425,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if r.copy_requests is not None:
                     r.copy_requests.agreed(r.number, flags[2] > 0, flags[3] > 0)
             for p, off in zip(b.params, b.offsets):
+                if p in self._dist_sparse:
+                    continue  # reduced sparsely (see _dist_finish_sparse)
                 src = out[off:off + p.numel()].view(p.shape)
                 g = p.grad
                 if g is None or g.is_sparse or g.shape != p.shape:
@@ -382,11 +447,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._dist_next += 1
             for b in self._dist_buckets:
                 self._dist_finish(b, r)
+            self._dist_finish_sparse(r)
         except BaseException:
             self._dist_clear(discard=True)
             raise
         self._dist_clear(discard=False)
+        if self._dist_sparse_found:  # every rank found it in this same step: the same new buckets
+            self._dist_sparse_found = False
+            self._dist_build()
         self._synchronized = True
+
+    def _dist_finish_sparse(self, r: Round) -> None:
+        """The sparse reductions: started for gradients whose hook did not fire (none on this
+        rank, fewer passes), then waited for; each gradient becomes the (uncoalesced) sum or
+        average of every rank's, a sparse tensor as SparseAdam wants it."""
+        if not self._dist_sparse or r.size == 1 or not self._dist_member(r):
+            return
+        for p in self._dist_sparse:
+            if p not in self._dist_sparse_handles:
+                self._dist_sparse_reduce(p, r)
+        for p in self._dist_sparse:
+            p.grad = collectives.synchronize(self._dist_sparse_handles[p])
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -444,7 +525,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             reduced: dict[int, torch.Tensor] = {}
             for idx in deltas.values():
                 pairs = [self._dist_compression.compress(params[i].detach() - start[i]) for i in idx]
-                out = collectives.grouped_allreduce_([t for t, _ in pairs], name="adasum deltas", op=Adasum)
+                out = collectives.grouped_allreduce_([t for t, _ in pairs], name="adasum deltas", op=Adasum,
+                                                     trusted=True)
                 for i, t, (_, ctx) in zip(idx, out, pairs):
                     reduced[i] = self._dist_compression.decompress(t, ctx)
             for p, s in zip(params, start):
@@ -527,12 +609,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     the average into a 1/f prescale and an f/size postscale. With
     ``backward_passes_per_step`` N the gradients are accumulated locally and reduced on
     the N-th backward. ``op=Adasum`` steps locally and combines the steps' deltas with Adasum
-    (as Horovod on CPU). ``process_set``: reduce among its ranks only (only they call
-    ``step()``). ``bucket_cap_mb`` bounds a fused bucket; ``sparse_as_dense``,
-    ``num_groups`` and ``groups`` are accepted for horovod compatibility (sparse gradients
-    are always reduced densely and fusion is automatic).
+    (as Horovod on CPU). ``process_set``: reduce among its ranks only (a rank outside it steps
+    with its own gradients, as Horovod's). Sparse gradients are reduced as sparse tensors
+    (every rank's indices and values gathered), so ``SparseAdam`` gets what it needs, unless
+    ``sparse_as_dense``. ``bucket_cap_mb`` bounds a fused bucket; ``num_groups`` and ``groups``
+    are accepted for horovod compatibility (fusion is automatic).
     """
-    del sparse_as_dense, num_groups, groups
+    del num_groups, groups
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("the optimizer is already a DistributedOptimizer")
     cls = _distributed_class(type(optimizer))
@@ -542,5 +625,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     wrapped._dist_original = weakref.ref(optimizer)
     wrapped._dist_setup(named_parameters, compression, backward_passes_per_step, op,
-                        gradient_predivide_factor, bucket_cap_mb, process_set)
+                        gradient_predivide_factor, bucket_cap_mb, process_set, sparse_as_dense)
     return wrapped

@@ -46,8 +46,8 @@ class Round:
 
     __slots__ = ("number", "rank", "size", "pg", "collective_timeout", "host_updates", "copy_requests", "copy_busy",
                  "step_done", "awaiting_first_step", "store", "subgroups", "calls", "log", "join_gen", "join_active",
-                 "joined", "capacities", "device_backend", "device_groups", "form_device_group", "_aborted", "_emit",
-                 "__weakref__")
+                 "joined", "capacities", "device_backend", "device_groups", "form_device_group", "in_flight",
+                 "_aborted", "_emit", "__weakref__")
 
     def __init__(self, number: int, rank: int, size: int, *, collective_timeout: float,
                  host_updates: HostUpdates, aborted: Mapping[int, str],
@@ -87,6 +87,9 @@ class Round:
         #: them (see worker/join.py).
         self.calls = 0
         self.log: collections.deque[tuple[int, tuple[Any, ...], str]] = collections.deque(maxlen=_LOG)
+        #: The user's names of this round's asynchronous collectives not synchronized yet
+        #: (Horovod refuses a second one of the same name meanwhile).
+        self.in_flight: set[str] = set()
         self.join_gen = 0  # join() calls completed in this round
         self.join_active = False  # some rank has joined: publish every operation's descriptor
         self.joined = False  # this rank is in join(), mirroring the others' operations

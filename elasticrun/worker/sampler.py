@@ -206,6 +206,13 @@ class ElasticSampler(Sampler[int]):
 
     # ------------------------------------------------------------------ recording
 
+    @property
+    def processed_num(self) -> int:
+        """Samples of this epoch recorded as processed (Horovod's name): this rank's since the
+        last commit, and every rank's before it (commits merge them). Horovod's counts
+        ``batch_size x size`` per recorded batch; this counts the samples themselves."""
+        return len(self.processed_indices)
+
     def get_indices(self, batch_idx: int, batch_size: int) -> list[int]:
         """The dataset indices of batch ``batch_idx`` of the current pass on this rank.
 

@@ -362,7 +362,7 @@ class LRSchedulerStateHandler(StateHandler):
         self.value.load_state_dict(copy.deepcopy(self._saved))
 
     def sync(self, root: int) -> None:
-        self.value.load_state_dict(collectives.broadcast_object(self.value.state_dict(), root, "lr_scheduler"))
+        self.value.load_state_dict(collectives.broadcast_object(self.value.state_dict(), root, "lr_scheduler", trusted=True))
 
 
 class SamplerStateHandler(StateHandler):

@@ -73,7 +73,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         sum_dy = dyf.sum(dims)
         sum_dy_xhat = (dyf * xhat).sum(dims)
         sums = collectives.allreduce_(torch.cat([sum_dy, sum_dy_xhat]).double(), op=Sum,
-                                      name="sync_batch_norm.grad")
+                                      name="sync_batch_norm.grad", trusted=True)
         g_sum_dy, g_sum_dy_xhat = sums[:c].to(xhat.dtype), sums[c:].to(xhat.dtype)
         w = weight.view(shape).to(xhat.dtype) if weight is not None else 1.0
         dx = (dyf - (g_sum_dy.view(shape) + xhat * g_sum_dy_xhat.view(shape)) / ctx.total) * invstd.view(shape) * w

@@ -79,7 +79,11 @@ def scenario(rank: int, size: int, workdir: Path) -> dict[str, Any]:
     out["alltoall"] = [calls(lambda: hvd.alltoall(rows(rank, c, sum(m[rank]), (2,)), splits=list(m[rank]),
                                                   name="a"))
                        for c, m in enumerate(ALLTOALL)]
-    out["alltoall_even"] = [hvd.alltoall(rows(rank, c, 3 + c + rank, (1,))) for c in range(3)]
+    out["alltoall_even"] = [hvd.alltoall(rows(rank, c, 3 * (1 + c + rank), (1,))) for c in range(3)]
+    try:  # as Horovod: without splits, the first dimension must divide by the size
+        hvd.alltoall(rows(rank, 0, 4, (1,)))
+    except ValueError as exc:
+        out["alltoall_uneven"] = str(exc)
     pair = hvd.add_process_set([0, 2])
     if rank in (0, 2):
         me = 0 if rank == 0 else 1
@@ -128,9 +132,10 @@ def test_allgather_rows_are_right_whatever_the_counts_do(world: list[dict[str, A
 
 def test_a_repeated_shape_sends_its_rows_beside_the_counts(world: list[dict[str, Any]]) -> None:
     issued = [n for _, n in world[0]["gather"]]
+    # each begins with the agreement on what every rank submitted (worker/agreement.py); then,
     # first call: the counts, then the rows (no capacity yet); a repeat: counts and rows at
     # once; a count past the capacity: counts, capped rows, the rows past it
-    assert issued == [2, 2, 3, 2, 2, 2, 3, 2], issued
+    assert issued == [3, 3, 4, 3, 3, 3, 4, 3], issued
     assert all([n for _, n in w["gather"]] == issued for w in world)
 
 
@@ -159,9 +164,9 @@ def test_grouped_allgather_shares_one_count_exchange(world: list[dict[str, Any]]
         assert torch.equal(got[1], torch.cat([rows(r, c, 2, (), torch.int64) for r in range(3)]))
         assert torch.equal(got[2], torch.cat([rows(r, c, 3 - c, (1, 2)) for r in range(3)]))
         if c == 0:
-            assert issued == 4  # the counts, then the rows of each of the three tensors
+            assert issued == 5  # the agreement, the counts, then the rows of each of the three tensors
         else:  # tensor 0 grows every call (capped rows + the rest); the others repeat or shrink
-            assert issued == 5, (c, issued)
+            assert issued == 6, (c, issued)
 
 
 def expected_alltoall(m: tuple[tuple[int, ...], ...], c: int, me: int) -> tuple[torch.Tensor, list[int]]:
@@ -192,12 +197,12 @@ def test_alltoall_without_splits_splits_evenly(world: list[dict[str, Any]]) -> N
         for me, w in enumerate(world):
             parts = []
             for sender in range(3):
-                n = 3 + c + sender
-                base, extra = divmod(n, 3)
-                counts = [base + (1 if i < extra else 0) for i in range(3)]
-                start = sum(counts[:me])
-                parts.append(rows(sender, c, n, (1,))[start:start + counts[me]])
+                n = 3 * (1 + c + sender)
+                share = n // 3
+                parts.append(rows(sender, c, n, (1,))[me * share:(me + 1) * share])
             assert torch.equal(w["alltoall_even"][c], torch.cat(parts)), (c, me)
+    for w in world:
+        assert "first dimension (4) to be divisible by the number of ranks (3)" in w["alltoall_uneven"]
 
 
 def test_process_sets_keep_their_own_capacities(world: list[dict[str, Any]]) -> None:
