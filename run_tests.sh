@@ -10,8 +10,19 @@ PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c 'import torch' 2>/dev/null; then
   "$PYTHON" -m pip install --quiet torch==2.13.0
 fi
-if ! "$PYTHON" -c 'import elasticrun, zmq, cloudpickle, paramiko, pytest, pytest_timeout, hypothesis, sklearn, matplotlib' 2>/dev/null \
-   || ! command -v elasticrun >/dev/null; then
+# Install this checkout unless the elasticrun that $PYTHON imports is this very checkout, with
+# its console script beside $PYTHON: asked from outside the repository (from its root, the
+# source directory itself would answer), so another checkout's install, or a deleted one's
+# leftover `elasticrun` on PATH, is never what the tests run.
+here=$(pwd -P)
+installed=$(cd / && "$PYTHON" - <<'PY' 2>/dev/null
+import os, sysconfig
+import elasticrun, zmq, cloudpickle, paramiko, pytest, pytest_timeout, hypothesis, sklearn, matplotlib
+script = os.path.join(sysconfig.get_path("scripts"), "elasticrun")
+print(os.path.dirname(os.path.dirname(os.path.realpath(elasticrun.__file__))) if os.path.exists(script) else "")
+PY
+) || installed=""
+if [ "$installed" != "$here" ]; then
   "$PYTHON" -m pip install --quiet -e '.[test]'
 fi
 
@@ -30,4 +41,5 @@ if ! [ -x /usr/sbin/sshd ] && ! command -v sshd >/dev/null && [ "$(id -u)" = 0 ]
     || echo "run_tests.sh: could not install openssh-server; the SSH tests will be skipped" >&2
 fi
 
-exec "$PYTHON" -m pytest -q -p no:cacheprovider "$@"
+# -rs: every skipped test says why (a missing sshd, not root, no Ray).
+exec "$PYTHON" -m pytest -q -rs -p no:cacheprovider "$@"

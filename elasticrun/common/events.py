@@ -48,6 +48,7 @@ class Kind(str, enum.Enum):
     WAITING_FOR_SLOTS = "waiting_for_slots"
     STATE_LOST = "state_lost"                # a round formed without any holder of the state
     WORKERS_LOST = "workers_lost"            # every worker lost to the infrastructure; resuming from disk
+    PLAIN_COMMAND = "plain_command"          # no worker called hvd.init(): plain processes, horovodrun's way
     RESUMED = "resumed"                      # a round starts from the newest durable copy
     DURABLE_WRITTEN = "durable_written"      # a durable copy of a commit is whole on disk
     ROUND_ABORTED = "round_aborted"
@@ -93,6 +94,7 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.WAITING_FOR_SLOTS: ("round", "message", "need", "ready"),
     Kind.STATE_LOST: ("round", "message"),
     Kind.WORKERS_LOST: ("round", "message"),
+    Kind.PLAIN_COMMAND: ("round", "message"),
     Kind.RESUMED: ("round", "message", "checkpoint", "commit", "saved_at", "steps_back"),
     Kind.DURABLE_WRITTEN: ("round", "number", "commit", "bytes", "seconds"),
     Kind.ROUND_ABORTED: ("round", "reason"),

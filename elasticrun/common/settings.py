@@ -20,6 +20,7 @@ DEFAULT_DRIVER_TIMEOUT = 5.0  # a worker that hears nothing from the driver this
 DEFAULT_STOP_GRACE = 5.0  # SIGTERM -> SIGKILL delay when stopping workers
 DEFAULT_CHECKPOINT_INTERVAL = 60.0  # how old a durable copy may get
 DEFAULT_SIGTERM_GRACE = 20.0  # a worker told to stop leaves gracefully within this
+DEFAULT_STATUS_INTERVAL = 60.0  # a quiet job still says it is alive, and how it goes
 STRAGGLER_WINDOW = 20  # steps: workers report medians over this many, the driver compares full windows
 
 
@@ -59,6 +60,7 @@ class JobSettings:
     checkpoint_interval: float = DEFAULT_CHECKPOINT_INTERVAL  # how old the durable copy may get
     fresh: bool = False  # ignore durable copies already in checkpoint_dir
     backend: str = "auto"  # what carries CUDA tensors: auto (NCCL where every worker has a GPU), gloo, nccl
+    status_interval: float = DEFAULT_STATUS_INTERVAL  # a status line this often while a round trains (0: never)
     sigterm_grace: float = DEFAULT_SIGTERM_GRACE  # a worker told to stop leaves gracefully, at most this long
     evict_stragglers: bool = False  # move hosts that compute persistently slower out (and blacklist them)
     log_level: str = "INFO"

@@ -39,7 +39,12 @@ except OSError as e:
     r["cwd_error"] = "%s: %s" % (sys.argv[1], e.strerror)
 for m in ("torch", "elasticrun"):
     try:
-        r[m] = getattr(__import__(m), "__version__", "?")
+        mod = __import__(m)
+        r[m] = getattr(mod, "__version__", None)
+        if r[m] is None:  # not the package: a directory of that name in the working directory
+            where = getattr(mod, "__file__", None) or list(getattr(mod, "__path__", []) or ["?"])[0]
+            r[m + "_error"] = "it imports %s from %s, which is not the package (a directory named %s in the " \
+                "working directory?)" % (m, where, m)
     except Exception as e:
         r[m + "_error"] = "%s: %s" % (type(e).__name__, e)
 try:
@@ -261,7 +266,7 @@ def _ray_cluster(a: argparse.Namespace, say: Callable[[str], None]) -> None:
     from elasticrun.discovery.ray_nodes import ray_missing
 
     if ray_missing():
-        say(f"FAIL  {' and '.join(ray_missing())}: not installed (pip install 'elasticrun[ray]')")
+        say(f"FAIL  {' and '.join(ray_missing())}: not installed (pip install 'ray==2.60.0' 'pynacl>=1.5')")
         return
     from elasticrun.discovery.ray_nodes import Requirement, ask_ray, describe_node, host_list
     from elasticrun.driver.ray_launcher import connect

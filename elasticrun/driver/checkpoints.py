@@ -554,17 +554,17 @@ class CheckpointDir:
             os.close(fd)
         os.replace(tmp, PROGRESS_FILE, src_dir_fd=self.fd, dst_dir_fd=self.fd)
 
-    def load_progress(self) -> tuple[int, int]:
-        """(steps, commit) from :meth:`save_progress`, or (0, 0)."""
+    def load_progress(self) -> tuple[int, int, float]:
+        """(steps, commit, wall time) from :meth:`save_progress`, or (0, 0, 0.0)."""
         try:
             fd = _open_file(self.fd, PROGRESS_FILE, PROGRESS_FILE)
             try:
                 obj = json.loads(_read_small(fd, PROGRESS_FILE))
             finally:
                 os.close(fd)
-            return int(obj["steps"]), int(obj["commit"])
+            return int(obj["steps"]), int(obj["commit"]), float(obj.get("at", 0.0))
         except (CheckpointError, OSError, ValueError, KeyError, TypeError):
-            return 0, 0
+            return 0, 0, 0.0
 
 
 class Writer:

@@ -81,6 +81,14 @@ def _remote_settings(o: Mapping[str, Any], fail: Fail) -> dict:
         driver_address=address, network_interface=nic)
 
 
+def python_script_command(command: list[str]) -> list[str]:
+    """``train.py ...`` as torchrun runs it: with this Python (``elasticrun -np 2 train.py``
+    would otherwise ask the OS to execute the file). Any other command is left as it is."""
+    if command[0].endswith(".py") and not command[0].startswith("-"):
+        return [sys.executable, *command]
+    return list(command)
+
+
 def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, *,
                           callable_discovery: bool = False) -> JobSettings:
     """Check options (argparse dests -> values, each already through its flag's validator) as
@@ -92,6 +100,7 @@ def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, 
     """
     if not command:
         fail("missing the training command, e.g. `elasticrun -np 2 -H localhost:2 python train.py`")
+    command = python_script_command(command)
     np = o["np"]
     if np is None:
         fail("the number of processes is required (-np N)")
@@ -153,7 +162,7 @@ def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, 
         output_filename=o["output_filename"], events_file=o["events_file"],
         checkpoint_dir=os.path.abspath(o["checkpoint_dir"]) if o["checkpoint_dir"] else None,
         checkpoint_interval=o["checkpoint_interval"], fresh=o["fresh"], sigterm_grace=o["sigterm_grace"],
-        backend=o["backend"],
+        backend=o["backend"], status_interval=o["status_interval"],
         evict_stragglers=o["evict_stragglers"],
         log_level=level,
         worker_log_level=worker_level,
@@ -194,7 +203,7 @@ def _ray_settings(o: Mapping[str, Any], fail: Fail) -> dict:
     missing = ray_missing()
     if missing:
         fail(f"--ray-address needs {' and '.join(missing)}, which is not installed: "
-             f"pip install 'elasticrun[ray]'")
+             f"pip install 'ray==2.60.0' 'pynacl>=1.5'")
     if o["launcher"] != "auto":
         fail(f"--launcher {o['launcher']} cannot be used with --ray-address: workers start through Ray")
     if address.startswith("ray://"):

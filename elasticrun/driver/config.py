@@ -25,6 +25,7 @@ from elasticrun.driver.parser import (
     port,
     positive_int,
     positive_seconds,
+    seconds_or_zero,
 )
 
 #: A config file is a few lines: more than this is not one (--config-file /dev/zero).
@@ -51,6 +52,8 @@ ENV_VARS: dict[str, str] = {
     "ELASTICRUN_WARM_START": "warm_start",  # 1/true/yes/on (the default) or 0/false/no/off
     "ELASTICRUN_RAY_ADDRESS": "ray_address",
     "ELASTICRUN_EVICT_STRAGGLERS": "evict_stragglers",
+    "ELASTICRUN_STATUS_INTERVAL": "status_interval",
+    "ELASTICRUN_BACKEND": "backend",
 }
 
 #: Horovod's variables for the same options (horovodrun reads them when the flag is not
@@ -104,7 +107,7 @@ def _type_name(action: argparse.Action) -> str:
         return "a list of 2 numbers"
     if action.type in (positive_int, non_negative_int, port):
         return "a whole number"
-    if action.type is positive_seconds:
+    if action.type in (positive_seconds, seconds_or_zero):
         return "a number of seconds"
     if action.type is non_negative_number:
         return "a number"
@@ -137,7 +140,7 @@ def convert_value(action: argparse.Action, value: Any, named_by_flag: bool = Fal
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(expected)
         return action.type(str(value))
-    if action.type in (positive_seconds, non_negative_number):
+    if action.type in (positive_seconds, non_negative_number, seconds_or_zero):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(expected)
         return action.type(str(value))

@@ -211,6 +211,8 @@ class ElasticDriver:
         # Signal handlers can only be set in the main thread (elasticrun.run() may be called elsewhere).
         previous = ({s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
                     if threading.current_thread() is threading.main_thread() else {})
+        if self.settings.status_interval > 0:
+            self._status_due = time.monotonic() + self.settings.status_interval
         try:
             self.registry.discovered(first.hosts, time.monotonic(), first.draining)
             self._execute(self.registry.decide(time.monotonic()))
@@ -344,6 +346,8 @@ class ElasticDriver:
                 next_tick = min(deadline, now + 1.0) if deadline is not None else now + 1.0
             self._send_store_replies(self._store.expire(now))
             self._ask_for_copy(now)
+            if self._status_due is not None and now >= self._status_due:
+                self._status(now)
             if self.registry.finished is not None:
                 return self.registry.finished
             if until is not None and (until() or self._hurry or (stop_at is not None and time.monotonic() >= stop_at)):
@@ -364,8 +368,11 @@ class ElasticDriver:
             durable, seconds = payload
             m = durable.manifest
             self.registry.durable(m.commit)
-            log.info("durable copy %d of commit %d written in %.1f s (%.1f MB): %s", m.number, m.commit, seconds,
-                     (m.data_bytes + m.meta_bytes) / 1e6, durable.path)
+            # The first copy is news; the routine ones after it are in the status line and the event log.
+            self._copies_written += 1
+            log.log(logging.INFO if self._copies_written == 1 else logging.DEBUG,
+                    "durable copy %d of commit %d written in %.1f s (%.1f MB): %s", m.number, m.commit, seconds,
+                    (m.data_bytes + m.meta_bytes) / 1e6, durable.path)
             self._journal.write(Kind.DURABLE_WRITTEN, round=self.registry.round, number=m.number, commit=m.commit,
                                 bytes=m.data_bytes + m.meta_bytes, seconds=round(seconds, 3))
         elif kind == "durable_failed":
@@ -407,6 +414,9 @@ class ElasticDriver:
                 "round": self.registry.round, "aborted": self.registry.aborted,
                 "reason": self.registry.abort_reason, "updates": self._notifications.recent(),
                 "durable": self._copies.last_id if self._copies is not None else 0})
+        elif msg.type == "restored":  # rank 0 loaded the durable copy: now the job has resumed
+            self._reply(identity, msg, "ack", {})
+            self._say_resumed(self.registry.round)
         elif msg.type == "restore_failed":  # the durable copy does not fit the script's state
             self._reply(identity, msg, "ack", {})
             self.registry.restore_failed(str(body.get("worker")), str(body.get("error", ""))[:1000])
@@ -470,14 +480,17 @@ class ElasticDriver:
                     self._reply(pending.identity, pending, "assignment", dict(
                         act.info.as_dict(), round=act.round, notify_ts=self._notifications.last_ts,
                         must_sync=act.must_sync, restore=act.restore, device_backend=act.device_backend))
-                if act.restore:
-                    self._say_resumed(act.round)
+
             elif isinstance(act, reg.ForgetRounds):
                 self._store.keep_only(f"round{act.round}/")
             elif isinstance(act, reg.Dismiss):
                 pending = self._pending_rdzv.pop(act.worker_id, None)
                 if pending is not None:
                     self._reply(pending.identity, pending, "dismiss", {"reason": act.reason})
+                    w = self.registry.workers.get(act.worker_id)
+                    # A graceful exit, said once, without alarm (at the job's end, one per worker: DEBUG).
+                    log.log(logging.DEBUG if self.registry.finished or "job has finished" in act.reason
+                            else logging.INFO, "%s exits 0: %s", w.label if w else act.worker_id, act.reason)
             elif isinstance(act, reg.Kill):
                 self._launcher.signal(act.worker_id, signal.SIGKILL)
             elif isinstance(act, reg.Notify):
@@ -553,6 +566,9 @@ class ElasticDriver:
     _resume_from: checkpoints.Durable | None = None
     _lineage = ""
     _latest: tuple[int, int] = (0, 0)  # (steps, commit): the furthest any worker has reported
+    _latest_at = 0.0  # when it was reported (wall time)
+    _copies_written = 0
+    _commit_at: float | None = None  # when the newest commit was first reported (monotonic)
     _progress_saved = 0.0
     _failed_copies: collections.deque[tuple[float, str]]  # (when the copy began, why it failed): the newest
 
@@ -643,7 +659,10 @@ class ElasticDriver:
         steps, commit = heartbeat.get("steps"), heartbeat.get("commit")
         if not (isinstance(steps, int) and isinstance(commit, int)) or (steps, commit) <= self._latest:
             return
+        if commit != self._latest[1]:
+            self._commit_at = time.monotonic()
         self._latest = (steps, commit)
+        self._latest_at = time.time()
         now = time.monotonic()
         if self._checkpoints is not None and now - self._progress_saved > 2.0:
             self._progress_saved = now
@@ -658,9 +677,12 @@ class ElasticDriver:
         if durable is None or self._checkpoints is None:
             return
         m = durable.manifest
-        latest = max(self._latest[0], self._checkpoints.load_progress()[0])
+        steps, _, at = self._checkpoints.load_progress()
+        latest, latest_at = max((self._latest[0], self._latest_at), (steps, at))
         back = max(0, latest - m.steps)
-        log.warning("resumed from checkpoint of %s, %d steps back (commit %d, %s)", _when(m.saved_at), back,
+        # Steps lost also as time: a step count alone says nothing of what was redone.
+        lost = f" (about {latest_at - m.saved_at:.1f} s of training)" if back and latest_at > m.saved_at else ""
+        log.warning("resumed from checkpoint of %s, %d steps back%s (commit %d, %s)", _when(m.saved_at), back, lost,
                     m.commit, durable.path)
         self._journal.write(Kind.RESUMED, round=round_, checkpoint=durable.path, commit=m.commit,
                             saved_at=m.saved_at, steps_back=back)
@@ -721,6 +743,33 @@ class ElasticDriver:
         if self._durable is not None:
             log.warning("stopped: %s", self._copy_held())
 
+    # --- the status line ---------------------------------------------------------------------
+    _status_due: float | None = None  # when the next status line is due (None: --status-interval 0)
+    _status_last: tuple[float, int] | None = None  # (when, steps) at the last status line
+
+    def _status(self, now: float) -> None:
+        """Every --status-interval while a round trains: one line saying the job is alive and
+        how it goes, so that a quiet job is not a silent one."""
+        self._status_due = now + self.settings.status_interval
+        r = self.registry
+        if r.round < 0 or r.finished is not None:
+            return
+        members = r.final_round()
+        hosts = len({w.host for w in members})
+        steps = self._latest[0]
+        pace = ""
+        if self._status_last is not None and now > self._status_last[0] and steps >= self._status_last[1]:
+            pace = f", {(steps - self._status_last[1]) / (now - self._status_last[0]):.1f} steps/s"
+        self._status_last = (now, steps)
+        commit = (f", last commit {now - self._commit_at:.0f} s ago" if self._commit_at is not None
+                  else ", no commit yet")
+        durable = self._durable.newest if self._durable is not None else None
+        copy = "" if self._durable is None else (
+            f", durable copy {time.time() - durable.manifest.saved_at:.0f} s old" if durable is not None
+            else ", no durable copy yet")
+        log.info("status: round %d, %d worker(s) on %d host(s), step %d%s, %d reset(s)%s%s", r.round, len(members),
+                 hosts, steps, pace, r.reset_count, commit, copy)
+
     # --- the end -----------------------------------------------------------------------------
     def _conclude(self, finished: reg.Finish) -> int:
         if finished.ok:
@@ -744,7 +793,12 @@ class ElasticDriver:
         if not self._summarized:
             self._summarized = True
             self._limited.flush(force=True)
-            log.info("summary: %s", self._resets.summary(self.registry.hosts.blacklisted()))
+            r = self.registry
+            if r.plain:  # no rounds, resets or blacklisting: processes, as horovodrun runs them
+                failed = sum(1 for w in r.workers.values() if w.exited and w.exit_code != 0)
+                log.info("summary: %d process(es) that never called hvd.init(), %d failed", len(r.workers), failed)
+            else:
+                log.info("summary: %s", self._resets.summary(r.hosts.blacklisted()))
 
     def _wait_for_exits(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

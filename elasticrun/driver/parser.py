@@ -20,6 +20,7 @@ from elasticrun.common.settings import (
     DEFAULT_HEARTBEAT_TIMEOUT,
     DEFAULT_SIGTERM_GRACE,
     DEFAULT_START_TIMEOUT,
+    DEFAULT_STATUS_INTERVAL,
 )
 from elasticrun.common.version import VERSION
 
@@ -104,6 +105,17 @@ def backend_name(text: str) -> str:
     return value
 
 
+def seconds_or_zero(text: str) -> float:
+    """A duration of 0 (off) up to MAX_SECONDS (--status-interval)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of seconds") from None
+    if not 0 <= value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} must be 0 (off) or up to {MAX_SECONDS:,} seconds (7 days)")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port, 1 to 65535."""
     try:
@@ -180,8 +192,9 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
     p.add_argument("--min-np", "--min-num-proc", dest="min_np", type=positive_int,
                    help="fewest processes to keep training with (default: -np)")
     p.add_argument("--max-np", "--max-num-proc", dest="max_np", type=positive_int,
-                   help="most processes to use (default: -np with a fixed host list, "
-                        "all discovered slots with a discovery script)")
+                   help="most processes to use. As with horovodrun, an elastic job (--min-np, --max-np or a "
+                        "discovery script given) uses every usable slot up to MAX, unbounded by default; "
+                        "otherwise the job is -np processes")
     hosts = p.add_mutually_exclusive_group(required=host_source_required)
     hosts.add_argument("--host-discovery-script", metavar="PATH",
                        help="executable printing the usable hosts, one `host[:slots]` per line (or, as "
@@ -191,7 +204,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
     hosts.add_argument("--ray-address", metavar="ADDRESS",
                        help="run on a Ray cluster: its nodes are the hosts (slots from their free resources), "
                             "workers start through Ray; `auto` joins the cluster this machine belongs to "
-                            "(needs pip install 'elasticrun[ray]'; see docs/ray.md)")
+                            "(needs pip install 'ray==2.60.0' 'pynacl>=1.5'; see docs/ray.md)")
     p.add_argument("--slots-per-host", "--slots", dest="slots_per_host", type=positive_int, default=1,
                    help="slots for hosts listed without a count (default 1)")
     p.add_argument("--discovery-interval", type=positive_seconds, default=DEFAULT_DISCOVERY_INTERVAL, metavar="SECONDS",
@@ -224,6 +237,9 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
                         "agreements stay on gloo), gloo (through host memory), or auto (default: nccl when "
                         "every host of a round has a GPU per worker and NCCL, else gloo). Also "
                         "HOROVOD_GPU_OPERATIONS=NCCL (see docs/gpu.md)")
+    p.add_argument("--status-interval", type=seconds_or_zero, default=DEFAULT_STATUS_INTERVAL, metavar="SECONDS",
+                   help="while a round trains, a status line this often: round, workers and hosts, steps and "
+                        "steps/s, resets, the age of the last commit and of the durable copy (default 60; 0: never)")
     p.add_argument("--output-filename", metavar="DIR",
                    help="also append each rank's output to DIR/rank.N/stdout and stderr")
     p.add_argument("--events", metavar="FILE", dest="events_file",

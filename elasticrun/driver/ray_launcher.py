@@ -19,7 +19,7 @@ Nothing is left behind: the actors belong to the driver's Ray job (never ``detac
 Ray destroys them when the driver exits or dies; each agent also stops its worker and exits
 when the driver has not polled it for a while; and each worker's watchdog stops the worker's
 process group when its agent is gone. ``ray`` is imported only here and only when
-``--ray-address`` is used (``pip install 'elasticrun[ray]'``).
+``--ray-address`` is used (``pip install 'ray==2.60.0' 'pynacl>=1.5'``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -73,8 +74,21 @@ def connect(address: str) -> bool:
 
     if ray.is_initialized():  # elasticrun.run() from a program that is already a Ray driver
         return False
+    # Ray's own logs (node deaths with a raylet's state dump, autoscaler chatter) go to a file:
+    # elasticrun's console says what happened to the job in its own words, once.
+    path = os.path.join(tempfile.gettempdir(), f"elasticrun-ray-{os.getpid()}.log")
+    ray_log = logging.getLogger("ray")
+    if not any(isinstance(h, logging.FileHandler) and h.baseFilename == path for h in ray_log.handlers):
+        try:
+            handler = logging.FileHandler(path, delay=True)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+            ray_log.addHandler(handler)
+        except OSError:
+            pass
+    ray_log.propagate = False
+    log.debug("Ray's logs go to %s", path)
     try:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, configure_logging=False,
                  namespace="elasticrun")
     except ConnectionError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

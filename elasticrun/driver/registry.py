@@ -223,6 +223,11 @@ class Registry:
         self.durable_commit: int | None = None  # the commit of the newest durable copy (--checkpoint-dir)
         self._ended_early: str | None = None  # "rank R exited 0 at step S while N ranks were training"
         self._device_said: tuple[str, str] | None = None  # the last (backend, why) told
+        # Some worker has reached the driver (called hvd.init()). Until one does, a worker that
+        # ends, or outlives --start-timeout, makes this a job of plain processes (``plain``).
+        self._contacted = False
+        self.plain = False
+        self._first_success: int | None = None  # the rank of the first worker that finished
         self.stragglers = StragglerDetector()  # the workers' paces -> hosts that drag the job
 
     # --- events: they only record ----------------------------------------------------------
@@ -273,6 +278,7 @@ class Registry:
             self._outbox.append(Dismiss(worker_id, "the job has finished" if self.finished or self._succeeded()
                                         else "this process has no place in the job any more"))
             return
+        self._contact(now)
         if error and w.state is WorkerState.RUNNING and w.round == self.round and not self.aborted:
             # Its peers may be blocked in a collective with it (e.g. it gave up on its own
             # collective timeout): without an abort they would wait out theirs.
@@ -313,6 +319,7 @@ class Registry:
         w = self.workers.get(worker_id)
         if w is not None:
             w.last_seen = now
+            self._contacted = True
             if steps is not None:
                 w.steps = steps
             if (pace is not None and pace.round == self.round and w.state is WorkerState.RUNNING
@@ -327,6 +334,21 @@ class Registry:
         w.exited, w.exit_code = True, code
         if w.state in (WorkerState.LEFT, WorkerState.FAILED):  # already accounted for
             return
+        if code == 0 and not self._contacted and self.round < 0 and not self.plain:
+            # It ran and ended without ever calling hvd.init(), and so has every other worker so
+            # far: a plain command (``bash -c ...``, a script without elasticrun), run as
+            # horovodrun runs one: every process to its end, the job failing if any fails.
+            self.plain = True
+        if self.plain:
+            w.state = WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED
+            w.why = f"exited with code {code}" + (f": {detail}" if detail else "")
+            if code == 0:
+                self._outbox.append(Event(Kind.WORKER_SUCCEEDED, f"{w.label} (rank {w.rank}) exited 0",
+                                          {"host": w.host}))
+            else:
+                self._outbox.append(Event(Kind.WORKER_FAILED, f"{w.label} (rank {w.rank}) {w.why}",
+                                          {"host": w.host, "rank": w.rank}))
+            return
         if code == 0:
             training = [m for m in self._live_members() if m is not w]
             if training and self._ended_early is None and w.round == self.round:
@@ -337,6 +359,8 @@ class Registry:
                 self._ended_early = (f"rank {w.rank} exited 0{at} while {n} rank{'s' if n != 1 else ''} "
                                      f"{'was' if n == 1 else 'were'} training")
             w.state = WorkerState.SUCCEEDED
+            if self._first_success is None:
+                self._first_success = w.rank
             self._outbox.append(Event(Kind.WORKER_SUCCEEDED, f"{w.label} (rank {w.rank}) finished", {"host": w.host}))
             return
         self._fail(w, f"exited with code {code}" + (f": {detail}" if detail else ""), now)
@@ -367,6 +391,8 @@ class Registry:
         self._timeouts(now)
         acts += self._outbox
         self._outbox = []
+        if self.plain:
+            return acts + self._plain_end()
         if self._succeeded():
             return acts + self._finishing()
         running = any(w.state is WorkerState.RUNNING for w in self.workers.values())
@@ -391,8 +417,8 @@ class Registry:
 
     def next_deadline(self) -> float | None:
         """When ``decide`` should next be called at the latest (None: only on events)."""
-        times = [w.started_at + self.config.start_timeout for w in self.workers.values()
-                 if w.state is WorkerState.LAUNCHING]
+        times = [] if self.plain else [w.started_at + self.config.start_timeout for w in self.workers.values()
+                                       if w.state is WorkerState.LAUNCHING]
         if self.config.heartbeat_timeout is not None:
             times += [w.last_seen + self.config.heartbeat_timeout for w in self.workers.values()
                       if w.last_seen is not None and w.state in _LIVE]
@@ -415,12 +441,12 @@ class Registry:
     def _fail(self, w: WorkerRecord, why: str, now: float) -> None:
         was_member = w.state is WorkerState.RUNNING and w.round == self.round
         w.state, w.why = WorkerState.FAILED, why
-        until = self.hosts.blacklist(w.host, now)
-        when = "permanently" if until is None else f"for {until - now:.1f} s"
-        self._outbox += [
-            Event(Kind.WORKER_FAILED, f"{w.label} (rank {w.rank}) {why}", {"host": w.host, "rank": w.rank}),
-            Event(Kind.HOST_BLACKLISTED, f"host {w.host} blacklisted {when}", {"host": w.host}),
-        ]
+        self._outbox.append(Event(Kind.WORKER_FAILED, f"{w.label} (rank {w.rank}) {why}",
+                                  {"host": w.host, "rank": w.rank}))
+        if not self.hosts.is_blacklisted(w.host):  # once per host: its other workers fail with it
+            until = self.hosts.blacklist(w.host, now)
+            when = "permanently" if until is None else f"for {until - now:.1f} s"
+            self._outbox.append(Event(Kind.HOST_BLACKLISTED, f"host {w.host} blacklisted {when}", {"host": w.host}))
         if was_member and not self.aborted:
             self._abort(f"{w.label} {why}")
 
@@ -428,10 +454,30 @@ class Registry:
         self.aborted, self.abort_reason = True, reason
         self._outbox.append(AbortRound(self.round, reason))
 
+    def _contact(self, now: float) -> None:
+        """A worker reached the driver: the job is elastic. If it had been taken for a job of
+        plain processes (every worker slower to start than --start-timeout), it is elastic
+        again, and the others get a new --start-timeout to reach the driver too."""
+        self._contacted = True
+        if self.plain and self.round < 0 and not any(w.exited for w in self.workers.values()):
+            self.plain = False
+            for w in self.workers.values():
+                if w.state is WorkerState.LAUNCHING:
+                    w.started_at = now
+
     def _timeouts(self, now: float) -> None:
         for w in list(self.workers.values()):
-            # A process that never reached the driver within start_timeout is a failed launch.
+            # A process that never reached the driver within start_timeout is a failed launch,
+            # unless no worker ever did: then they are plain processes, which run to their end.
             if w.state is WorkerState.LAUNCHING and now - w.started_at >= self.config.start_timeout:
+                if not self._contacted and self.round < 0:
+                    if not self.plain:
+                        self.plain = True
+                        self._outbox.append(Event(
+                            Kind.PLAIN_COMMAND, f"no worker called hvd.init() within --start-timeout "
+                            f"{self.config.start_timeout:g} s: running them as plain processes (each runs to its end; "
+                            f"the job fails if one fails)", {}))
+                    continue
                 self._outbox.append(Kill(w.id, "start timeout"))
                 self._fail(w, f"did not contact the driver within --start-timeout "
                               f"{self.config.start_timeout:g} s", now)
@@ -539,6 +585,20 @@ class Registry:
         return acts
 
     # --- decisions -----------------------------------------------------------------------
+    def _plain_end(self) -> list[Action]:
+        """A job of plain processes ends as horovodrun's: when every one has exited 0 (success),
+        or at the first that fails (the others are stopped; the failure is the job's)."""
+        failed = [w for w in self.workers.values() if w.state is WorkerState.FAILED]
+        if failed:
+            acts: list[Action] = [Kill(w.id, "another process of the job failed") for w in self.workers.values()
+                                  if not w.exited]
+            detail = "; ".join(f"rank {w.rank} ({w.label}) {w.why}" for w in sorted(failed, key=lambda w: w.rank))
+            return acts + self._finish(False, detail)
+        if all(w.exited for w in self.workers.values()):
+            n = len(self.workers)
+            return self._finish(True, f"all {n} process(es) exited 0")
+        return []
+
     def _finishing(self) -> list[Action]:
         acts: list[Action] = []
         for w in self.workers.values():
@@ -549,8 +609,11 @@ class Registry:
                 w.state = WorkerState.LEFT
                 acts.append(Kill(w.id, "the job has finished"))
         if not any(w.state is WorkerState.RUNNING for w in self.workers.values()):
-            failed = [w for w in self.workers.values() if w.state is WorkerState.FAILED and w.round == self.round]
-            note = f" ({len(failed)} worker(s) of the last round failed)" if failed else ""
+            failed = sorted((w for w in self.final_round() if w.state is WorkerState.FAILED), key=lambda w: w.rank)
+            if failed:  # a rank of the last round failed after another finished: the job failed
+                detail = "; ".join(f"rank {w.rank} ({w.label}) {w.why}" for w in failed)
+                return acts + self._finish(False, f"{detail}, after rank {self._first_success} finished")
+            note = ""
             unfinished = sorted(w.rank for w in self.final_round() if w.state is not WorkerState.SUCCEEDED)
             if unfinished and self._ended_early is not None:
                 ranks = ", ".join(map(str, unfinished))
@@ -684,6 +747,9 @@ class Registry:
             if "collapse" not in self._said:
                 # Losing everything at once says nothing about any one host: let them all back.
                 for h in sorted({w.host for w in failed if w.round == self.round}):
+                    if self.hosts.is_blacklisted(h):
+                        acts.append(Event(Kind.HOST_WHITELISTED, f"host {h} is not blacklisted after all: every "
+                                          f"worker was lost at once, which is no one host's fault", {"host": h}))
                     self.hosts.pardon(h, now)
                 target = self._target()
             acts += self._say_once("collapse", Event(
@@ -801,8 +867,8 @@ class Registry:
         if (backend, why) != self._device_said and (self._device_said is not None or backend == "nccl"
                                                     or any(w.gpus for w in workers) or self.config.backend != "auto"):
             self._device_said = (backend, why)
-            acts.append(Event(Kind.DEVICE_BACKEND, f"CUDA tensors go over {'NCCL' if backend == 'nccl' else 'gloo'} "
-                              f"in round {self.round} ({why})", {"backend": backend}))
+            which = "CUDA tensors go over NCCL" if backend == "nccl" else "CUDA tensors go over gloo"
+            acts.append(Event(Kind.DEVICE_BACKEND, f"{which} in round {self.round} ({why})", {"backend": backend}))
         return acts
 
 

@@ -18,6 +18,8 @@ PHASES = ("detect", "decide", "rendezvous", "group", "restore+sync", "first step
 MARKERS = {
     Kind.HOST_ADDED: ("host added", "#2ca02c", "up"),
     Kind.HOST_REMOVED: ("host removed", "#7f7f7f", "down"),
+    Kind.HOST_LEAVING: ("host left (SIGTERM)", "#ff7f0e", "down"),
+    Kind.HOST_DRAINING: ("host draining", "#bcbd22", "down"),
     Kind.HOST_BLACKLISTED: ("host blacklisted", "#000000", "cross"),
     Kind.HOST_WHITELISTED: ("host back from blacklist", "#9467bd", "diamond"),
     Kind.WORKER_FAILED: ("worker failed", "#d62728", "circle"),

@@ -404,10 +404,8 @@ class Runtime:
                                            timeout=self.rendezvous_timeout, what="this worker's place in the next round")
             except DriverTimeout as exc:
                 raise HorovodInternalError(str(exc)) from None
-            if msg.type == "dismiss":
-                sys.stderr.write(f"elasticrun: {self.hostname}[{self.slot}]: {msg.body.get('reason')}; "
-                                 f"exiting.\n")
-                sys.stderr.flush()
+            if msg.type == "dismiss":  # a graceful end: the driver says it on its console
+                log.debug("%s[%s]: %s; exiting", self.hostname, self.slot, msg.body.get("reason"))
                 self.shutdown()
                 raise SystemExit(0)
             a = msg.body
@@ -530,6 +528,11 @@ class Runtime:
             raise RuntimeError("this job keeps no durable copies (--checkpoint-dir)")
         return durable.fetch(self._ctx, os.environ[env.DURABLE_ADDR], self._keys, os.environ[env.JOB_ID])
 
+    def report_restored(self, commit: int, steps: int) -> None:
+        """The durable copy is loaded: the driver says "resumed" now, not when it asked for it."""
+        if self._control is not None:
+            self._control.post("restored", {"worker": self.worker_id, "commit": commit, "steps": steps})
+
     def report_restore_failed(self, error: str) -> None:
         """A durable copy could not be restored (it does not fit the model): the job must stop,
         not start over from scratch."""
@@ -598,8 +601,8 @@ def _start_timeline_from_environment() -> None:
     record the timeline from the first collective on, as Horovod's workers do. A path that
     cannot be written is said once and training goes on without it."""
     path = os.environ.get("HOROVOD_TIMELINE")
-    if not path or trace.active() is not None:
-        return
+    if not path or path.strip().upper() == "DYNAMIC" or trace.active() is not None:
+        return  # DYNAMIC, as in Horovod: the script starts it with hvd.start_timeline(path)
     mark = os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "0").strip().lower() not in ("", "0", "false", "no", "off")
     try:
         trace.start(path, mark)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -73,7 +74,7 @@ def test_a_worker_told_to_stop_leaves_at_its_next_step_without_a_rollback(job):
     assert r.returncode == 0, r.output
     assert "host 127.0.0.3 leaving (SIGTERM)" in r.stderr, r.stderr
     assert "aborted" not in r.stderr and "exited with code" not in r.stderr, r.stderr  # no rollback, no failure
-    assert "127.0.0.3[0]: no place for 127.0.0.3[0] in the next round; exiting." in r.stderr
+    assert "127.0.0.3[0] exits 0: no place for 127.0.0.3[0] in the next round" in r.stderr
     log = entries(job.tmp / "samples")
     assert {e["size"] for e in log} == {4, 3}
     assert_exactly_once(log)
@@ -168,6 +169,8 @@ def test_the_same_command_again_resumes_after_the_driver_was_killed(job):
     r = rerun(job, ckpt)
     assert r.returncode == 0, r.output
     assert "holds a durable copy of commit" in r.stderr and "resumed from checkpoint of" in r.stderr, r.stderr
+    assert re.search(r"resumed from checkpoint of .*, \d+ steps back( \(about [\d.]+ s of training\))? \(commit", r.stderr), \
+        r.stderr
     [resumed] = [e for e in events(job.tmp / "events2.jsonl") if e["kind"] == "resumed"]
     assert_exactly_once(history_across_runs(job, resumed["commit"]))
 
@@ -216,6 +219,7 @@ def test_a_copy_of_another_model_is_refused_naming_the_first_key(job):
            "model.weight: the model has (3, 8) torch.float32, the durable copy (2, 8) torch.float32" in r.stderr, \
         r.stderr
     assert "--fresh" in r.stderr
+    assert "resumed from checkpoint" not in r.stderr, r.stderr  # it never did: not said, then contradicted
     r = job.run(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--checkpoint-dir", str(ckpt), "--fresh"],
                 sample_cmd(job, "--classes", "3", "--epochs", "1"))
     assert r.returncode == 0, r.output  # --fresh starts over

@@ -74,7 +74,7 @@ def test_a_straggler_is_evicted_and_the_pace_recovers(job):
         r.stderr
     assert "host 127.0.0.2 blacklisted for " in r.stderr and " s (a straggler)" in r.stderr
     assert "aborted" not in r.stderr and "exited with code" not in r.stderr, r.stderr  # no rollback, no failure
-    assert "127.0.0.2[0]: no place for 127.0.0.2[0] in the next round; exiting." in r.stderr
+    assert "127.0.0.2[0] exits 0: no place for 127.0.0.2[0] in the next round" in r.stderr
     named, within = steps_until_named(log, ev)
     assert named["action"] == "evicted" and named["compute_ms"] > 2 * named["reference_ms"], named
     assert within <= 20, f"named after {within} slow steps"

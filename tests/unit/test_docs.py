@@ -4,8 +4,9 @@ Marking: a fenced block whose info string is ``bash test`` or ``python test`` is
 any other block (``bash``, ``python``, ``toml``, no tag) is an illustration that needs a
 cluster, a network or an install, and is not. The runnable blocks of one document run in order, each in
 its own process, in one fresh temporary directory (so a block may use a file an earlier one
-wrote) that holds a copy of ``examples/``, as the repository root would, with ``$REPO`` set to the repository root and no ``ELASTICRUN_*``
-variables inherited. Bash blocks run with ``set -euo pipefail``; Python blocks run in a
+wrote) that holds a copy of ``examples/``, as the repository root would, as a reader would run
+them: no variable is set that the reader is not told to set (no ``$REPO``), and no
+``ELASTICRUN_*`` variable is inherited. Bash blocks run with ``set -euo pipefail``; Python blocks run in a
 subprocess of this interpreter. Both are bounded by a timeout.
 """
 
@@ -51,7 +52,8 @@ def test_docs_exist_and_have_runnable_blocks():
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICRUN_")}
     bindir = str(Path(sys.executable).parent)  # the `elasticrun` and `python` of this interpreter
-    env.update(REPO=str(REPO), PATH=bindir + os.pathsep + env.get("PATH", ""), PYTHONUNBUFFERED="1")
+    env.pop("REPO", None)
+    env.update(PATH=bindir + os.pathsep + env.get("PATH", ""), PYTHONUNBUFFERED="1")
     return env
 
 

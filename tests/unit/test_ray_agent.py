@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-pytest.importorskip("nacl", reason="PyNaCl is not installed: pip install 'elasticrun[ray]'")
+pytest.importorskip("nacl", reason="PyNaCl is not installed: pip install 'ray==2.60.0' 'pynacl>=1.5'")
 
 from elasticrun.driver.ray_agent import WorkerAgent, seal  # noqa: E402
 

@@ -29,7 +29,7 @@ def test_ray_address_without_ray_is_one_line_naming_the_extra():
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
-    assert "--ray-address needs ray" in lines[0] and "pip install 'elasticrun[ray]'" in lines[0]
+    assert "--ray-address needs ray" in lines[0] and "pip install 'ray==2.60.0' 'pynacl>=1.5'" in lines[0]
 
 
 def test_elasticrun_run_with_ray_address_without_ray_raises_naming_the_extra():
@@ -40,7 +40,7 @@ def test_elasticrun_run_with_ray_address_without_ray_raises_naming_the_extra():
         except ValueError as exc:
             print(exc)
     """))
-    assert "pip install 'elasticrun[ray]'" in r.stdout, r.stdout + r.stderr
+    assert "pip install 'ray==2.60.0' 'pynacl>=1.5'" in r.stdout, r.stdout + r.stderr
 
 
 def test_check_with_ray_address_without_ray_fails_that_line():
@@ -48,7 +48,7 @@ def test_check_with_ray_address_without_ray_fails_that_line():
         from elasticrun.driver.cli import main
         raise SystemExit(main(["--check", "--ray-address", "auto"]))
     """))
-    assert "FAIL  ray: not installed (pip install 'elasticrun[ray]')" in r.stdout, r.stdout + r.stderr
+    assert "FAIL  ray: not installed (pip install 'ray==2.60.0' 'pynacl>=1.5')" in r.stdout, r.stdout + r.stderr
 
 
 def test_a_directory_named_ray_is_no_installation(tmp_path):
@@ -81,7 +81,7 @@ def test_ray_address_from_the_flag_the_config_file_and_the_environment(tmp_path,
     from elasticrun.driver.cli import parse_settings
 
     if ray_missing():
-        pytest.skip("ray is not installed: pip install 'elasticrun[ray]'")
+        pytest.skip("ray is not installed: pip install 'ray==2.60.0' 'pynacl>=1.5'")
     cfg = tmp_path / "c.toml"
     cfg.write_text('ray-address = "auto"\nray-cpus-per-worker = 2\nray-gpus-per-worker = 0.5\n'
                    "ray-resources = '{\"trainer\": 1}'\n")
@@ -99,7 +99,7 @@ def test_a_ray_client_address_is_refused_in_one_line():
     from elasticrun.driver.cli import parse_settings
 
     if ray_missing():
-        pytest.skip("ray is not installed: pip install 'elasticrun[ray]'")
+        pytest.skip("ray is not installed: pip install 'ray==2.60.0' 'pynacl>=1.5'")
     with pytest.raises(SystemExit) as exc:
         parse_settings(["--ray-address", "ray://head:10001", "-np", "2", "python", "x.py"])
     assert exc.value.code == 2

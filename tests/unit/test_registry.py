@@ -521,14 +521,15 @@ class TestFailures:
         assert "blacklisted" in finish[0].reason and "a" in finish[0].reason
         assert not of(acts, Assign) and not of(acts, Launch)
 
-    def test_failure_after_success_does_not_fail_the_job(self):
+    def test_failure_after_success_fails_the_job_naming_it(self):
+        """Horovod's rule: one worker's success ends the job; but the others of its round run to
+        their end, and one that fails then fails the job (as horovodrun's exit status says)."""
         job = Job(np=2, min_np=1)
         job.start({"a": 1, "b": 1})
         job.exit("w0", 0, at=1)
-        acts = job.exit("w1", 1, at=2)
-        finish = of(acts, Finish)
-        assert len(finish) == 1 and finish[0].ok
-        assert "1 worker(s) of the last round failed" in finish[0].reason
+        acts = job.exit("w1", 3, at=2)
+        [finish] = of(acts, Finish)
+        assert not finish.ok and finish.reason == "rank 1 (b[0]) exited with code 3, after rank 0 finished"
 
 
 # --- cooldown --------------------------------------------------------------------------------
@@ -1637,3 +1638,61 @@ class TestDeviceBackend:
         [finish] = of(acts, Finish)
         assert not finish.ok and "--backend nccl cannot run round 0: a[0] and a[1] would share one GPU" in finish.reason
         assert not of(acts, Assign)
+
+
+# --- plain commands -----------------------------------------------------------------------------
+class TestPlainCommands:
+    """Processes that never call hvd.init() (``bash -c ...``): run as horovodrun runs them."""
+
+    def launch(self, job, hosts, at=0):
+        return [l.worker_id for l in of(job.discover(hosts, at), Launch)]
+
+    def test_every_process_runs_to_its_end_and_a_failure_fails_the_job(self):
+        job = Job(np=2, start_timeout=30)
+        w0, w1 = self.launch(job, {"a": 2})
+        acts = job.exit(w0, 0, at=1)  # rank 0 is done: rank 1 is not stopped
+        assert job.reg.plain and not of(acts, Kill) and not of(acts, Finish)
+        acts = job.exit(w1, 3, at=3)
+        [finish] = of(acts, Finish)
+        assert not finish.ok and finish.reason == "rank 1 (a[1]) exited with code 3"
+        assert not events(acts, "host_blacklisted")
+
+    def test_all_exit_0_is_success(self):
+        job = Job(np=2)
+        w0, w1 = self.launch(job, {"a": 2})
+        job.exit(w0, 0, at=1)
+        [finish] = of(job.exit(w1, 0, at=2), Finish)
+        assert finish == Finish(True, "all 2 process(es) exited 0")
+
+    def test_a_failure_stops_the_others(self):
+        job = Job(np=3)
+        w0, w1, w2 = self.launch(job, {"a": 3})
+        job.exit(w0, 0, at=1)
+        acts = job.exit(w1, 1, at=2)
+        assert Kill(w2, "another process of the job failed") in acts and not of(acts, Finish)[0].ok
+
+    def test_outliving_the_start_timeout_is_no_failure_when_nobody_called_init(self):
+        job = Job(np=2, start_timeout=5)
+        w0, w1 = self.launch(job, {"a": 2})
+        acts = job.tick(6)
+        assert job.reg.plain and not of(acts, Kill) and events(acts, "plain_command")
+        assert job.reg.next_deadline() is None  # nothing to time out: no busy decisions
+        job.exit(w0, 0, at=40)
+        assert of(job.exit(w1, 0, at=50), Finish)[0].ok
+
+    def test_a_late_hvd_init_makes_the_job_elastic_again(self):
+        job = Job(np=2, start_timeout=5)
+        w0, w1 = self.launch(job, {"a": 2})
+        job.tick(6)
+        assert job.reg.plain
+        job.rdv(w0, at=7)  # a slow import, after all
+        assert not job.reg.plain
+        acts = job.rdv(w1, at=8)
+        assert len(of(acts, Assign)) == 2
+
+    def test_a_worker_that_calls_init_is_elastic_and_the_silent_one_times_out(self):
+        job = Job(np=2, min_np=1, start_timeout=5)
+        w0, w1 = self.launch(job, {"a": 1, "b": 1})
+        job.rdv(w0, at=1)
+        acts = job.tick(6)
+        assert not job.reg.plain and Kill(w1, "start timeout") in acts

@@ -305,3 +305,12 @@ def test_a_straggler_is_in_the_summary_the_picture_and_the_trace():
     assert names[(on_host["pid"], 0)] == "b: stragglers" and on_host["args"]["compute_ms"] == 160.0
     assert any(e["name"] == "straggler: b" and e["ph"] == "i" for e in trace)  # the driver's track too
     assert "stragglers:" not in timeline.summary(timeline.analyze(hand_written()))
+
+
+def test_a_host_that_left_or_drains_is_marked():
+    events = [{"t": 0.0, "kind": "round_formed", "source": "driver", "round": 0, "size": 2},
+              {"t": 1.0, "kind": "host_leaving", "source": "driver", "host": "h2", "message": "host h2 leaving (SIGTERM)"},
+              {"t": 2.0, "kind": "host_draining", "source": "driver", "host": "h3"},
+              {"t": 3.0, "kind": "job_end", "source": "driver", "ok": True, "reason": "done"}]
+    a = timeline.analyze(events)
+    assert [(m.kind, m.host) for m in a.markers] == [("host_leaving", "h2"), ("host_draining", "h3")]

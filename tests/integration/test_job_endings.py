@@ -1,0 +1,83 @@
+"""Issue 24 on real jobs: every rank's exit counts (plain commands too), a `.py` runs as torchrun
+runs it, and a console that says each thing once, without contradiction.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from conftest import SCRIPTS
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def elasticrun_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("[elasticrun]") or line.startswith("elasticrun:")]
+
+
+def test_a_plain_command_runs_every_rank_to_its_end_and_fails_when_one_fails(job):
+    r = job.run(["-np", "2", "-H", "localhost:2"],
+                ["bash", "-c", "sleep $((1+2*HOROVOD_RANK)); echo done $HOROVOD_RANK; exit $HOROVOD_RANK"])
+    assert r.returncode == 1, r.output
+    assert "done 0" in r.stdout and "done 1" in r.stdout, r.output  # rank 1 was not killed when rank 0 ended
+    assert elasticrun_lines(r.stderr)[-1] == "elasticrun: The job failed after " + \
+        elasticrun_lines(r.stderr)[-1].split("after ", 1)[1], r.stderr
+    assert "rank 1 (localhost[1]) exited with code 1." in r.stderr, r.stderr
+    assert "training finished" not in r.stderr and "blacklisted" not in r.stderr, r.stderr
+    assert "summary: 2 process(es) that never called hvd.init(), 1 failed" in r.stderr, r.stderr
+
+
+def test_a_plain_command_may_outlive_the_start_timeout(job):
+    r = job.run(["-np", "2", "-H", "localhost:2", "--start-timeout", "1"],
+                ["bash", "-c", "sleep 3; echo done $HOROVOD_RANK"])
+    assert r.returncode == 0, r.output
+    assert "done 0" in r.stdout and "done 1" in r.stdout
+    assert "running them as plain processes" in r.stderr and "all 2 process(es) exited 0" in r.stderr, r.stderr
+
+
+def test_a_rank_that_fails_after_another_finished_fails_the_job(job):
+    script = job.tmp / "late.py"
+    script.write_text("import sys, time\nimport torch\nimport elasticrun.torch as hvd\nhvd.init()\n"
+                      "hvd.allreduce(torch.ones(1))\n"
+                      "if hvd.rank() == 1:\n    time.sleep(1.5)\n    print('rank 1 fails late', flush=True)\n"
+                      "    sys.exit(3)\n")
+    r = job.run(["-np", "2", "-H", "localhost:2"], [sys.executable, str(script)])
+    assert r.returncode == 1, r.output
+    assert "rank 1 fails late" in r.stdout
+    assert "rank 1 (localhost[1]) exited with code 3, after rank 0 finished" in r.stderr, r.stderr
+    assert "job succeeded" not in r.stderr
+
+
+def test_a_py_file_runs_with_this_python_as_torchrun_does(job):
+    script = job.tmp / "hello.py"
+    script.write_text("import elasticrun.torch as hvd\nhvd.init()\nprint('hello from rank', hvd.rank(), flush=True)\n")
+    r = job.run(["-np", "2", "-H", "localhost:2"], [str(script)])
+    assert r.returncode == 0, r.output
+    assert "hello from rank 0" in r.stdout and "hello from rank 1" in r.stdout
+
+
+def test_a_host_is_blacklisted_once_however_many_of_its_workers_fail(job):
+    script = job.tmp / "fail.py"
+    script.write_text("import sys\nimport elasticrun.torch as hvd\nhvd.init()\nsys.exit(2)\n")
+    r = job.run(["-np", "2", "-H", "localhost:2"], [sys.executable, str(script)])
+    assert r.returncode == 1, r.output
+    assert r.stderr.count("host localhost blacklisted") == 1, r.stderr
+
+
+def test_a_quiet_job_says_how_it_goes_and_routine_copies_stay_off_the_console(job):
+    ckpt = job.tmp / "ckpt"
+    logs = job.tmp / "samples"
+    logs.mkdir()
+    r = job.run(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--status-interval", "1", "--checkpoint-dir", str(ckpt),
+                 "--checkpoint-interval", "0.3"],
+                [sys.executable, str(SCRIPTS / "sample_train.py"), "--log-dir", str(logs), "--progress",
+                 str(job.progress), "--epochs", "2", "--samples", "240", "--commit-every", "2", "--sleep", "0.03"])
+    assert r.returncode == 0, r.output
+    status = [line for line in r.stderr.splitlines() if "] status: " in line]
+    assert status, r.stderr
+    assert "round 0, 2 worker(s) on 2 host(s), step " in status[-1] and "last commit" in status[-1], status
+    assert "durable copy" in status[-1] and " s old" in status[-1], status
+    assert sum("durable copy" in line and "written" in line for line in r.stderr.splitlines()) == 1, r.stderr
+    # graceful ends are not errors: no worker writes "exiting" on its stderr
+    assert "exiting." not in r.stderr, r.stderr
