@@ -53,7 +53,6 @@ ENV_VARS: dict[str, str] = {
     "ELASTICRUN_RAY_ADDRESS": "ray_address",
     "ELASTICRUN_EVICT_STRAGGLERS": "evict_stragglers",
     "ELASTICRUN_STATUS_INTERVAL": "status_interval",
-    "ELASTICRUN_BACKEND": "backend",
 }
 
 #: Horovod's variables for the same options (horovodrun reads them when the flag is not
