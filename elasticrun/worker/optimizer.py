@@ -121,7 +121,6 @@ class _Bucket:
     ready: int = 0  # parameters that saw backward_passes_per_step passes
     launched: bool = False
     handle: Handle | None = None  # None once launched: nothing to wait for (world of one)
-    scale: float = 1.0  # applied while copying the reduced sums back into the gradients
     ctx: Any = None
     buffer: torch.Tensor | None = None  # reused across steps; dropped after an error
 
@@ -356,9 +355,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._dist_launch(buckets[self._dist_next], r)
             self._dist_next += 1
 
+    def _dist_scale(self, r: Round) -> float:
+        """What a gradient is multiplied by: Horovod's prescale before the sum and postscale (over
+        the size, for an average) after it, both applied before the sum, while the gradient is
+        copied into the bucket (as DDP divides before its allreduce): the reduced sums are then
+        the gradients themselves, and nothing is copied back."""
+        size = r.size if self._dist_ps is None else len(process_sets.members(self._dist_ps, r))
+        return self._dist_prescale * (self._dist_postscale / size if self._dist_op == Average else self._dist_postscale)
+
     def _dist_stage(self, b: _Bucket, i: int, r: Round) -> None:
-        """Copy parameter ``i``'s gradient into the bucket's flat buffer (zeros if it has none,
-        or if it is reduced sparsely: it leaves the buckets after this step)."""
+        """Put parameter ``i``'s gradient, scaled, into the bucket's flat buffer (zeros if it has
+        none, or if it is reduced sparsely: it leaves the buckets after this step). A gradient
+        that is already a view of its place there (the previous step's, accumulated in place) is
+        only scaled."""
         if r.size == 1 or not self._dist_member(r):
             return  # Average and Sum over one rank are the identity: skip the copies
         if b.buffer is None:
@@ -367,9 +376,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         p, off = b.params[i], b.offsets[i]
         dst = b.buffer[off:off + p.numel()]
         g = p.grad
+        scale = self._dist_scale(r)
         with torch.no_grad():
             if g is None or p in self._dist_sparse:  # no (dense) gradient here, but another rank may have one
                 dst.zero_()
+            elif not g.is_sparse and g.data_ptr() == dst.data_ptr() and g.numel() == dst.numel():
+                if scale != 1.0:
+                    dst.mul_(scale)
+            elif scale != 1.0:
+                torch.mul((g.to_dense() if g.is_sparse else g).reshape(-1), scale, out=dst)
             else:
                 dst.copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
         b.staged[i] = True
@@ -397,19 +412,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 b.buffer[b.numel + 1] = 1.0 if added else 0.0
                 b.buffer[b.numel + 2] = 1.0 if wanted else 0.0
                 b.buffer[b.numel + 3] = 1.0 if busy else 0.0
-            tensor, b.ctx = self._dist_compression.compress(b.buffer)
-            # Reduce sums and scale while copying back: one pass over the gradients fewer
-            # than scaling the whole buffer and then copying it.
-            if self._dist_ps is None:
-                size = r.size
-                b.handle = collectives.allreduce_async_(tensor, name=b.name, op=Sum,
-                                                        prescale_factor=self._dist_prescale, trusted=True)
-            else:
-                size = len(process_sets.members(self._dist_ps, r))
-                b.handle = collectives.allreduce_async_(tensor, name=b.name, op=Sum,
-                                                        prescale_factor=self._dist_prescale, process_set=self._dist_ps,
-                                                        trusted=True)
-            b.scale = self._dist_postscale / size if self._dist_op == Average else self._dist_postscale
+            tensor, b.ctx = self._dist_compression.compress(b.buffer)  # scaled already (see _dist_scale)
+            b.handle = collectives.allreduce_async_(tensor, name=b.name, op=Sum, trusted=True,
+                                                    process_set=self._dist_ps or global_process_set)
 
     def _dist_finish(self, b: _Bucket, r: Round) -> None:
         with torch.no_grad():
@@ -427,14 +432,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p, off in zip(b.params, b.offsets):
                 if p in self._dist_sparse:
                     continue  # reduced sparsely (see _dist_finish_sparse)
-                src = out[off:off + p.numel()].view(p.shape)
                 g = p.grad
-                if g is None or g.is_sparse or g.shape != p.shape:
-                    g = p.grad = torch.empty_like(p, requires_grad=False)
-                if b.scale == 1.0:
-                    g.copy_(src)
-                else:
-                    torch.mul(src, b.scale, out=g)
+                if g is None or g.is_sparse or g.data_ptr() != out.data_ptr() + off * out.element_size():
+                    # The reduced gradient is its place in the bucket (a view, as DDP's
+                    # gradient_as_bucket_view): no copy back; a next backward that finds it
+                    # (zero_grad(set_to_none=False)) accumulates into the bucket directly.
+                    p.grad = out[off:off + p.numel()].view(p.shape)
 
     # --- horovod API ------------------------------------------------------------------
     def synchronize(self) -> None:

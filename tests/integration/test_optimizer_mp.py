@@ -86,6 +86,28 @@ def main_world(rank: int, size: int, workdir: Path) -> dict[str, Any]:
                is_sgd=isinstance(opt, torch.optim.SGD), name=type(opt).__name__)
     out["average"] = rec
 
+    # zero_grad(set_to_none=False), three momentum steps in one bucket: the reduced gradients
+    # are views of the bucket, so the next backward accumulates into it in place; the result
+    # must still be each step's average (not scaled twice, not mixed with the previous step).
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    kept: dict[str, Any] = {"local": [], "reduced": []}
+    for step in range(3):
+        x, y = data(30 + step)
+        xs, ys = shard(x, rank, size), shard(y, rank, size)
+        kept["local"].append(local_grads(model, xs, ys))
+        opt.zero_grad(set_to_none=False)
+        loss_fn(model, xs, ys).backward()
+        opt.step()
+        kept["reduced"].append(grads(model))
+    buffer = opt._dist_buckets[0].buffer
+    kept["views"] = buffer is not None and all(
+        buffer.data_ptr() <= p.grad.data_ptr() < buffer.data_ptr() + buffer.numel() * buffer.element_size()
+        for p in model.parameters())
+    kept["params"] = params(model)
+    out["kept_grads"] = kept
+
     # op=Sum, with the explicit synchronize() / skip_synchronize() pattern.
     model = make_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Sum)
@@ -320,6 +342,24 @@ def test_average_matches_mean_and_full_batch(main: list[dict[str, Any]]) -> None
     for step in range(2):
         opt.zero_grad()
         loss_fn(model, *data(10 + step)).backward()
+        opt.step()
+    for r in res:
+        assert close(r["params"], params(model), atol=1e-6)
+
+
+def test_gradients_kept_between_steps_are_reduced_in_place(main: list[dict[str, Any]]) -> None:
+    res = [r["kept_grads"] for r in main]
+    for step in range(3):
+        expected = mean([r["local"][step] for r in res])
+        for r in res:
+            assert close(r["reduced"][step], expected, atol=1e-6), step
+    for r in res:
+        assert r["views"]  # no copy back: the gradients are the reduced bucket
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        opt.zero_grad()
+        loss_fn(model, *data(30 + step)).backward()
         opt.step()
     for r in res:
         assert close(r["params"], params(model), atol=1e-6)
