@@ -241,10 +241,13 @@ class Runtime:
         A worker told to leave (SIGTERM) is then out at its next step, not only its next commit.
         """
         self.pace.record(time.perf_counter(), wait)
+        r = self._round
         state = self.active_state
-        if state is not None and self.host_updates.agreed_pending(self._round.number):
+        if state is not None and self.host_updates.agreed_pending(r.number):
             state.check_host_updates()  # commits, then raises HostsUpdatedInterrupt
         self.steps += 1
+        if r.awaiting_first_step:  # a world of one reduces nothing: its first step is this one
+            r.step_completed("optimizer step")
 
     def enter_round(self, number: int, rank: int, size: int, pg: dist.ProcessGroup | None = None,
                     store: dist.Store | None = None) -> Round:
@@ -437,6 +440,17 @@ class Runtime:
         """Form the current round's gloo group on its own namespace of the driver's store."""
         r = self._round
         assert self._client is not None
+        if r.size == 1:
+            # A world of one has no peer to meet: its group, store and MASTER_PORT are local
+            # (the driver's store would cost round trips on the recovery path for nothing).
+            store = dist.HashStore()
+            r.pg = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=self.collective_timeout))
+            r.store = store
+            self.export_environment(f"{self.hostname}:{_free_port()}")
+            if r.device_backend == "nccl" and devices.requested() == "nccl":
+                device = self.device if self.device is not None else devices.rank_device(self.slot)
+                self._form_device_group(r, (), device)
+            return
         # Keep the Python store alive here: the C++ side holds only the trampoline, and once
         # the Python object is collected its methods are gone ("Not implemented").
         self._store = DriverStore(self._client, self.collective_timeout, r.abort_reason)
