@@ -407,8 +407,10 @@ class ElasticDriver:
         body = msg.body
         if msg.type == "heartbeat":
             steps = body.get("steps")
+            bye = body.get("bye")
             self.registry.heartbeat(str(body.get("worker")), time.monotonic(), Pace.parse(body.get("pace")),
-                                    steps if isinstance(steps, int) and not isinstance(steps, bool) else None)
+                                    steps if isinstance(steps, int) and not isinstance(steps, bool) else None,
+                                    bye if isinstance(bye, str) else None)
             self._progress(body)
             self._reply(identity, msg, "heartbeat_ack", {
                 "round": self.registry.round, "aborted": self.registry.aborted,

@@ -78,6 +78,11 @@ _LIVE = (WorkerState.WAITING, WorkerState.RUNNING)
 #: How often a wait for slots is reported on the console.
 WAIT_REMINDER = 30.0
 
+#: How long a worker whose script ended may take to exit (the interpreter's teardown: freeing
+#: memory, CUDA contexts, library destructors; seconds when many share a machine's cores)
+#: before it is killed as stuck.
+EXIT_GRACE = 30.0
+
 
 @dataclass
 class WorkerRecord:
@@ -97,6 +102,11 @@ class WorkerRecord:
     script_error: bool = False  # it failed with a Python exception of its own (not the machine's doing)
     steps: int = -1  # optimizer steps it reported last (-1: none yet)
     gpus: tuple[str, ...] = ()  # the GPUs NCCL could use there (their UUIDs, in device order), as it reported
+    # Its last heartbeat said goodbye: "exit" (its script ended; only the interpreter's teardown
+    # is left) or "shutdown" (hvd.shutdown(): its process goes on without the job). No more
+    # heartbeats come; ``bye_at`` is when it said it.
+    bye: str | None = None
+    bye_at: float = 0.0
 
     @property
     def key(self) -> tuple[str, int]:
@@ -313,15 +323,20 @@ class Registry:
         self.durable_commit = commit
         self._dirty = True
 
-    def heartbeat(self, worker_id: str, now: float, pace: Pace | None = None, steps: int | None = None) -> None:
+    def heartbeat(self, worker_id: str, now: float, pace: Pace | None = None, steps: int | None = None,
+                  bye: str | None = None) -> None:
         """A sign of life from a worker, with its step count and the pace of its recent steps in
-        this round (a decision follows only when that pace may name a straggler, or when it stops)."""
+        this round (a decision follows only when that pace may name a straggler, or when it stops).
+        ``bye``: its last one (see :attr:`WorkerRecord.bye`): silence is then no sign of a hang."""
         w = self.workers.get(worker_id)
         if w is not None:
             w.last_seen = now
             self._contacted = True
             if steps is not None:
                 w.steps = steps
+            if bye in ("exit", "shutdown") and w.bye is None:
+                w.bye, w.bye_at = bye, now
+                self._dirty = True
             if (pace is not None and pace.round == self.round and w.state is WorkerState.RUNNING
                     and w.round == self.round and self.stragglers.report(w.id, w.host, pace)):
                 self._dirty = True
@@ -421,7 +436,9 @@ class Registry:
                                        if w.state is WorkerState.LAUNCHING]
         if self.config.heartbeat_timeout is not None:
             times += [w.last_seen + self.config.heartbeat_timeout for w in self.workers.values()
-                      if w.last_seen is not None and w.state in _LIVE]
+                      if w.last_seen is not None and w.state in _LIVE and w.bye is None]
+        times += [w.bye_at + EXIT_GRACE for w in self.workers.values()
+                  if w.bye == "exit" and w.state in _LIVE and not w.exited]
         if self._wait_started is not None:
             times.append(self._wait_started + self._wait_limit())
         if self._wait_reminder is not None:
@@ -483,6 +500,15 @@ class Registry:
                               f"{self.config.start_timeout:g} s", now)
             # A worker that went silent (SIGSTOP, deadlock, host off the network) is killed so
             # that its peers' collectives fail fast instead of waiting for their timeout.
+            if w.bye is not None:
+                # Its script ended (or it called hvd.shutdown()): no heartbeat comes any more.
+                # An ending process gets EXIT_GRACE for its teardown; a process that left the
+                # job with hvd.shutdown() runs on as the user's program, as under horovodrun.
+                if w.bye == "exit" and w.state in _LIVE and not w.exited and now - w.bye_at >= EXIT_GRACE:
+                    self._outbox.append(Kill(w.id, "exit timeout"))
+                    self._fail(w, f"ended its script but its process did not exit within {EXIT_GRACE:g} s "
+                                  f"(stuck in the interpreter's teardown); killed", now)
+                continue
             limit = self.config.heartbeat_timeout
             if (limit is not None and w.last_seen is not None and now - w.last_seen >= limit
                     and w.state in _LIVE):

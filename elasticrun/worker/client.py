@@ -139,13 +139,18 @@ class ControlChannel(threading.Thread):
         self._interval = interval
         self._driver_timeout = driver_timeout
         self._stopping = threading.Event()
+        self._bye: str | None = None
         self._dropped = LimitedLog(log)
         # Messages to send at once (post): a pipe wakes the loop, even from a signal handler.
         self._outbox: collections.deque[tuple[str, dict[str, Any]]] = collections.deque(maxlen=64)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
 
-    def stop(self) -> None:
+    def stop(self, bye: str | None = None) -> None:
+        """End the loop; its last heartbeat says ``bye`` ("exit": the script ended, the process
+        is ending; "shutdown": hvd.shutdown(), the process goes on without the job), so that
+        the driver does not take the silence that follows for a hang."""
+        self._bye = bye
         self._stopping.set()
 
     def post(self, type_: str, body: dict[str, Any]) -> None:
@@ -204,8 +209,11 @@ class ControlChannel(threading.Thread):
             # What the worker did last (its final step count, the events of a clean exit): given
             # a moment to leave (LINGER), so that the driver can say how far a rank got.
             self._hb.setsockopt(zmq.LINGER, 200)
+            body = self._heartbeat_body()
+            if self._bye is not None:
+                body["bye"] = self._bye
             try:
-                self._hb.send(self._hb_codec.encode("heartbeat", self._heartbeat_body()), zmq.NOBLOCK)
+                self._hb.send(self._hb_codec.encode("heartbeat", body), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             self._ship_events()

@@ -113,7 +113,7 @@ def main() -> int:
         return 0
     finally:
         client.close()
-        runtime.shutdown()
+        runtime.shutdown(exiting=True)
         ctx.term()
 
 

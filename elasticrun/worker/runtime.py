@@ -409,7 +409,7 @@ class Runtime:
                 raise HorovodInternalError(str(exc)) from None
             if msg.type == "dismiss":  # a graceful end: the driver says it on its console
                 log.debug("%s[%s]: %s; exiting", self.hostname, self.slot, msg.body.get("reason"))
-                self.shutdown()
+                self.shutdown(exiting=True)
                 raise SystemExit(0)
             a = msg.body
             self.enter_round(int(a["round"]), int(a["rank"]), int(a["size"]))
@@ -557,7 +557,10 @@ class Runtime:
             except Exception as exc:
                 log.debug("could not report the failed restore: %s", exc)
 
-    def shutdown(self) -> None:
+    def shutdown(self, exiting: bool = False) -> None:
+        """Leave the job. ``exiting``: the process is ending (at exit, or dismissed); else the
+        script called hvd.shutdown() and goes on. The driver hears which (no heartbeat follows
+        either way, and an ending process may take seconds to tear down)."""
         # The current round's NCCL groups are kept to the end (an abort costs a second; the
         # process's end frees them); aborts already under way are waited for.
         for group in self._round.device_groups.values():
@@ -568,7 +571,7 @@ class Runtime:
             self._sender.close()
             self._sender = None
         if self._control is not None:
-            self._control.stop()  # it ships the last queued events before it ends
+            self._control.stop("exit" if exiting else "shutdown")  # it ships the last queued events first
             self._control.join(timeout=2)
             self._control = None
         if self._client is not None:
@@ -603,7 +606,7 @@ def init() -> Runtime:
                 rounds.uninstall(rt.current_round)  # collectives: "not initialized", as before
                 raise
             _runtime = rt
-            atexit.register(shutdown)
+            atexit.register(shutdown, exiting=True)
             if not rt.standalone:
                 _install_excepthook(rt)
                 _install_sigterm(rt)
@@ -707,9 +710,10 @@ def is_initialized() -> bool:
     return _runtime is not None
 
 
-def shutdown() -> None:
+def shutdown(exiting: bool = False) -> None:
+    """Leave the job (hvd.shutdown(); at exit with ``exiting``: see :meth:`Runtime.shutdown`)."""
     global _runtime
     with _init_lock:
         if _runtime is not None:
-            _runtime.shutdown()
+            _runtime.shutdown(exiting)
             _runtime = None

@@ -81,3 +81,21 @@ def test_a_quiet_job_says_how_it_goes_and_routine_copies_stay_off_the_console(jo
     assert sum("durable copy" in line and "written" in line for line in r.stderr.splitlines()) == 1, r.stderr
     # graceful ends are not errors: no worker writes "exiting" on its stderr
     assert "exiting." not in r.stderr, r.stderr
+
+
+def test_a_slow_teardown_after_the_script_is_no_hang(job):
+    """32 ranks on 2 cores take seconds to tear their interpreters down (torch frees its memory,
+    libraries run destructors): no heartbeat comes then, and the job must not call them hung.
+    Here an exit handler that runs after elasticrun's (registered before hvd.init()) takes 3 s
+    against a 1 s heartbeat timeout; and a rank that calls hvd.shutdown() and then works on
+    (post-processing) is not killed either."""
+    script = job.tmp / "slow_exit.py"
+    script.write_text(
+        "import atexit, time\nimport torch\nimport elasticrun.torch as hvd\n"
+        "atexit.register(time.sleep, 3)\n"
+        "hvd.init()\nhvd.allreduce(torch.ones(1))\n"
+        "if hvd.rank() == 1:\n    hvd.shutdown()\n    time.sleep(3)\n    print('post-processing done', flush=True)\n")
+    r = job.run(["-np", "2", "-H", "localhost:2", "--heartbeat-timeout", "1"], [sys.executable, str(script)])
+    assert r.returncode == 0, r.output
+    assert "post-processing done" in r.stdout, r.output
+    assert "no heartbeat" not in r.stderr and "training finished" in r.stderr, r.stderr

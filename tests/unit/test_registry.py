@@ -22,6 +22,7 @@ from elasticrun.discovery.host_manager import HostManager, cooldown_delay
 from elasticrun.driver.assignment import assign
 from elasticrun.driver.stragglers import Pace
 from elasticrun.driver.registry import (
+    EXIT_GRACE,
     AbortRound,
     Assign,
     Dismiss,
@@ -692,6 +693,51 @@ class TestHeartbeat:
         assert "ghost" not in job.reg.workers
 
 
+class TestGoodbye:
+    """A worker's last heartbeat says goodbye: its silence after it is no hang."""
+
+    def test_ending_process_gets_its_teardown_then_finishes(self):
+        job = Job(np=2, heartbeat_timeout=5.0)
+        job.start({"a": 1, "b": 1}, at=0)
+        for w in ("w0", "w1"):
+            job.reg.heartbeat(w, 1.0, bye="exit")
+        assert job.reg.next_deadline() == 1.0 + EXIT_GRACE  # no heartbeat deadline any more
+        assert control(job.tick(20.0)) == []  # 19 s of teardown: no "sent no heartbeat"
+        job.exit("w0", 0, at=21.0)
+        acts = job.exit("w1", 0, at=22.0)
+        finish = of(acts, Finish)
+        assert finish and finish[0].ok and finish[0].complete
+
+    def test_ending_process_stuck_in_teardown_is_killed_and_said(self):
+        job = Job(np=2, heartbeat_timeout=5.0)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.reg.heartbeat("w0", 1.0, bye="exit")
+        job.reg.heartbeat("w1", 1.0)
+        job.exit("w1", 0, at=2.0)
+        assert control(job.tick(1.0 + EXIT_GRACE - 0.1)) == []
+        acts = job.tick(1.0 + EXIT_GRACE)
+        assert of(acts, Kill) == [Kill("w0", "exit timeout")]
+        message = events(acts, "worker_failed")[0].message
+        assert "did not exit within" in message and "teardown" in message
+        assert job.state("w0") is WorkerState.FAILED
+
+    def test_a_worker_that_called_shutdown_runs_on_unwatched(self):
+        job = Job(np=1, heartbeat_timeout=5.0)
+        job.start({"a": 1}, at=0)
+        job.reg.heartbeat("w0", 1.0, bye="shutdown")
+        assert job.reg.next_deadline() is None
+        assert control(job.tick(3600.0)) == []  # the user's post-processing, however long
+        assert job.state("w0") is WorkerState.RUNNING
+        finish = of(job.exit("w0", 0, at=3601.0), Finish)
+        assert finish and finish[0].ok
+
+    def test_silence_without_goodbye_is_still_a_hang(self):
+        job = Job(np=1, heartbeat_timeout=5.0)
+        job.start({"a": 1}, at=0)
+        job.reg.heartbeat("w0", 1.0, bye="later")  # not a goodbye this driver knows
+        assert of(job.tick(6.0), Kill) == [Kill("w0", "heartbeat timeout")]
+
+
 # --- limits and timeouts ---------------------------------------------------------------------
 class TestResetLimit:
     @pytest.mark.parametrize("limit", [0, 1, 2, 3])
@@ -1104,7 +1150,8 @@ class RegistryMachine(RuleBasedStateMachine):
         self.job._at(self.job.now + dt)
         for wid in data.draw(st.one_of(st.just(alive), st.lists(st.sampled_from(alive), unique=True)),
                              label="heartbeat"):
-            assert self.reg.heartbeat(wid, self.job.now) is None
+            bye = data.draw(st.sampled_from([None, None, None, "exit", "shutdown"]), label="bye")
+            assert self.reg.heartbeat(wid, self.job.now, bye=bye) is None
         self.check_state()
 
     @precondition(lambda self: any(w.state in LIVE_STATES for w in self.reg.workers.values()))
