@@ -65,7 +65,9 @@ def worker(stop_file: str) -> None:
             state.step += 1
             time.sleep(0.005)  # a short step, so kills land at random points of it
             state.commit()
-            if state.step % 20 == 0 and os.path.exists(stop_file):
+            # Rank 0 alone looks at the stop file and says it to all: ranks looking each for
+            # themselves see it at different steps, and one that leaves first ends the job.
+            if state.step % 20 == 0 and hvd.broadcast_object(os.path.exists(stop_file), 0, "stop"):
                 return
 
     train(state)
@@ -196,7 +198,9 @@ def run_job(args) -> dict[str, list[float]]:
            "--host-discovery-script", script, "--discovery-interval", "0.1", "--events", events,
            "--blacklist-cooldown-range", "1", "1", "--log-level", "WARNING",
            sys.executable, HERE, "--worker", stop_file]
-    driver = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # The driver's console goes to a file: a pipe nobody reads fills (64 KiB) and blocks it.
+    console = open(os.path.join(tmp, "console.log"), "w")
+    driver = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
     journal = Journal(events)
     out: dict[str, list[float]] = {k: [] for k in (
         "kill", "detect", "decide", "rendezvous", "group", "restore+sync", "first_step", "add", "add_stall",
@@ -263,8 +267,12 @@ def run_job(args) -> dict[str, list[float]]:
             first_step_of(full_world(after=changed))
             time.sleep(0.3)
         open(stop_file, "w").close()
-        driver.wait(timeout=60)
+        try:
+            driver.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            sys.exit(f"the job did not end within 60 s of the stop file; its console: {console.name}")
     finally:
+        console.close()
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGTERM)
             driver.wait(timeout=30)
