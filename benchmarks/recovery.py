@@ -1,6 +1,6 @@
 """Recovery time of a real elastic job, split into phases from the job's event log.
 
-    python benchmarks/recovery.py [--trials 20] [--slots 1]
+    python benchmarks/recovery.py [--trials 20] [--slots 1] [--state-mb 0] [--commit-every 1]
 
 One long job on two hosts (``localhost``, ``127.0.0.1``; ``--slots`` workers each) trains a
 tiny model, committing every step. Each trial:
@@ -42,7 +42,7 @@ HERE = os.path.abspath(__file__)
 
 
 # --- the training worker --------------------------------------------------------------------
-def worker(stop_file: str) -> None:
+def worker(stop_file: str, state_mb: int = 0, commit_every: int = 1) -> None:
     import torch
     import torch.nn.functional as F
 
@@ -51,6 +51,8 @@ def worker(stop_file: str) -> None:
     torch.set_num_threads(1)
     hvd.init()
     model = torch.nn.Linear(16, 4)
+    if state_mb:  # state that every newcomer must receive (a buffer: synced, committed, not trained)
+        model.register_buffer("ballast", torch.ones(state_mb << 18))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters())
     state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
@@ -64,7 +66,8 @@ def worker(stop_file: str) -> None:
             opt.step()
             state.step += 1
             time.sleep(0.005)  # a short step, so kills land at random points of it
-            state.commit()
+            if state.step % commit_every == 0:
+                state.commit()
             # Rank 0 alone looks at the stop file and says it to all: ranks looking each for
             # themselves see it at different steps, and one that leaves first ends the job.
             if state.step % 20 == 0 and hvd.broadcast_object(os.path.exists(stop_file), 0, "stop"):
@@ -197,7 +200,8 @@ def run_job(args) -> dict[str, list[float]]:
     cmd = [sys.executable, "-m", "elasticrun", "-np", str(n), "--min-np", str(args.slots), "--max-np", str(n),
            "--host-discovery-script", script, "--discovery-interval", "0.1", "--events", events,
            "--blacklist-cooldown-range", "1", "1", "--log-level", "WARNING",
-           sys.executable, HERE, "--worker", stop_file]
+           sys.executable, HERE, "--worker", stop_file, "--state-mb", str(args.state_mb),
+           "--commit-every", str(args.commit_every)]
     # The driver's console goes to a file: a pipe nobody reads fills (64 KiB) and blocks it.
     console = open(os.path.join(tmp, "console.log"), "w")
     driver = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
@@ -304,17 +308,22 @@ def main() -> None:
                    help="instead: kill trials at 2 hosts x each of these slot counts (e.g. 1,2,4,8: 2 to 16 "
                         "ranks), each against a floor of its own size")
     p.add_argument("--keep-events", metavar="FILE", help="copy the job's event log there (for elasticrun timeline)")
+    p.add_argument("--state-mb", type=int, default=0,
+                   help="add this many MiB to the state (a model buffer): what a newcomer's sync carries")
+    p.add_argument("--commit-every", type=int, default=1, help="commit every N steps (1)")
     p.add_argument("--worker", metavar="STOP_FILE", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker)
+        worker(args.worker, args.state_mb, args.commit_every)
         return
     if args.sweep:
         sweep(args)
         return
     floor = reform_floor()
     out = run_job(args)
-    print(f"2 hosts x {args.slots} slot(s), tiny model, commit every step; {args.trials} kill trials, "
+    size = f"tiny model + {args.state_mb} MiB of state" if args.state_mb else "tiny model"
+    every = "every step" if args.commit_every == 1 else f"every {args.commit_every} steps"
+    print(f"2 hosts x {args.slots} slot(s), {size}, commit {every}; {args.trials} kill trials, "
           f"{args.graceful} graceful removals")
     print(f"baseline (this run): form a 2-rank gloo group on a new prefix + one tiny allreduce: "
           f"{floor * 1000:.1f} ms")

@@ -24,7 +24,7 @@ class FakeChannel:
     def start(self) -> None:
         pass
 
-    def stop(self) -> None:
+    def stop(self, bye: str = "exit") -> None:
         pass
 
     def join(self, timeout: float | None = None) -> None:
