@@ -365,12 +365,14 @@ class Registry:
                                           {"host": w.host, "rank": w.rank}))
             return
         if code == 0:
-            training = [m for m in self._live_members() if m is not w]
-            if training and self._ended_early is None and w.round == self.round:
+            # (Checked in this order: when a whole job ends every worker exits, and counting the
+            # members on each exit would cost O(N^2).)
+            if (self._ended_early is None and w.round == self.round
+                    and any(wid != w.id and self.workers[wid].state in _LIVE for wid in self.members.values())):
                 # Horovod's rule stands (one worker's success ends the job), but the summary
                 # must not read as if everyone finished.
                 at = f" at step {w.steps}" if w.steps >= 0 else ""
-                n = len(training)
+                n = sum(1 for m in self._live_members() if m is not w)
                 self._ended_early = (f"rank {w.rank} exited 0{at} while {n} rank{'s' if n != 1 else ''} "
                                      f"{'was' if n == 1 else 'were'} training")
             w.state = WorkerState.SUCCEEDED
