@@ -239,6 +239,9 @@ class Registry:
         self.plain = False
         self._first_success: int | None = None  # the rank of the first worker that finished
         self.stragglers = StragglerDetector()  # the workers' paces -> hosts that drag the job
+        # (inputs, result) of the last _target(): (host order, max_np, survivors) -> places
+        self._target_cache: tuple[tuple[list[tuple[str, int]], int | None, dict[tuple[str, int], int]],
+                                  list[SlotInfo]] | None = None
 
     # --- events: they only record ----------------------------------------------------------
     def discovered(self, hosts: Mapping[str, int], now: float, draining: Collection[str] = ()) -> None:
@@ -548,10 +551,17 @@ class Registry:
         return survivors + [hs for hs in available if hs[0] not in lowest]
 
     def _target(self) -> list[SlotInfo]:
-        """Every usable slot up to max_np: where workers should run."""
+        """Every usable slot up to max_np: where workers should run (not to be modified).
+
+        Recomputed only when its inputs changed: while N workers trickle in for a round, the
+        inputs stay the same and building N places each time was half of every decision."""
         survivors = {w.key: w.rank for w in (self.workers[wid] for wid in self.members.values())
                      if w.state in _LIVE}
-        return assign(self._assignment_order(), self.config.max_np, survivors)
+        order = self._assignment_order()
+        key = (order, self.config.max_np, survivors)
+        if self._target_cache is None or self._target_cache[0] != key:
+            self._target_cache = (key, assign(order, self.config.max_np, survivors))
+        return self._target_cache[1]
 
     def _by_key(self) -> dict[tuple[str, int], WorkerRecord]:
         return {w.key: w for w in self.workers.values() if w.state not in _GONE}
