@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
         from elasticrun import timeline
 
         return timeline.main(argv[1:])
-    from elasticrun.driver.cli import main as run_job
+    from elasticrun.driver.cli.command import main as run_job
 
     return run_job(argv)
 

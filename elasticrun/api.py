@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import cloudpickle
 
-from elasticrun.driver.driver import JobFailed
+from elasticrun.common.errors import JobFailed
 from elasticrun.driver.functions import FunctionService, Result
 from elasticrun.driver.registry import WorkerRecord
 
@@ -136,7 +136,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
     if discovery is not None and options.get("ray_address") is not None:
         raise ValueError("discovery= cannot be combined with ray_address=: give one host source")
 
-    from elasticrun.driver.cli import settings_from_keywords
+    from elasticrun.driver.cli.command import settings_from_keywords
 
     keywords, command = _horovod_keywords(dict(options, np=np, min_np=min_np, max_np=max_np, hosts=hosts,
                                                hostfile=hostfile, discovery_script=discovery_script))
@@ -148,29 +148,15 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
     except Exception as exc:
         raise TypeError(f"the function or its arguments cannot be pickled: {exc}") from exc
 
-    from elasticrun.discovery.sources import CallableDiscovery, FixedHosts, ScriptDiscovery
+    from elasticrun.driver.compose import job_parts
     from elasticrun.driver.driver import ElasticDriver
-    from elasticrun.driver.launchers import Launchers
-
-    source: Any = None
-    if discovery is not None:
-        source = CallableDiscovery(discovery, settings.discovery_timeout)
-    elif settings.discovery_script:
-        source = ScriptDiscovery(settings.discovery_script, settings.slots_per_host, settings.discovery_timeout)
-    elif not settings.ray_address:
-        assert settings.hosts is not None
-        source = FixedHosts(settings.hosts)
 
     threads_before = set(threading.enumerate())
     functions = FunctionService(payload, [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")])
     with _driver_logging(settings.log_level), contextlib.ExitStack() as stack:
         try:
-            launcher: Any = Launchers(settings)
-            if settings.ray_address:  # ray_address="auto": Ray's nodes are the hosts (docs/ray.md)
-                from elasticrun.driver.ray_launcher import RaySession
-
-                ray = stack.enter_context(RaySession(settings))
-                source, launcher = ray.discovery, ray.launcher
+            # ray_address="auto": Ray's nodes are the hosts (docs/ray.md)
+            source, launcher = job_parts(settings, stack, discovery)
             driver = ElasticDriver(settings, source, launcher, services=[functions])
             code = driver.run()
         except JobFailed as exc:

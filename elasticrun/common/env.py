@@ -34,4 +34,3 @@ LOG_LEVEL = "ELASTICRUN_LOG_LEVEL"
 SIGTERM_GRACE = "ELASTICRUN_SIGTERM_GRACE"  # a worker told to stop leaves gracefully within this
 BACKEND = "ELASTICRUN_BACKEND"  # --backend: auto, gloo or nccl (what carries CUDA tensors)
 
-ASSIGNMENT_VARS = (HOSTNAME, RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE)

@@ -66,7 +66,7 @@ class JobSettings:
     log_level: str = "INFO"
     worker_log_level: str = "WARNING"
     extra_env: dict[str, str] = field(default_factory=dict)  # -x NAME[=VALUE], for every worker
-    # Launching on other machines (elasticrun/driver/launchers.py, ssh.py, network.py, environment.py).
+    # Launching on other machines (elasticrun/driver/launch/launchers.py, ssh.py, network.py, environment.py).
     launcher: str = "auto"  # auto | local | ssh
     ssh_port: int = 22
     ssh_user: str | None = None  # default: the current user (or user@host)
@@ -81,13 +81,13 @@ class JobSettings:
     # Warm worker start (elasticrun/worker/template.py): fork workers from a per-host template.
     warm_start: bool = True  # --no-warm-start: every worker a new process
     preload: tuple[str, ...] = ()  # --preload: modules the templates import besides torch and elasticrun
-    # On a Ray cluster (elasticrun/discovery/ray_nodes.py, driver/ray_launcher.py): hosts are its
+    # On a Ray cluster (elasticrun/discovery/ray_nodes.py, driver/launch/ray_launcher.py): hosts are its
     # nodes, workers start through Ray; what each worker needs of a node's resources.
     ray_address: str | None = None  # --ray-address: "auto" or the cluster's address
     ray_cpus_per_worker: float = 1.0
     ray_gpus_per_worker: float = 0.0
     ray_resources: dict[str, float] = field(default_factory=dict)  # custom resources per worker
-    # horovodrun's own flags (driver/parser.py add_horovodrun_arguments).
+    # horovodrun's own flags (driver/cli/parser.py add_horovodrun_arguments).
     timeline_filename: str | None = None  # --timeline-filename: rank 0's Chrome trace (HOROVOD_TIMELINE)
     timeline_mark_cycles: bool = False
     prefix_output_with_timestamp: bool = False  # the console's worker lines start with the time

@@ -2,7 +2,7 @@
 
 A *template* (``elasticrun/worker/template.py``) is a process per host that has imported
 torch and elasticrun once and forks every new worker of that host. The launchers (the local
-one in ``driver/launcher.py`` and ``driver/warm.py``; the remote bootstrap for SSH hosts) ask
+one in ``driver/launch/local.py`` and ``driver/launch/warm.py``; the remote bootstrap for SSH hosts) ask
 it over a unix socket. This module holds what both sides must agree on, with no I/O:
 
 * :func:`python_command`: whether a worker command is ``python [-u] SCRIPT ARGS...`` or

@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol, Sequence
 import zmq
 
 from elasticrun.common.auth import PUB_MAX_FRAME_BYTES, CurveUnavailable, JobKeys, ZapAuthenticator, secure_server
+from elasticrun.common.errors import JobFailed
 from elasticrun.common.events import FIELDS, WORKER_KINDS, EventLog, Kind
 from elasticrun.common.hosts import HostList
 from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, Message, ProtocolError, new_sender_id
@@ -30,12 +31,12 @@ from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.host_manager import HostManager
 from elasticrun.discovery.sources import DiscoveryError
 from elasticrun.driver import registry as reg
-from elasticrun.driver import checkpoints
-from elasticrun.driver.durable import CopySchedule, DurableService
+from elasticrun.driver.durable import checkpoints
+from elasticrun.driver.durable.service import CopySchedule, DurableService
 from elasticrun.driver.environment import worker_environment
 from elasticrun.driver.functions import Service
 from elasticrun.driver.kvstore import KVStore
-from elasticrun.driver.launchers import Launcher, Launchers
+from elasticrun.driver.launching import Launcher
 from elasticrun.driver.network import DriverEndpoints, driver_bind_address, zmq_endpoint
 from elasticrun.driver.notifications import Notifications
 from elasticrun.driver.output import OutputSink
@@ -63,14 +64,6 @@ FINAL_COPY_LIMIT = 20.0
 COMMIT_NEWS = 1.5
 #: What the stop needs beyond the copy and the workers' grace (the last output, the sockets).
 STOP_MARGIN = 3.0
-
-
-class JobFailed(Exception):
-    """The job ended unsuccessfully; the message is the paragraph shown to the user."""
-
-    def __init__(self, message: str, exit_code: int = 1):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 class _Interrupted(Exception):
@@ -102,13 +95,39 @@ def _receive(sock: zmq.Socket, keep: int = 2) -> tuple[list[bytes], int]:
     return parts, n
 
 
+#: Descriptors the driver holds per worker: three connections (requests, heartbeats,
+#: notifications) and, for a local worker, its output pipes and key pipe.
+FDS_PER_WORKER = 6
+
+
+def _raise_open_file_limit(workers: int) -> None:
+    """Lift the soft limit on open files to the hard one: many systems default to 1024, which a
+    driver of a few hundred workers exhausts (connections then fail where nothing says why).
+    Says so once if even the hard limit is short of what ``workers`` need."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = FDS_PER_WORKER * workers + 256
+    if soft < need and soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else need, hard))
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < need:
+        log.warning("the open-file limit (%d) is short of the ~%d that %d workers need: raise it (`ulimit -n %d`) "
+                    "before starting elasticrun", soft, need, workers, need)
+
+
 class ElasticDriver:
     """Runs one elastic job to completion. ``run()`` returns the exit code."""
 
-    def __init__(self, settings: JobSettings, source: Source, launcher: Launcher | None = None,
+    def __init__(self, settings: JobSettings, source: Source, launcher: Launcher,
                  services: Sequence[Service] = ()):
-        """``launcher`` starts the workers (default: :class:`Launchers`, by ``--launcher``:
-        child processes on this machine, SSH elsewhere); the driver binds it to itself.
+        """``launcher`` starts the workers (``driver/compose.py`` picks it for the command line
+        and ``elasticrun.run()``); the driver binds it to itself and never builds one.
         ``services`` handle request types of their own (e.g. elasticrun.run()'s function)."""
         self.settings = settings
         self.source = source
@@ -137,7 +156,7 @@ class ElasticDriver:
         self._sink = OutputSink(self._rank_of, settings.output_filename,
                                 timestamps=settings.prefix_output_with_timestamp, limited=self._limited)
         # It reports each worker's end through worker_exited() and its output to the sink.
-        self._launcher: Launcher = launcher if launcher is not None else Launchers(settings)
+        self._launcher = launcher
         self._launcher.bind(self.worker_exited, self._sink)
         self._pending_rdzv: dict[str, _Pending] = {}
         self._notifications = Notifications()
@@ -185,6 +204,7 @@ class ElasticDriver:
             self._launcher.stop_all(0.0)  # nothing runs yet but, perhaps, a warm-start template
             self._close_checkpoints()
             raise
+        _raise_open_file_limit(self.settings.max_np or self.settings.np)
         ctx = zmq.Context()
         # Only the job's workers get in: both sockets are CURVE servers, and this ZAP handler
         # (bound before them) admits only the job's client key, so no frame of anyone else ever

@@ -206,7 +206,7 @@ def test_first_discovery_failure_raises(tag):
     (dict(np=1, hosts="localhost", launcher="rsh"), ["-np", "1", "-H", "localhost", "--launcher", "rsh"]),
 ])
 def test_bad_arguments_raise_the_command_lines_message(kwargs, argv, capsys):
-    from elasticrun.driver.cli import parse_settings
+    from elasticrun.driver.cli.command import parse_settings
 
     with pytest.raises(SystemExit):
         parse_settings(argv + ["python", "train.py"])
@@ -299,7 +299,7 @@ def test_ctrl_c_stops_the_job_and_restores_the_handler(tag):
      ["-np", "1", "-H", "localhost", "--no-forward-env", "--elastic-timeout", "5", "--heartbeat-timeout", "1.5"]),
 ])
 def test_keywords_mean_what_the_flags_mean(kwargs, argv):
-    from elasticrun.driver.cli import parse_settings, settings_from_keywords
+    from elasticrun.driver.cli.command import parse_settings, settings_from_keywords
 
     assert settings_from_keywords(kwargs, ["cmd"]) == parse_settings(argv + ["cmd"])
 
@@ -324,7 +324,7 @@ def test_function_the_workers_cannot_import_fails_with_their_traceback(tag, tmp_
 
 
 def test_durable_copy_keywords_mean_what_the_flags_mean(tmp_path):
-    from elasticrun.driver.cli import parse_settings, settings_from_keywords
+    from elasticrun.driver.cli.command import parse_settings, settings_from_keywords
 
     ckpt = str(tmp_path / "ckpt")
     kw = settings_from_keywords(dict(np=1, hosts="localhost", checkpoint_dir=ckpt, checkpoint_interval=5,
@@ -337,7 +337,7 @@ def test_durable_copy_keywords_mean_what_the_flags_mean(tmp_path):
 @pytest.mark.parametrize("nics", [["lo", "lo"], "lo", ("lo",)])
 def test_horovod_nics_keywords_mean_the_network_interfaces_flag(nics):
     from elasticrun.api import _horovod_keywords
-    from elasticrun.driver.cli import parse_settings, settings_from_keywords
+    from elasticrun.driver.cli.command import parse_settings, settings_from_keywords
 
     options, _ = _horovod_keywords({"np": 1, "hosts": "localhost", "nics": nics})
     flags = parse_settings(["-np", "1", "-H", "localhost", "--network-interfaces", "lo", "cmd"])

@@ -66,7 +66,7 @@ def test_long_aliases_and_module_entry_point():
 
 def test_horovodrun_spellings(tmp_path):
     """horovodrun's single-dash -hostfile and its TRACE / FATAL log levels are accepted."""
-    from elasticrun.driver.cli import parse_settings
+    from elasticrun.driver.cli.command import parse_settings
 
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=2\n")

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from elasticrun.common import env as protocol_env
-from elasticrun.driver import config
-from elasticrun.driver.cli import parse_settings
+from elasticrun.driver.cli import config
+from elasticrun.driver.cli.command import parse_settings
 from sshd import ssh_server  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(120)
@@ -91,7 +91,7 @@ def test_env_names_never_collide_with_the_worker_protocol():
     assert protocol and not (set(config.ENV_VARS) & protocol)
     # Nor Horovod's names with what the driver sets for workers (a job started from a worker).
     from elasticrun.driver.environment import shared_environment, worker_environment
-    from elasticrun.driver.cli import parse_settings as parse
+    from elasticrun.driver.cli.command import parse_settings as parse
     from elasticrun.driver.assignment import SlotInfo
 
     s = parse(["-np", "1", "--timeline-filename", "/tmp/x.json", "python", "x.py"])
@@ -127,7 +127,7 @@ def test_protocol_variables_in_the_environment_are_not_read(tmp_path, no_elastic
 def test_evict_stragglers_from_file_env_flag_and_keyword(tmp_path, no_elasticrun_env):
     """Issue 16: --evict-stragglers, ``evict-stragglers = true``, ELASTICRUN_EVICT_STRAGGLERS and
     ``elasticrun.run(evict_stragglers=True)`` mean one thing."""
-    from elasticrun.driver.cli import settings_from_keywords
+    from elasticrun.driver.cli.command import settings_from_keywords
 
     base = ["-np", "1", "-H", "localhost"]
     assert parse_settings([*base, "python", "x.py"]).evict_stragglers is False

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from elasticrun.driver import check
-from elasticrun.driver.cli import parse_settings
+from elasticrun.driver.cli import check
+from elasticrun.driver.cli.command import parse_settings
 from elasticrun.driver.environment import shared_environment
-from elasticrun.driver.parser import IGNORED_HOROVODRUN_FLAGS
+from elasticrun.driver.cli.parser import IGNORED_HOROVODRUN_FLAGS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -97,7 +97,7 @@ def test_timeline_flag_settings(tmp_path, capsys):
 
 
 def test_run_keywords():
-    from elasticrun.driver.cli import settings_from_keywords
+    from elasticrun.driver.cli.command import settings_from_keywords
 
     s = settings_from_keywords({"np": 1, "hosts": "localhost:1", "prefix_output_with_timestamp": True,
                                 "gloo_timeout_seconds": 9}, ["python", "x.py"])

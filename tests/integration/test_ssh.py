@@ -18,7 +18,7 @@ import time
 import pytest
 
 from conftest import PROGRESS_DISCOVERY, tagged_pids
-from elasticrun.driver.ssh import SSHLauncher, SSHOptions
+from elasticrun.driver.launch.ssh import SSHLauncher, SSHOptions
 from sshd import cmdline, descendants, ssh_server, sshd_clean  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.timeout(120)

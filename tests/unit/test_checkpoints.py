@@ -1,6 +1,6 @@
 """The durable copies on the driver's disk: atomic, checksummed, signed, the newest two of a
 lineage kept, a broken copy never taken for a whole one, and a directory trusted only when it
-is the user's alone (elasticrun/driver/checkpoints.py)."""
+is the user's alone (elasticrun/driver/durable/checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from elasticrun.driver import checkpoints as ck
+from elasticrun.driver.durable import checkpoints as ck
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -163,7 +163,7 @@ def test_the_lock_admits_one_job_and_names_the_holder(tmp_path):
 
 def test_a_dead_holders_lock_is_taken_over(tmp_path):
     path = str(tmp_path / "ckpt")
-    code = ("import os, sys; from elasticrun.driver import checkpoints as ck; "
+    code = ("import os, sys; from elasticrun.driver.durable import checkpoints as ck; "
             f"d = ck.CheckpointDir.open({path!r}); d.lock('gone'); os.kill(os.getpid(), 9)")
     assert subprocess.run([os.sys.executable, "-c", code]).returncode == -9
     d = ck.CheckpointDir.open(path)
@@ -282,7 +282,7 @@ def test_numbers_continue_after_copies_of_earlier_jobs(cdir):
 
 
 def test_copies_are_asked_for_at_once_then_every_interval():
-    from elasticrun.driver.durable import CopySchedule
+    from elasticrun.driver.durable.service import CopySchedule
 
     s = CopySchedule(60.0)
     assert s.due(0.0) and s.next_deadline() is None

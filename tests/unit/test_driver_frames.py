@@ -21,6 +21,7 @@ from elasticrun.discovery.sources import FixedHosts
 from elasticrun.driver.driver import ElasticDriver, _receive
 from elasticrun.driver.functions import FunctionService
 from elasticrun.driver.kvstore import KVStore
+from elasticrun.driver.launch.launchers import Launchers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,7 +57,8 @@ _SEQ = itertools.count(1)  # one sequence for every frame the tests forge: none 
 @pytest.fixture(scope="module")
 def driver():
     d = ElasticDriver(JobSettings(command=["true"], np=1, min_np=1, max_np=1, hosts={"localhost": 1}),
-                      FixedHosts({"localhost": 1}), services=[FunctionService(b"x" * 100, [])])
+                      FixedHosts({"localhost": 1}), Launchers(JobSettings(command=["true"], np=1, min_np=1, max_np=1)),
+                      services=[FunctionService(b"x" * 100, [])])
     d._router, d._pub = _Socket(), _Socket()
     d._rx = Codec(d._keys.secret, d.job_id, "driver-rx")
     d._pub_codec = Codec(d._keys.secret, d.job_id, "driver-pub")

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elasticrun.common.auth import JobKeys, ZapAuthenticator
-from elasticrun.driver import checkpoints as ck
-from elasticrun.driver.durable import DurableService
+from elasticrun.driver.durable import checkpoints as ck
+from elasticrun.driver.durable.service import DurableService
 from elasticrun.worker import durable
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,10 +1,10 @@
-"""horovodrun's YAML --config-file, read without a YAML library (elasticrun/driver/horovod_config.py)."""
+"""horovodrun's YAML --config-file, read without a YAML library (elasticrun/driver/cli/horovod_config.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from elasticrun.driver.horovod_config import parse_yaml_sections, to_options
+from elasticrun.driver.cli.horovod_config import parse_yaml_sections, to_options
 
 pytestmark = pytest.mark.timeout(30)
 

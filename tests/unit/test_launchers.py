@@ -1,4 +1,4 @@
-"""The Launcher protocol, the local/SSH router (elasticrun/driver/launchers.py), and a driver
+"""The Launcher protocol, the local/SSH router (elasticrun/driver/launch/launchers.py), and a driver
 that is given its launcher: it binds it, launches through it, hears exits from it and stops it."""
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ import time
 import pytest
 
 from elasticrun.common import env as envvars
+from elasticrun.common.errors import JobFailed
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.sources import FixedHosts
-from elasticrun.driver.driver import ElasticDriver, JobFailed
-from elasticrun.driver.launchers import Launcher, Launchers
+from elasticrun.driver.driver import ElasticDriver
+from elasticrun.driver.launch.launchers import Launchers
+from elasticrun.driver.launching import Launcher
 
 pytestmark = pytest.mark.timeout(60)
 

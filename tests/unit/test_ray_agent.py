@@ -1,4 +1,4 @@
-"""The worker agent of the Ray launcher (elasticrun/driver/ray_agent.py), without Ray: it is a
+"""The worker agent of the Ray launcher (elasticrun/driver/launch/ray_agent.py), without Ray: it is a
 plain class that Ray runs as an actor. It starts a worker through the detached watchdog,
 hands it the keys sealed for this agent only, streams its output, reports its exit, signals
 its group, and leaves nothing behind when it dies or the driver goes silent."""
@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("nacl", reason="PyNaCl is not installed: pip install 'ray==2.60.0' 'pynacl>=1.5'")
 
-from elasticrun.driver.ray_agent import WorkerAgent, seal  # noqa: E402
+from elasticrun.driver.launch.ray_agent import WorkerAgent, seal  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -140,7 +140,7 @@ def test_a_missing_directory_or_command_is_reported_not_raised(agents, tmp_path)
 
 AGENT_PROCESS = textwrap.dedent("""
     import os, sys, time
-    from elasticrun.driver.ray_agent import WorkerAgent, seal
+    from elasticrun.driver.launch.ray_agent import WorkerAgent, seal
     agent = WorkerAgent("job", "w1", silence_limit=float(sys.argv[2]))
     hello = agent.hello()
     agent.start([sys.executable, "-c", sys.argv[1], "wait"],

@@ -23,7 +23,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
 
 def test_ray_address_without_ray_is_one_line_naming_the_extra():
     r = _python(WITHOUT_RAY + textwrap.dedent("""
-        from elasticrun.driver.cli import main
+        from elasticrun.driver.cli.command import main
         main(["--ray-address", "auto", "-np", "2", "python", "-c", "pass"])
     """))
     assert r.returncode == 2, r.stderr
@@ -45,7 +45,7 @@ def test_elasticrun_run_with_ray_address_without_ray_raises_naming_the_extra():
 
 def test_check_with_ray_address_without_ray_fails_that_line():
     r = _python(WITHOUT_RAY + textwrap.dedent("""
-        from elasticrun.driver.cli import main
+        from elasticrun.driver.cli.command import main
         raise SystemExit(main(["--check", "--ray-address", "auto"]))
     """))
     assert "FAIL  ray: not installed (pip install 'ray==2.60.0' 'pynacl>=1.5')" in r.stdout, r.stdout + r.stderr
@@ -66,8 +66,10 @@ def test_a_directory_named_ray_is_no_installation(tmp_path):
 def test_the_driver_imports_neither_ray_nor_torch_without_ray_address():
     r = _python("""
         import sys
-        from elasticrun.driver.cli import parse_settings
-        from elasticrun.driver import driver, launchers, check  # noqa: F401
+        from elasticrun.driver.cli.command import parse_settings
+        from elasticrun.driver import driver  # noqa: F401
+        from elasticrun.driver.cli import check  # noqa: F401
+        from elasticrun.driver.launch import launchers  # noqa: F401
         s = parse_settings(["-np", "2", "--min-np", "1", "python", "-c", "pass"])
         assert s.ray_address is None
         print(sorted(m for m in ("ray", "torch", "nacl") if m in sys.modules))
@@ -78,7 +80,7 @@ def test_the_driver_imports_neither_ray_nor_torch_without_ray_address():
 
 def test_ray_address_from_the_flag_the_config_file_and_the_environment(tmp_path, monkeypatch):
     from elasticrun.discovery.ray_nodes import ray_missing
-    from elasticrun.driver.cli import parse_settings
+    from elasticrun.driver.cli.command import parse_settings
 
     if ray_missing():
         pytest.skip("ray is not installed: pip install 'ray==2.60.0' 'pynacl>=1.5'")
@@ -96,7 +98,7 @@ def test_ray_address_from_the_flag_the_config_file_and_the_environment(tmp_path,
 
 def test_a_ray_client_address_is_refused_in_one_line():
     from elasticrun.discovery.ray_nodes import ray_missing
-    from elasticrun.driver.cli import parse_settings
+    from elasticrun.driver.cli.command import parse_settings
 
     if ray_missing():
         pytest.skip("ray is not installed: pip install 'ray==2.60.0' 'pynacl>=1.5'")

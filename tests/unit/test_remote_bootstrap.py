@@ -1,4 +1,4 @@
-"""The remote bootstrap (elasticrun/driver/remote_bootstrap.py), here without sshd.
+"""The remote bootstrap (elasticrun/driver/launch/remote_bootstrap.py), here without sshd.
 
 First its rules (Python 3.6 syntax, standard library only, nothing of elasticrun: it runs in
 whatever ``--remote-python`` is) and its pieces, imported and called directly. Then the whole
@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from elasticrun.common import env as envvars
-from elasticrun.driver import remote_bootstrap as rb
-from elasticrun.driver import ssh
+from elasticrun.driver.launch import remote_bootstrap as rb
+from elasticrun.driver.launch import ssh
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,7 +39,7 @@ SOURCE = Path(rb.__file__).read_text(encoding="utf-8")
 # --- its rules ------------------------------------------------------------------------------------
 def test_it_is_what_the_ssh_launcher_sends():
     assert ssh.bootstrap_source() == SOURCE
-    assert importlib.resources.files("elasticrun.driver").joinpath("remote_bootstrap.py").is_file()
+    assert importlib.resources.files("elasticrun.driver.launch").joinpath("remote_bootstrap.py").is_file()
     assert json.loads(ssh.launch_payload(["true"], {}, "/", 1.0, MARK).split(b"\n")[0]) == SOURCE
 
 

@@ -12,7 +12,9 @@ import shlex
 
 import pytest
 
-from elasticrun.driver import cli, ssh
+from elasticrun.driver.cli import command as cli
+
+from elasticrun.driver.launch import ssh
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -99,10 +99,48 @@ def test_no_import_cycles():
     assert not found, "import cycles: " + "; ".join(" -> ".join(c) for c in found)
 
 
-def test_the_driver_loop_imports_nothing_of_ssh_and_no_one_imports_the_bootstrap():
+def reach(g: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for n in g.get(todo.pop(), ()):
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return seen
+
+
+def in_room(module: str, *rooms: str) -> bool:
+    return any(module == f"elasticrun.driver.{r}" or module.startswith(f"elasticrun.driver.{r}.") for r in rooms)
+
+
+def test_the_loop_reaches_nothing_of_launching_ssh_or_the_command_line():
+    """The loop is handed its launcher (driver/launching.py says what it needs); the rooms that
+    start processes, talk SSH or Ray, or read flags are not below it, not even transitively."""
     g = graph()
-    assert "elasticrun.driver.ssh" not in g["elasticrun.driver.driver"]
-    assert not any("elasticrun.driver.remote_bootstrap" in targets for targets in g.values())  # sent as text
+    for core in ("elasticrun.driver.driver", "elasticrun.driver.registry"):
+        bad = sorted(m for m in reach(g, core) if in_room(m, "launch", "cli", "compose"))
+        assert not bad, f"{core} reaches {bad}"
+    assert "elasticrun.driver.launch.ssh" in reach(g, "elasticrun.driver.compose")  # the check can fail
+
+
+def test_each_room_of_the_driver_looks_only_down():
+    """cli/ composes everything; launch/ and durable/ serve the loop and never reach up into
+    it or the command line; durable/ starts no process."""
+    g = graph()
+    bad = []
+    for m, targets in g.items():
+        if in_room(m, "launch"):
+            bad += [f"{m} -> {t}" for t in targets if in_room(t, "cli", "compose", "driver", "durable")]
+        if in_room(m, "durable"):
+            bad += [f"{m} -> {t}" for t in targets if in_room(t, "cli", "compose", "driver", "launch")]
+    assert not bad, bad
+
+
+def test_no_one_imports_the_bootstrap():
+    g = graph()
+    assert not any("elasticrun.driver.launch.remote_bootstrap" in targets for targets in g.values())  # sent as text
 
 
 ALLOWED = {

@@ -1,5 +1,5 @@
 """The warm-start template (elasticrun/worker/template.py) as a real process, asked through the
-driver's client (elasticrun/driver/warm.py). ``--bare`` templates import nothing heavy (the
+driver's client (elasticrun/driver/launch/warm.py). ``--bare`` templates import nothing heavy (the
 imports of torch are the integration tests'); the mechanics are the same: a forked worker runs
 its script as ``python script.py`` would, in its own session, with its own descriptors and
 environment, and reports its exit; everything else starts fresh; nothing outlives the template."""
@@ -19,7 +19,7 @@ import pytest
 
 from elasticrun.common import env as envvars
 from elasticrun.common import secretpipe
-from elasticrun.driver import warm
+from elasticrun.driver.launch import warm
 
 pytestmark = pytest.mark.timeout(60)
 

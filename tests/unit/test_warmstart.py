@@ -12,13 +12,14 @@ from elasticrun.common import env as envvars
 from elasticrun.common import warmstart
 from elasticrun.common.settings import JobSettings
 from elasticrun.common.warmstart import PythonCommand, python_command
-from elasticrun.driver import cli, config
-from elasticrun.driver import remote_bootstrap as rb
+from elasticrun.driver.cli import command as cli
+from elasticrun.driver.cli import config
+from elasticrun.driver.launch import remote_bootstrap as rb
 from elasticrun.driver.assignment import SlotInfo
 from elasticrun.driver.environment import shared_environment, worker_environment
-from elasticrun.driver.launchers import Launchers
-from elasticrun.driver.parser import ExitingParser, build_parser
-from elasticrun.driver.warm import parse_ready, template_argv
+from elasticrun.driver.launch.launchers import Launchers
+from elasticrun.driver.cli.parser import ExitingParser, build_parser
+from elasticrun.driver.launch.warm import parse_ready, template_argv
 
 pytestmark = pytest.mark.timeout(60)
 

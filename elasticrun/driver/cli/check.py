@@ -3,7 +3,7 @@
 Like ``horovodrun --check-build``, plus the host checks: for every host of ``-H``,
 ``--hostfile`` or one run of ``--host-discovery-script``, a host of this machine must have a
 Python that imports torch and elasticrun; another host must accept the SSH connection
-(``elasticrun/driver/ssh.py``: same port, user, keys and known_hosts rules as a job), run
+(``elasticrun/driver/launch/ssh.py``: same port, user, keys and known_hosts rules as a job), run
 ``--remote-python`` in the remote working directory and import torch and elasticrun there.
 One line per check; exit status 0 when everything is OK, 1 otherwise (2 for bad arguments).
 """
@@ -23,10 +23,10 @@ from typing import Callable
 from elasticrun.common.hosts import HostSpecError, parse_hostfile, parse_hosts_arg
 from elasticrun.discovery.sources import DiscoveryError, ScriptDiscovery, discovery_command
 from elasticrun.common.version import VERSION
-from elasticrun.driver import config
-from elasticrun.driver.launcher import is_local_host
-from elasticrun.driver.parser import build_parser, read_hostfile
-from elasticrun.driver.ssh import HostConnections, LaunchError, SSHOptions
+from elasticrun.driver.cli import config
+from elasticrun.driver.launch.local import is_local_host
+from elasticrun.driver.cli.parser import build_parser, read_hostfile
+from elasticrun.driver.launch.ssh import HostConnections, LaunchError, SSHOptions
 
 # Run by the (local or remote) Python: argv[1] is the working directory to import from.
 _PROBE = r'''
@@ -269,7 +269,7 @@ def _ray_cluster(a: argparse.Namespace, say: Callable[[str], None]) -> None:
         say(f"FAIL  {' and '.join(ray_missing())}: not installed (pip install 'ray==2.60.0' 'pynacl>=1.5')")
         return
     from elasticrun.discovery.ray_nodes import Requirement, ask_ray, describe_node, host_list
-    from elasticrun.driver.ray_launcher import connect
+    from elasticrun.driver.launch.ray_launcher import connect
 
     try:
         connected = connect(a.ray_address)

@@ -8,6 +8,7 @@ job, ``--check`` or ``elasticrun timeline``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -16,12 +17,16 @@ import socket
 import sys
 from typing import Any, Callable, Mapping, NoReturn
 
+from elasticrun.common.errors import JobFailed
 from elasticrun.common.hosts import MAX_SLOTS_PER_HOST, HostSpecError, parse_hostfile, parse_hosts_arg
 from elasticrun.common.paths import check_writable_dir, check_writable_file
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.sources import FixedHosts, ScriptDiscovery, discovery_command
-from elasticrun.driver import check, checkpoints, config, network
-from elasticrun.driver.parser import (
+from elasticrun.driver import network
+from elasticrun.driver.cli import check
+from elasticrun.driver.durable import checkpoints
+from elasticrun.driver.cli import config
+from elasticrun.driver.cli.parser import (
     IGNORED_HOROVODRUN_FLAGS,
     ExitingParser,
     RaisingParser,
@@ -307,21 +312,13 @@ def main(argv: list[str] | None = None) -> int:
         return check.main(argv)
     settings = parse_settings(argv)
     logging.basicConfig(level=settings.log_level, format="[elasticrun] %(message)s", stream=sys.stderr)
-    from elasticrun.driver.driver import ElasticDriver, JobFailed
-    from elasticrun.driver.launchers import Launchers
+    from elasticrun.driver.compose import job_parts
+    from elasticrun.driver.driver import ElasticDriver
 
     try:
-        if settings.ray_address:  # the same driver; Ray's nodes as hosts, workers started through Ray
-            from elasticrun.driver.ray_launcher import RaySession
-
-            with RaySession(settings) as ray:
-                return ElasticDriver(settings, ray.discovery, ray.launcher).run()
-        if settings.discovery_script:
-            source = ScriptDiscovery(settings.discovery_script, settings.slots_per_host, settings.discovery_timeout)
-        else:
-            assert settings.hosts is not None
-            source = FixedHosts(settings.hosts)
-        return ElasticDriver(settings, source, Launchers(settings)).run()
+        with contextlib.ExitStack() as stack:
+            source, launcher = job_parts(settings, stack)
+            return ElasticDriver(settings, source, launcher).run()
     except JobFailed as exc:
         sys.stderr.write(f"elasticrun: {exc}\n")
         return exc.exit_code

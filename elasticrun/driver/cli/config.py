@@ -17,8 +17,8 @@ import argparse
 import os
 from typing import Any, Mapping
 
-from elasticrun.driver import horovod_config
-from elasticrun.driver.parser import (
+from elasticrun.driver.cli import horovod_config
+from elasticrun.driver.cli.parser import (
     module_list,
     non_negative_int,
     non_negative_number,

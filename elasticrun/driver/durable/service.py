@@ -35,7 +35,7 @@ import zmq
 from elasticrun.common.auth import JobKeys, secure_server
 from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, Message, ProtocolError, new_sender_id
 from elasticrun.common.ratelimit import LimitedLog
-from elasticrun.driver import checkpoints as ck
+from elasticrun.driver.durable import checkpoints as ck
 
 log = logging.getLogger("elasticrun")
 

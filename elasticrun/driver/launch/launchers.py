@@ -1,8 +1,8 @@
-"""What the driver needs from whatever starts its workers, and the launcher it uses by default.
+"""The launcher the command line and ``elasticrun.run()`` give the driver.
 
 The driver decides *which* worker runs *where* (the registry's ``Launch`` actions) and
-*what* it gets (``environment.worker_environment``); a :class:`Launcher` only carries that out
-and reports back. :class:`Launchers` is the one the command line and ``elasticrun.run()``
+*what* it gets (``environment.worker_environment``); a ``Launcher`` (``driver/launching.py``) only carries
+that out and reports back. :class:`Launchers` is the one the command line and ``elasticrun.run()``
 pass: child processes on this machine (``launcher.py``), SSH to other hosts (``ssh.py``).
 Another kind (an agent per node that starts and watches processes, e.g. on Ray) plugs in
 the same way: ``ElasticDriver(settings, source, launcher)``.
@@ -14,69 +14,17 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Protocol, runtime_checkable
 
 from elasticrun.common import warmstart
 from elasticrun.common.settings import JobSettings
 from elasticrun.driver.environment import shared_environment
-from elasticrun.driver.launcher import LocalLauncher, is_local_host
+from elasticrun.driver.launching import OnExit
+from elasticrun.driver.launch.local import LocalLauncher, is_local_host
 from elasticrun.driver.output import Output
-from elasticrun.driver.ssh import SSHLauncher, SSHOptions
-from elasticrun.driver.warm import LocalTemplate, template_argv
+from elasticrun.driver.launch.ssh import SSHLauncher, SSHOptions
+from elasticrun.driver.launch.warm import LocalTemplate, template_argv
 
 log = logging.getLogger("elasticrun")
-
-#: What ``--launcher`` accepts (see :class:`Launchers`).
-LAUNCHER_MODES = ("auto", "local", "ssh")
-
-#: ``on_exit(worker_id, code)``: a worker ended; ``code`` as ``subprocess`` gives it (-N: signal N).
-OnExit = Callable[[str, int], None]
-
-
-@runtime_checkable
-class Launcher(Protocol):
-    """Starts, signals and stops the job's worker processes, wherever they run.
-
-    Every method may be called from the driver's loop and must not block it: ``launch`` and
-    ``signal`` return at once (slow work, such as connecting to a host, happens on the
-    launcher's own threads); ``stop_all`` and ``drain`` are bounded by their arguments.
-    """
-
-    def bind(self, on_exit: OnExit, output: Output) -> None:
-        """Called once by the driver, before any launch: where to report exits and output.
-
-        ``on_exit`` and ``output.write`` may be called from any thread.
-        """
-
-    def is_remote(self, host: str) -> bool:
-        """Whether workers for ``host`` run on another machine: the driver then gives them its
-        forwarded environment and the address of this machine that ``host`` reaches."""
-
-    # Optional: ``network_address(host) -> str``, the name or address of the machine that
-    # ``host``'s workers run on, for the driver to pick the address of its own that they reach
-    # (default: ``host`` itself; the Ray launcher's hosts are node ids, it gives the node's IP).
-
-    def launch(self, worker_id: str, command: list[str], env: dict[str, str], host: str,
-               keys: bytes | None = None) -> None:
-        """Start ``command`` with exactly ``env`` on ``host``.
-
-        ``keys``: the job's key blob, for the worker to read from the pipe named by
-        ``ELASTICRUN_SECRET_FD``; it must never be put in an environment or on a command line.
-        Raises OSError when the worker cannot be started at all (then no ``on_exit`` follows);
-        otherwise it ends in exactly one ``on_exit(worker_id, code)``, however it ends (a failed
-        remote start is a worker exiting with a code, logged with the host and the cause).
-        The worker and everything it starts are one unit for ``signal`` and ``stop_all``.
-        """
-
-    def signal(self, worker_id: str, sig: int) -> None:
-        """Send ``sig`` to the worker and everything it started; nothing if it is gone."""
-
-    def stop_all(self, grace: float) -> None:
-        """Stop every worker: SIGTERM, SIGKILL what is left after ``grace`` seconds."""
-
-    def drain(self, timeout: float) -> None:
-        """Wait at most ``timeout`` seconds for the output of ended workers to be written."""
-
 
 class Launchers:
     """Routes each worker to the local or the SSH launcher, by host and ``--launcher``.

@@ -4,7 +4,7 @@ Each worker runs in its own session (and so its own process group), so that stop
 signals the whole tree it started (data-loader workers, shells, ``torchrun``-style children),
 and so that a Ctrl-C on the driver's terminal reaches only the driver, which then stops the
 workers in order instead of leaving half of them running. Workers start warm (forked by this
-machine's template, ``driver/warm.py``) when they can, as new processes otherwise.
+machine's template, ``driver/launch/warm.py``) when they can, as new processes otherwise.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Callable
 
 from elasticrun.common import secretpipe, warmstart
 from elasticrun.driver.output import Output, pump
-from elasticrun.driver.warm import LocalTemplate, Unavailable, WarmWorker, start_worker
+from elasticrun.driver.launch.warm import LocalTemplate, Unavailable, WarmWorker, start_worker
 
 log = logging.getLogger("elasticrun")
 
@@ -59,7 +59,7 @@ class _Proc:
 class LocalLauncher:
     """Runs workers as child processes; reports each exit through ``on_exit(worker_id, code)``.
 
-    With a :class:`~elasticrun.driver.warm.LocalTemplate`, a worker whose command the template
+    With a :class:`~elasticrun.driver.launch.warm.LocalTemplate`, a worker whose command the template
     can run (``python script.py``, ``python -m module``) is forked by it instead of started as
     a new interpreter: ``launch`` then returns at once and a thread waits (at most
     ``ready_timeout``) for the template, asks it, and waits for the worker's exit, which the

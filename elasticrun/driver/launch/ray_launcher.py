@@ -5,7 +5,7 @@ in-process recovery); only its host source and its launcher change:
 
 * discovery (``elasticrun/discovery/ray_nodes.py``): Ray's alive nodes, by node id, with slots
   from their free resources; nodes Ray drains are listed ``draining``;
-* :class:`RayLauncher`: one :class:`~elasticrun.driver.ray_agent.WorkerAgent` actor per worker,
+* :class:`RayLauncher`: one :class:`~elasticrun.driver.launch.ray_agent.WorkerAgent` actor per worker,
   pinned to its node (``NodeAffinitySchedulingStrategy(node_id, soft=False)``) and holding the
   worker's resources; the agent starts the worker as a child process tree of its own (through
   the same watchdog as SSH launches) and streams its output and exit back.
@@ -33,10 +33,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from elasticrun.common.errors import JobFailed
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.ray_nodes import SETTLE_SECONDS, Held, RayDiscovery, Requirement
 from elasticrun.driver.output import Output
-from elasticrun.driver.ray_agent import WorkerAgent, seal
+from elasticrun.driver.launch.ray_agent import WorkerAgent, seal
 
 log = logging.getLogger("elasticrun")
 
@@ -304,7 +305,6 @@ class RaySession:
         self._connected = False
 
     def __enter__(self) -> "RaySession":
-        from elasticrun.driver.driver import JobFailed
 
         assert self.settings.ray_address is not None
         try:

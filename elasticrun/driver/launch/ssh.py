@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from elasticrun.common import env as envvars
 from elasticrun.common import warmstart
 from elasticrun.driver.output import Output
-from elasticrun.driver.warm import parse_ready, template_argv
+from elasticrun.driver.launch.warm import parse_ready, template_argv
 
 if TYPE_CHECKING:
     import paramiko
@@ -93,7 +93,7 @@ LOADER = "import sys,json;exec(json.loads(sys.stdin.readline()))"
 @functools.lru_cache(maxsize=1)
 def bootstrap_source() -> str:
     """The remote bootstrap's source, as sent to every remote host (read once per process)."""
-    return importlib.resources.files("elasticrun.driver").joinpath("remote_bootstrap.py").read_text(encoding="utf-8")
+    return importlib.resources.files("elasticrun.driver.launch").joinpath("remote_bootstrap.py").read_text(encoding="utf-8")
 
 
 # --- pure helpers (unit-tested) --------------------------------------------------------------

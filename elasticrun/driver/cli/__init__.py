@@ -1,0 +1,1 @@
+"""The command line: flags, config files, horovodrun's options, ``--check``."""
