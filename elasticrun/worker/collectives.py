@@ -41,7 +41,9 @@ import torch
 import torch.distributed as dist
 
 from elasticrun.worker import adasum, agreement, capacities, devices, process_sets, rounds, trace
+from elasticrun.worker import descriptors as ops
 from elasticrun.worker.agreement import CollectiveMismatch
+from elasticrun.worker.descriptors import Op
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
 from elasticrun.worker.process_sets import ProcessSet, global_process_set
 from elasticrun.worker.rounds import Round
@@ -161,7 +163,7 @@ def _look_for_join(r: Round) -> None:
             _publish(r, seq, desc, kind)
 
 
-def _publish(r: Round, seq: int, desc: tuple[Any, ...], kind: str) -> None:
+def _publish(r: Round, seq: int, desc: Op, kind: str) -> None:
     assert r.store is not None
     try:
         r.store.set(join_key(f"op{seq}"), pickle.dumps((desc, kind)))
@@ -257,7 +259,7 @@ def device_group(r: Round, members: tuple[int, ...], t: torch.Tensor) -> Any:
     return g
 
 
-def _issue(r: Round, start: Callable[[Any], Any], what: str, desc: tuple[Any, ...] | None = None,
+def _issue(r: Round, start: Callable[[Any], Any], what: str, desc: Op | None = None,
            pg: Any = None, on: torch.Tensor | None = None) -> Any:
     """Start a collective on round ``r``'s group (or on ``pg``, a process set's group), unless
     the round has none or is aborted. ``on``: the tensor it carries; a CUDA one goes over the
@@ -279,7 +281,7 @@ def _issue(r: Round, start: Callable[[Any], Any], what: str, desc: tuple[Any, ..
     if main:
         seq = r.calls
         r.calls = seq + 1
-        d = desc if desc is not None else ("unknown", what)
+        d = desc if desc is not None else ops.Unknown(what)
         kind = "cuda" if device else "cpu"
         r.log.append((seq, d, kind))
         if r.join_active and not r.joined:
@@ -295,7 +297,7 @@ def _issue(r: Round, start: Callable[[Any], Any], what: str, desc: tuple[Any, ..
     return work
 
 
-def issue(r: Round, start: Callable[[Any], Any], what: str, desc: tuple[Any, ...] | None = None,
+def issue(r: Round, start: Callable[[Any], Any], what: str, desc: Op | None = None,
           on: torch.Tensor | None = None) -> Any:
     """:func:`_issue` on the round's group, for other modules of the worker (``join``)."""
     return _issue(r, start, what, desc, on=on)
@@ -347,7 +349,7 @@ def _agree(r: Round, signature: dict[str, Any], what: str, process_set: ProcessS
     out = torch.empty(2 * size, dtype=torch.int64)
     label = f"{what} (its arguments)"
     start = lambda g: g._allgather_base(out, t)  # noqa: E731
-    work = _issue(r, start, label, ("allgather", t.shape, t.dtype)) if pg is None else _issue(r, start, label, pg=pg)
+    work = _issue(r, start, label, ops.Allgather(t.shape, t.dtype)) if pg is None else _issue(r, start, label, pg=pg)
     _wait(r, work, label)
     words = out.tolist()
     if all((x, y) == mine or (x, y) == (0, 0) for x, y in zip(words[0::2], words[1::2])):
@@ -468,7 +470,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     if process_set is global_process_set or process_set is None:
         size = r.size
         work = _issue(r, lambda pg: pg.allreduce([data], opts), what,
-                      ("allreduce", data.shape, data.dtype, _TORCH_OP_NAMES[torch_op]), on=data)
+                      ops.Allreduce(data.shape, data.dtype, _TORCH_OP_NAMES[torch_op]), on=data)
     else:
         pg, _, size, _ = _group(r, process_set, data)
         work = _issue(r, lambda g: g.allreduce([data], opts), what, pg=pg)
@@ -505,7 +507,7 @@ def allreduce_inplace(tensor: torch.Tensor, op: Any, what: str) -> None:
     r = rounds.current()
     started = trace.now()
     _wait(r, _issue(r, lambda pg: pg.allreduce([tensor], opts), what,
-                    ("allreduce", tensor.shape, tensor.dtype, _TORCH_OP_NAMES[op]), on=tensor), what)
+                    ops.Allreduce(tensor.shape, tensor.dtype, _TORCH_OP_NAMES[op]), on=tensor), what)
     _traced(r, what, started)
 
 
@@ -646,7 +648,7 @@ def _adasum(tensors: list[torch.Tensor], what: str, prescale: float, postscale: 
             out = flat.new_empty(sum(col))
             matrix = tuple(tuple(x) for x in sends)
             _wait(r, _issue(r, lambda pg: pg.alltoall_base(out, inp, col, row, opts), what,
-                            ("alltoall", (), dtype, matrix), on=flat), what)
+                            ops.Alltoall((), dtype, matrix), on=flat), what)
             if not any(col):
                 continue
             q = partners[me]
@@ -695,7 +697,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     held = tensor if tensor.is_contiguous() else tensor.contiguous()
     wire = held if held.dtype in _GLOO_DTYPES else held.reshape(-1).view(torch.uint8)
     if pg is None:
-        work = _issue(r, lambda g: g.broadcast([wire], opts), what, ("broadcast", wire.shape, wire.dtype, root),
+        work = _issue(r, lambda g: g.broadcast([wire], opts), what, ops.Broadcast(wire.shape, wire.dtype, root),
                       on=wire)
     else:
         work = _issue(r, lambda g: g.broadcast([wire], opts), what, pg=pg)
@@ -733,7 +735,7 @@ def _allgather_same_async(tensor: torch.Tensor, what: str, process_set: ProcessS
     t = tensor.contiguous()
     if _is_global(process_set):
         outputs = [torch.empty_like(t) for _ in range(r.size)]
-        work = _issue(r, lambda pg: pg.allgather([outputs], [t]), what, ("allgather", t.shape, t.dtype), on=t)
+        work = _issue(r, lambda pg: pg.allgather([outputs], [t]), what, ops.Allgather(t.shape, t.dtype), on=t)
     else:
         pg, _, size, _ = _group(r, process_set, t)  # type: ignore[arg-type]
         outputs = [torch.empty_like(t) for _ in range(size)]
@@ -796,7 +798,7 @@ def _where(r: Round, process_set: ProcessSet | None) -> _Group:
     return _Group(pg, size, me, members)
 
 
-def _on(r: Round, g: _Group, start: Callable[[Any], Any], what: str, desc: tuple[Any, ...],
+def _on(r: Round, g: _Group, start: Callable[[Any], Any], what: str, desc: Op,
         on: torch.Tensor | None = None) -> Any:
     """Issue on the group of ``g`` (its NCCL group for a CUDA ``on`` where the round has NCCL);
     descriptors only for the round's (joined ranks answer those)."""
@@ -811,11 +813,11 @@ class _Tag:
     the exchange's own (a joined rank reads it and runs the whole exchange itself, with no
     rows); the later ones are marked as its parts, which nobody reads."""
 
-    def __init__(self, desc: tuple[Any, ...]) -> None:
+    def __init__(self, desc: Op) -> None:
         self._desc = desc
 
-    def __call__(self) -> tuple[Any, ...]:
-        desc, self._desc = self._desc, ("part of", self._desc[0])
+    def __call__(self) -> Op:
+        desc, self._desc = self._desc, ops.PartOf(self._desc.kind)
         return desc
 
 
@@ -852,7 +854,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     counts = torch.tensor([t.shape[0] for t in ts], dtype=torch.int64)
     table_out = torch.empty(g.size * len(ts), dtype=torch.int64)
     kind = "cuda" if ts and on_device(r, ts[0]) else "cpu"  # a joined rank makes its no-rows tensors there
-    tag = _Tag(("vgather", name, tuple(t.dtype for t in ts), tuple(tuple(t.shape[1:]) for t in ts), kind))
+    tag = _Tag(ops.VarAllgather(name, tuple(t.dtype for t in ts), tuple(tuple(t.shape[1:]) for t in ts), kind))
     # the capped rows first, then the counts: the rows do not wait for the counts' round trip
     first = [_gather_bytes(r, g, t, cap, 0, what, tag) if cap else None for t, cap in zip(ts, caps)]
     head = _on(r, g, lambda pg: pg._allgather_base(table_out, counts), what + ".sizes", tag())
@@ -945,7 +947,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     three = [3] * g.size
     counts = torch.tensor([x for n in sends for x in (n, a, b)], dtype=torch.int64)
     received_t = torch.empty(3 * g.size, dtype=torch.int64)
-    tag = _Tag(("valltoall", name, t.dtype, rest_shape, "cuda" if on_device(r, t) else "cpu"))
+    tag = _Tag(ops.VarAlltoall(name, t.dtype, rest_shape, "cuda" if on_device(r, t) else "cpu"))
     _wait(r, _on(r, g, lambda pg: pg.alltoall_base(received_t, counts, three, three, opts), what + ".splits", tag()),
           what + ".splits")
     table = received_t.tolist()
@@ -982,7 +984,7 @@ def _reducescatter_issue(tensor: torch.Tensor, what: str, op: int, prescale: flo
     recv = [mine] * size
     if _is_global(process_set):
         work = _issue(r, lambda pg: pg.alltoall_base(out, t, recv, counts, opts), what,
-                      ("alltoall", rest, t.dtype, tuple(tuple(counts) for _ in range(size))), on=t)
+                      ops.Alltoall(rest, t.dtype, tuple(tuple(counts) for _ in range(size))), on=t)
     else:
         pg, _, _, _ = _group(r, process_set, t)
         work = _issue(r, lambda g: g.alltoall_base(out, t, recv, counts, opts), what, pg=pg)

@@ -4,8 +4,8 @@ gloo matches collectives by the order they are issued in, so a rank that stopped
 must still take part in every operation the others run on the round's group, with the
 right shape, dtype and reduction, or they would hang. It cannot guess them; the others
 tell it. Every operation on the round's group carries a small descriptor
-(``collectives._issue``): kind, shape, dtype, reduction, root, or the row counts of an
-alltoall. A rank that joins announces it on the round's store (the operation it stopped
+(``collectives._issue``, a class of ``descriptors.py``): kind, shape, dtype, reduction, root,
+or the row counts of an alltoall. A rank that joins announces it on the round's store (the operation it stopped
 at); a rank whose collective then waits notices within milliseconds, publishes the
 descriptors of its operations from that one on, and of every later one as it issues it.
 The joined rank reads them one by one and takes part with what changes nothing: zeros for
@@ -25,12 +25,13 @@ from __future__ import annotations
 import pickle
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from elasticrun.worker import collectives, devices, rounds
+from elasticrun.worker import descriptors as ops
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
 from elasticrun.worker.rounds import Round
 
@@ -62,7 +63,7 @@ def _device(kind: str) -> torch.device:
     return devices.kind_device(kind)
 
 
-def _next(r: Round, seq: int) -> tuple[tuple[Any, ...], str]:
+def _next(r: Round, seq: int) -> tuple[ops.Op, str]:
     """The descriptor of operation ``seq`` and its tensors' device kind, waiting for it
     (abortable, bounded)."""
     assert r.store is not None
@@ -74,61 +75,88 @@ def _next(r: Round, seq: int) -> tuple[tuple[Any, ...], str]:
             raise HorovodInternalError(f"join() abandoned: round {r.number} was aborted ({reason})")
         try:
             r.store.wait([key], timedelta(seconds=_WAIT_SLICE))
-            return pickle.loads(r.store.get(key))
+            desc, on = pickle.loads(r.store.get(key))
         except Exception as exc:  # a slice that timed out (or an aborted round's refusal)
             if time.monotonic() > deadline:
                 raise CollectiveTimeout(f"join(): no operation from the other ranks within the collective "
                                         f"timeout ({r.collective_timeout:g} s): {exc}") from None
+            continue
+        if not isinstance(desc, ops.Op):
+            raise HorovodInternalError(f"join(): operation {seq} came with no descriptor ({type(desc).__name__})")
+        return desc, on
 
 
-def _mirror(r: Round, desc: tuple[Any, ...], on: str) -> None:
-    """Take part in the operation ``desc`` describes, contributing nothing, with tensors on the
-    device kind ``on`` the others used (so it goes over the same group as theirs)."""
-    kind = desc[0]
-    what = f"join: {kind}"
+# One mirror per kind of operation: take part in it contributing nothing, with tensors on the
+# device kind the others used (so it goes over the same group as theirs).
+def _allreduce(r: Round, d: ops.Allreduce, on: str) -> None:
+    t = _identity(d.shape, d.dtype, d.op, _device(on))
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _OPS[d.op]
+    _run(r, lambda pg: pg.allreduce([t], opts), d, t)
+
+
+def _broadcast(r: Round, d: ops.Broadcast, on: str) -> None:
+    if d.root == r.rank:
+        raise ValueError("a broadcast from a rank that has called join(): the joined rank has no data to send")
+    t = torch.empty(d.shape, dtype=d.dtype, device=_device(on))
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = d.root, 0
+    _run(r, lambda pg: pg.broadcast([t], opts), d, t)
+
+
+def _allgather(r: Round, d: ops.Allgather, on: str) -> None:
+    t = torch.zeros(d.shape, dtype=d.dtype, device=_device(on))
+    outputs = [torch.empty_like(t) for _ in range(r.size)]
+    _run(r, lambda pg: pg.allgather([outputs], [t]), d, t)
+
+
+def _alltoall(r: Round, d: ops.Alltoall, on: str) -> None:
     dev = _device(on)
-    if kind == "allreduce":
-        _, shape, dtype, op = desc
-        t = _identity(shape, dtype, op, dev)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = _OPS[op]
-        work = collectives.issue(r, lambda pg: pg.allreduce([t], opts), what, desc, on=t)
-    elif kind == "broadcast":
-        _, shape, dtype, root = desc
-        if root == r.rank:
-            raise ValueError("a broadcast from a rank that has called join(): the joined rank has no data to send")
-        t = torch.empty(shape, dtype=dtype, device=dev)
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = root, 0
-        work = collectives.issue(r, lambda pg: pg.broadcast([t], opts), what, desc, on=t)
-    elif kind == "allgather":
-        _, shape, dtype = desc
-        t = torch.zeros(shape, dtype=dtype, device=dev)
-        outputs = [torch.empty_like(t) for _ in range(r.size)]
-        work = collectives.issue(r, lambda pg: pg.allgather([outputs], [t]), what, desc, on=t)
-    elif kind == "vgather":  # a variable-size allgather: take part in its whole exchange, with no rows
-        _, name, dtypes, rests, rows_on = desc
-        rows = _device(rows_on)
-        collectives.synchronize(collectives.grouped_allgather_async(
-            [torch.zeros((0,) + tuple(rest), dtype=dtype, device=rows) for dtype, rest in zip(dtypes, rests)], name,
-            trusted=True))
-        return
-    elif kind == "valltoall":
-        _, name, dtype, rest, rows_on = desc
-        collectives.synchronize(collectives.alltoall_async(
-            torch.zeros((0,) + tuple(rest), dtype=dtype, device=_device(rows_on)), [0] * r.size, name, trusted=True))
-        return
-    elif kind == "alltoall":
-        _, rest, dtype, matrix = desc
-        row = list(matrix[r.rank])
-        col = [matrix[i][r.rank] for i in range(r.size)]
-        inp = torch.zeros((sum(row),) + tuple(rest), dtype=dtype, device=dev)
-        out = torch.empty((sum(col),) + tuple(rest), dtype=dtype, device=dev)
-        opts = dist.AllToAllOptions()
-        work = collectives.issue(r, lambda pg: pg.alltoall_base(out, inp, col, row, opts), what, desc, on=inp)
-    else:
+    row = list(d.matrix[r.rank])
+    col = [d.matrix[i][r.rank] for i in range(r.size)]
+    inp = torch.zeros((sum(row),) + tuple(d.rest), dtype=d.dtype, device=dev)
+    out = torch.empty((sum(col),) + tuple(d.rest), dtype=d.dtype, device=dev)
+    opts = dist.AllToAllOptions()
+    _run(r, lambda pg: pg.alltoall_base(out, inp, col, row, opts), d, inp)
+
+
+def _var_allgather(r: Round, d: ops.VarAllgather, on: str) -> None:
+    """Its whole exchange, with no rows."""
+    rows = _device(d.rows_on)
+    collectives.synchronize(collectives.grouped_allgather_async(
+        [torch.zeros((0,) + tuple(rest), dtype=dtype, device=rows) for dtype, rest in zip(d.dtypes, d.rests)],
+        d.name, trusted=True))
+
+
+def _var_alltoall(r: Round, d: ops.VarAlltoall, on: str) -> None:
+    collectives.synchronize(collectives.alltoall_async(
+        torch.zeros((0,) + tuple(d.rest), dtype=d.dtype, device=_device(d.rows_on)), [0] * r.size, d.name,
+        trusted=True))
+
+
+def _run(r: Round, start: Callable[[Any], Any], d: ops.Op, on: torch.Tensor) -> None:
+    what = f"join: {d.kind}"
+    collectives.wait(r, collectives.issue(r, start, what, d, on=on), what)
+
+
+#: Every descriptor class a joined rank can take part in -> its mirror (test_join_descriptors.py
+#: checks that no such class is missing).
+MIRRORS: dict[type[ops.Op], Callable[[Round, Any, str], None]] = {
+    ops.Allreduce: _allreduce,
+    ops.Broadcast: _broadcast,
+    ops.Allgather: _allgather,
+    ops.Alltoall: _alltoall,
+    ops.VarAllgather: _var_allgather,
+    ops.VarAlltoall: _var_alltoall,
+}
+
+
+def _mirror(r: Round, desc: ops.Op, on: str) -> None:
+    """Take part in the operation ``desc`` describes, contributing nothing."""
+    mirror = MIRRORS.get(type(desc))
+    if mirror is None:
         raise ValueError(f"join(): the other ranks ran an operation a joined rank cannot take part in: {desc!r}")
-    collectives.wait(r, work, what)
+    mirror(r, desc, on)
 
 
 def join(device: int = -1) -> int:
@@ -149,15 +177,15 @@ def join(device: int = -1) -> int:
         if count == 1:
             store.set(collectives.join_key(f"{gen}/first"), str(seq))
         if count == r.size:  # the last one: everyone else waits at this very operation
-            store.set(collectives.join_key(f"op{seq}"), pickle.dumps((("end", r.rank), "cpu")))
+            store.set(collectives.join_key(f"op{seq}"), pickle.dumps((ops.End(r.rank), "cpu")))
     except Exception as exc:
         raise HorovodInternalError(f"join() could not reach the round's store: {exc}") from exc
     r.joined = True
     try:
         while True:
             desc, on = _next(r, r.calls)
-            if desc[0] == "end":
-                return int(desc[1])
+            if isinstance(desc, ops.End):
+                return desc.rank
             _mirror(r, desc, on)
     finally:
         r.joined = False

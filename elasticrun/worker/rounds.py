@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from elasticrun.common.events import Kind
 from elasticrun.worker import trace
+from elasticrun.worker.descriptors import Op
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -86,7 +87,7 @@ class Round:
         #: descriptor, device kind): what a rank that called ``join()`` needs to take part in
         #: them (see worker/join.py).
         self.calls = 0
-        self.log: collections.deque[tuple[int, tuple[Any, ...], str]] = collections.deque(maxlen=_LOG)
+        self.log: collections.deque[tuple[int, Op, str]] = collections.deque(maxlen=_LOG)
         #: The user's names of this round's asynchronous collectives not synchronized yet
         #: (Horovod refuses a second one of the same name meanwhile).
         self.in_flight: set[str] = set()

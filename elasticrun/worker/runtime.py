@@ -48,6 +48,7 @@ from elasticrun.worker.durable import CopyRequests, DurableSender
 from elasticrun.worker.host_updates import HostUpdates
 from elasticrun.worker.pace import StepPace
 from elasticrun.worker.rounds import Round
+from elasticrun.worker.step_flags import StepFlags
 from elasticrun.worker.store import DriverStore
 
 log = logging.getLogger("elasticrun.worker")
@@ -507,12 +508,12 @@ class Runtime:
         if verdict is None:
             latest, added = updates.proposal()
             wanted, busy = self.copy_requests.local_flags(self.copy_busy())
-            agreed = torch.tensor([latest, float(added), float(wanted), float(busy)], dtype=torch.float64)
-            collectives.allreduce_inplace(agreed, dist.ReduceOp.MAX, "check_host_updates")
-            ts, added_, wanted_, busy_ = agreed.tolist()
-            verdict = (updates.settle(ts), added_ > 0)
-            copy = (wanted_ > 0, busy_ > 0)
-            where = {"ts": ts}
+            packed = torch.tensor(StepFlags(latest, added, wanted, busy).encode(), dtype=torch.float64)
+            collectives.allreduce_inplace(packed, dist.ReduceOp.MAX, "check_host_updates")
+            agreed = StepFlags.decode(packed.tolist())  # pending: the newest timestamp any rank knows
+            verdict = (updates.settle(agreed.pending), agreed.added)
+            copy = (agreed.wanted, agreed.busy)
+            where = {"ts": agreed.pending}
         else:
             where = {"agreed_in": "gradient allreduce"}
         if hand_off is not None and copy is not None and copy[0] and not copy[1] and self._sender is not None:
