@@ -17,7 +17,7 @@ fi
 here=$(pwd -P)
 installed=$(cd / && "$PYTHON" - <<'PY' 2>/dev/null
 import os, sysconfig
-import elasticrun, zmq, cloudpickle, paramiko, pytest, pytest_timeout, hypothesis, sklearn, matplotlib
+import elasticrun, zmq, cloudpickle, paramiko, pytest, pytest_timeout, hypothesis, sklearn, matplotlib, mypy
 script = os.path.join(sysconfig.get_path("scripts"), "elasticrun")
 print(os.path.dirname(os.path.dirname(os.path.realpath(elasticrun.__file__))) if os.path.exists(script) else "")
 PY

@@ -147,7 +147,7 @@ class Codec:
             raise ProtocolError(f"a blob of {len(blob)} bytes is over the {MAX_FRAME_BYTES} limit", "too large")
         return [self.encode(type_, dict(body, blob=len(blob)), to), blob]
 
-    def decode_with_blob(self, header: bytes, blob: bytes) -> tuple[Message, bytes]:
+    def decode_with_blob(self, header: bytes, blob: bytes | memoryview) -> tuple[Message, bytes | memoryview]:
         """Verify the header of a message of :meth:`encode_with_blob` and the blob's length
         (the caller checks the blob's content against its sender's checksum)."""
         if len(blob) > MAX_FRAME_BYTES:

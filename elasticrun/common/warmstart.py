@@ -130,8 +130,8 @@ def interpreter_path(cmd: PythonCommand, env: Mapping[str, str], cwd: str) -> st
     if os.sep in prog:
         found = prog if os.path.isabs(prog) else os.path.join(cwd, prog)
         return found if os.path.isfile(found) and os.access(found, os.X_OK) else None
-    found = shutil.which(prog, path=env.get("PATH", os.defpath))
-    return os.path.abspath(found) if found else None
+    on_path = shutil.which(prog, path=env.get("PATH", os.defpath))
+    return os.path.abspath(on_path) if on_path else None
 
 
 #: The driver->worker variables of one worker (elasticrun.common.env): not a template's.

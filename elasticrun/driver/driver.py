@@ -239,6 +239,7 @@ class ElasticDriver:
             if self.settings.hosts is None:  # a discovery script or callable: poll it
                 threading.Thread(target=self._discovery_loop, name="elasticrun-discovery", daemon=True).start()
             finished = self._loop()
+            assert finished is not None  # without ``until``, the loop ends only when the job has
             return self._conclude(finished)
         except _Interrupted as exc:
             self._stopping = True  # a second Ctrl-C must not interrupt the stop itself
@@ -734,9 +735,10 @@ class ElasticDriver:
         name = signal.Signals(signum).name
         if self._durable is None or self.registry.round < 0 or not self.registry.live():
             return
-        before = self._durable.newest
+        service = self._durable
+        before = service.newest
         base = before.manifest.commit if before is not None else 0
-        if not self._durable.is_alive():
+        if not service.is_alive():
             log.warning("received %s: no last durable copy (the durable-copy service has stopped)", name)
             return
         asked = time.monotonic()
@@ -750,12 +752,12 @@ class ElasticDriver:
         why: list[str] = []
 
         def settled() -> bool:
-            if self._durable.newest is not before:
+            if service.newest is not before:
                 return True
             failed = [line for began, line in self._failed_copies if began >= asked]
             if failed:  # a copy begun after the request (so of the newest commit) failed
                 why.append(failed[-1])
-            elif not self._durable.is_alive():
+            elif not service.is_alive():
                 why.append("the durable-copy service has stopped")
             elif not self.registry.live():
                 why.append("every worker is gone")

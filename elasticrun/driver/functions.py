@@ -56,7 +56,7 @@ class Result:
 class FunctionService:
     """The function of an ``elasticrun.run`` job, and what its workers sent back."""
 
-    types = ("function", "result")
+    types: tuple[str, ...] = ("function", "result")
 
     def __init__(self, payload: bytes, sys_path: list[str]):
         self._payload = payload

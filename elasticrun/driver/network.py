@@ -68,9 +68,9 @@ def zmq_endpoint(address: str) -> str:
 
 def driver_bind_address(settings: "JobSettings") -> str | None:
     """The address forced by --driver-address / --network-interface, if any."""
-    if getattr(settings, "driver_address", None):
+    if settings.driver_address:
         return settings.driver_address
-    nic = getattr(settings, "network_interface", None)
+    nic = settings.network_interface
     return interface_address(nic.split(",")[0]) if nic else None
 
 

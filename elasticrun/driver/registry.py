@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Mapping, Union
+from typing import Any, Callable, Collection, Mapping, Union
 
 from elasticrun.common.events import Kind
 from elasticrun.discovery.host_manager import HostManager
@@ -181,7 +181,7 @@ class Event:
 
     kind: Kind
     message: str
-    fields: Mapping[str, object] = field(default_factory=dict)
+    fields: Mapping[str, Any] = field(default_factory=dict)
     level: str = "info"  # "info" | "warning"
 
 
@@ -766,7 +766,7 @@ class Registry:
         return ""
 
     @staticmethod
-    def _straggler_fields(s: Straggler, action: str) -> dict[str, object]:
+    def _straggler_fields(s: Straggler, action: str) -> dict[str, Any]:
         return {"host": s.host, "action": action, "compute_ms": round(s.compute * 1000, 2),
                 "reference_ms": round(s.reference * 1000, 2), "step_ms": round(s.step * 1000, 2), "steps": s.steps}
 

@@ -65,7 +65,8 @@ class ResetTracker:
         seconds = max(0.0, t - o.start)
         self.recovering += seconds
         self.timed += 1
-        folded = f", through {round_ - mine[0].round + 1} rounds" if mine[0].round != round_ else ""
+        first = mine[0].round if mine[0].round is not None else round_
+        folded = f", through {round_ - first + 1} rounds" if first != round_ else ""
         line = (f"reset {round_} ({o.cause}): {o.from_size} -> {o.to_size} worker(s){folded}, "
                 f"training again {seconds * 1000:.0f} ms after it")
         return {"line": line, "cause": o.cause, "trigger": o.kind, "round": round_, "from_size": o.from_size,

@@ -71,12 +71,12 @@ class Pace:
         if not (isinstance(r, int) and isinstance(n, int)) or isinstance(r, bool) or isinstance(n, bool):
             return None
         values = [body.get(k) for k in ("step", "wait", "compute")]
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v < 1e6
-                   for v in values):
+        numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(numbers) != 3 or not all(math.isfinite(v) and 0 <= v < 1e6 for v in numbers):
             return None
         if not 0 < n <= 1_000_000:
             return None
-        return cls(r, n, float(values[0]), float(values[1]), float(values[2]))
+        return cls(r, n, numbers[0], numbers[1], numbers[2])
 
 
 @dataclass(frozen=True)

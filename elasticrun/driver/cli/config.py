@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, NoReturn
 
 from elasticrun.driver.cli import horovod_config
 from elasticrun.driver.cli.parser import (
@@ -77,8 +77,17 @@ _NOT_IN_FILE = {"help", "version", "config_file", "check"}
 _SUPPRESS = argparse.SUPPRESS
 
 
-def _fail(parser: argparse.ArgumentParser, message: str) -> None:
+def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     parser.error(message)
+
+
+def _convert(action: argparse.Action) -> Callable[[str], Any]:
+    """The option's converter (every option of ours gives a callable ``type``, or none)."""
+    if action.type is None:
+        return str
+    if not callable(action.type):
+        raise TypeError(f"option {action.dest}: its type {action.type!r} is not a converter")
+    return action.type
 
 
 def _option_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -134,21 +143,21 @@ def convert_value(action: argparse.Action, value: Any, named_by_flag: bool = Fal
         if not (isinstance(value, list) and len(value) == 2
                 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
             raise ValueError(expected)
-        return [action.type(str(v)) for v in value]
+        return [_convert(action)(str(v)) for v in value]
     if action.type in (positive_int, non_negative_int, port):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(expected)
-        return action.type(str(value))
+        return _convert(action)(str(value))
     if action.type in (positive_seconds, non_negative_number, seconds_or_zero):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(expected)
-        return action.type(str(value))
+        return _convert(action)(str(value))
     if action.type is module_list and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         value = ",".join(value)  # preload = ["transformers", "datasets"]
     if not isinstance(value, str):
         raise ValueError(expected)
     if action.type is not None:
-        value = action.type(value)
+        value = _convert(action)(value)
     if action.choices and value not in action.choices:
         raise ValueError(expected)
     return value
@@ -226,7 +235,7 @@ def read_environment(parser: argparse.ArgumentParser, environ: Mapping[str, str]
             values[dest] = action.const if given else action.default
             continue
         try:
-            value = action.type(text) if action.type is not None else text
+            value = _convert(action)(text) if action.type is not None else text
         except argparse.ArgumentTypeError as exc:
             _fail(parser, f"environment variable {name}={text!r}: {exc}")
         if action.choices and value not in action.choices:
@@ -297,8 +306,8 @@ def layered_defaults(parser: argparse.ArgumentParser, given: Mapping[str, Any],
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str],
-               environ: Mapping[str, str] | None = None,
-               probe_parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+               environ: Mapping[str, str] | None = None, *,
+               probe_parser: argparse.ArgumentParser) -> argparse.Namespace:
     """``parser.parse_args(argv)`` with the config file and the environment under the flags.
 
     ``probe_parser`` is a second, identical parser (``build_parser()`` again) used to learn

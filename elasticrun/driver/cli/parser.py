@@ -9,7 +9,7 @@ turning the arguments into ``JobSettings`` is ``cli.parse_settings``'s job.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, NoReturn
 
 from elasticrun.common.settings import (
     DEFAULT_CHECKPOINT_INTERVAL,
@@ -161,14 +161,14 @@ def ray_resources(text: str) -> dict[str, float]:
 class ExitingParser(argparse.ArgumentParser):
     """For the command line: a bad argument is one line and exit status 2."""
 
-    def error(self, message: str) -> None:  # one line a user can act on, exit 2
+    def error(self, message: str) -> NoReturn:  # one line a user can act on, exit 2
         self.exit(2, f"elasticrun: error: {message} (see elasticrun --help)\n")
 
 
 class RaisingParser(ExitingParser):
     """For ``elasticrun.run()``: the same checks and messages, raised as ValueError."""
 
-    def error(self, message: str) -> None:
+    def error(self, message: str) -> NoReturn:
         raise ValueError(message)
 
 

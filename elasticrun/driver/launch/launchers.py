@@ -43,7 +43,7 @@ class Launchers:
 
     def __init__(self, settings: JobSettings):
         self.settings = settings
-        self.mode = getattr(settings, "launcher", "auto")
+        self.mode = settings.launcher
         self._on_exit: OnExit | None = None
         self._output: Output | None = None
         self._local: LocalLauncher | None = None
@@ -64,7 +64,7 @@ class Launchers:
         """This machine's warm-start template, if its workers can use one."""
         s = self.settings
         cmd, why = warmstart.python_command(s.command)
-        if not getattr(s, "warm_start", True) or self.mode == "ssh":
+        if not s.warm_start or self.mode == "ssh":
             return None
         if cmd is None:
             log.debug("warm start: not for this command (%s): every worker is a new process", why)
@@ -75,7 +75,7 @@ class Launchers:
         python = warmstart.interpreter_path(cmd, env, os.getcwd())
         if python is None:
             return None  # the launch will say the command was not found
-        argv = template_argv(python, f"elasticrun-{os.getpid()}", cmd, getattr(s, "preload", ()), s.stop_grace)
+        argv = template_argv(python, f"elasticrun-{os.getpid()}", cmd, s.preload, s.stop_grace)
         try:
             return LocalTemplate(argv, env)
         except OSError as exc:

@@ -33,13 +33,13 @@ def is_local_host(host: str) -> bool:
     """True if ``host`` names this machine (a loopback address or one of its own addresses)."""
     name = host.rsplit("@", 1)[-1]
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(name, None)}
+        addresses = {str(info[4][0]) for info in socket.getaddrinfo(name, None)}
     except socket.gaierror:
         return False
     own: set[str] = set()
     for candidate in (socket.gethostname(), socket.getfqdn()):
         try:
-            own |= {info[4][0] for info in socket.getaddrinfo(candidate, None)}
+            own |= {str(info[4][0]) for info in socket.getaddrinfo(candidate, None)}
         except socket.gaierror:
             pass
     return any(ipaddress.ip_address(a.split("%")[0]).is_loopback or a in own for a in addresses)

@@ -257,6 +257,7 @@ def warm_spawn(path: str, command: List[str], env: Dict[str, str], cwd: str, gra
         os.close(key_w)
         fds.append(key_r)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    handed = False  # the socket is the watchdog's once the template answered
     try:
         sock.settimeout(timeout)
         sock.connect(path)
@@ -275,14 +276,14 @@ def warm_spawn(path: str, command: List[str], env: Dict[str, str], cwd: str, gra
         if "fallback" in answer:
             return str(answer["fallback"])
         pid = int(answer["pid"])
-        conn, sock = sock, None
-        return conn, pid, rest
+        handed = True
+        return sock, pid, rest
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return "cannot use the template at %s: %s" % (path, exc)
     finally:
         for fd in fds[:1] + fds[3:]:
             os.close(fd)
-        if sock is not None:
+        if not handed:
             sock.close()
 
 

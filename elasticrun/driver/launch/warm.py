@@ -210,6 +210,7 @@ def start_worker(socket_path: str, command: Sequence[str], env: Mapping[str, str
     """
     deadline = time.monotonic() + timeout
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    handed = False  # the socket is the worker's once the template answered
     try:
         sock.settimeout(timeout)
         try:
@@ -235,8 +236,8 @@ def start_worker(socket_path: str, command: Sequence[str], env: Mapping[str, str
         if not isinstance(msg.get("pid"), int):
             raise Unavailable(f"an unexpected answer: {first[:100]!r}")
         worker = WarmWorker(sock, msg["pid"], rest)
-        sock = None  # the worker's now
+        handed = True
         return worker
     finally:
-        if sock is not None:
+        if not handed:
             sock.close()
