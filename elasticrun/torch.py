@@ -52,7 +52,7 @@ from elasticrun.worker.collectives import (
 from elasticrun.worker.elastic import ObjectState, State, run
 from elasticrun.worker.agreement import CollectiveMismatch
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from elasticrun.worker.functions import (
+from elasticrun.worker.autograd import (
     allgather,
     allreduce,
     alltoall,

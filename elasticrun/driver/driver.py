@@ -31,6 +31,7 @@ from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.host_manager import HostManager
 from elasticrun.discovery.sources import DiscoveryError
 from elasticrun.driver import registry as reg
+from elasticrun.driver import request_types as requests
 from elasticrun.driver.durable import checkpoints
 from elasticrun.driver.durable.service import CopySchedule, DurableService
 from elasticrun.driver.environment import worker_environment
@@ -41,7 +42,6 @@ from elasticrun.driver.network import DriverEndpoints, driver_bind_address, zmq_
 from elasticrun.driver.notifications import Notifications
 from elasticrun.driver.output import OutputSink
 from elasticrun.driver.resets import ResetTracker
-from elasticrun.driver.stragglers import Pace
 
 log = logging.getLogger("elasticrun")
 
@@ -173,6 +173,7 @@ class ElasticDriver:
         self._started = time.monotonic()
         # Request types served by others (elasticrun.run(): driver/functions.py).
         self._services: dict[str, Service] = {t: svc for svc in services for t in svc.types}
+        self._handlers = self._request_handlers()
 
     def worker_exited(self, worker_id: str, code: int) -> None:
         """The launcher's report that a worker ended (from any thread); ``code`` as ``subprocess``
@@ -435,50 +436,71 @@ class ElasticDriver:
                                f"could not be handled: {type(exc).__name__}: {str(exc)[:200]}", type(exc).__name__)
 
     def _dispatch(self, identity: bytes, msg: Message) -> None:
-        body = msg.body
-        if msg.type == "heartbeat":
-            steps = body.get("steps")
-            bye = body.get("bye")
-            self.registry.heartbeat(str(body.get("worker")), time.monotonic(), Pace.parse(body.get("pace")),
-                                    steps if isinstance(steps, int) and not isinstance(steps, bool) else None,
-                                    bye if isinstance(bye, str) else None)
-            self._progress(body)
-            self._reply(identity, msg, "heartbeat_ack", {
-                "round": self.registry.round, "aborted": self.registry.aborted,
-                "reason": self.registry.abort_reason, "updates": self._notifications.recent(),
-                "durable": self._copies.last_id if self._copies is not None else 0})
-        elif msg.type == "restored":  # rank 0 loaded the durable copy: now the job has resumed
-            self._reply(identity, msg, "ack", {})
-            self._say_resumed(self.registry.round)
-        elif msg.type == "restore_failed":  # the durable copy does not fit the script's state
-            self._reply(identity, msg, "ack", {})
-            self.registry.restore_failed(str(body.get("worker")), str(body.get("error", ""))[:1000])
-        elif msg.type == "leaving":  # the worker got SIGTERM: its host is going
-            self._reply(identity, msg, "leaving_ack", {})
-            self.registry.leaving(str(body.get("worker")), str(body.get("why", "SIGTERM"))[:100], time.monotonic())
-        elif msg.type == "store":
-            pending = _Pending(identity, msg.sender, body.get("req"))
-            self._send_store_replies(self._store.handle(pending, body, time.monotonic()))
-        elif msg.type == "events":
-            self._on_worker_events(str(msg.sender), body.get("events") or [])
-        elif msg.type == "failing":
-            self._reply(identity, msg, "ack", {})
-            self.registry.failing(str(body.get("worker")), str(body.get("error", ""))[:500], time.monotonic())
-        elif msg.type in self._services:  # e.g. elasticrun.run()'s function and results
-            worker = self.registry.workers.get(str(body.get("worker")))
-            self._reply(identity, msg, *self._services[msg.type].handle(msg.type, body, worker))
-        elif msg.type == "rendezvous":
-            worker_id = str(body.get("worker"))
-            self._pending_rdzv[worker_id] = _Pending(identity, msg.sender, body.get("req"))
-            error = body.get("error")
-            gpus = body.get("gpus")
-            self.registry.rendezvous(worker_id, time.monotonic(), error=str(error)[:300] if error else None,
-                                     restored=body.get("restored") is True, has_state=body.get("has_state") is True,
-                                     gpus=tuple(str(g)[:100] for g in gpus[:1024]) if isinstance(gpus, list) else ())
-        else:  # answered, so that a peer never waits out its timeout for nothing
+        handler = self._handlers.get(msg.type)
+        if handler is None:  # answered, so that a peer never waits out its timeout for nothing
             self._reply(identity, msg, "error", {"error": f"this job does not serve {msg.type!r:.40} requests"})
             self._limited.warn("ignored requests", f"ignored a {msg.type!r:.40} message from {msg.sender:.40}",
                                "unknown type")
+            return
+        handler(identity, msg)
+
+    def _request_handlers(self) -> dict[str, Callable[[bytes, Message], None]]:
+        """Request type -> its handler: one small method each, reading a typed request
+        (``driver/request_types.py``). Services (``elasticrun.run``'s function) add their types;
+        they cannot take over the job's own."""
+        handlers: dict[str, Callable[[bytes, Message], None]] = {t: self._on_service for t in self._services}
+        handlers.update({
+            "heartbeat": self._on_heartbeat, "rendezvous": self._on_rendezvous, "store": self._on_store,
+            "events": self._on_events, "leaving": self._on_leaving, "failing": self._on_failing,
+            "restored": self._on_restored, "restore_failed": self._on_restore_failed,
+        })
+        return handlers
+
+    def _on_heartbeat(self, identity: bytes, msg: Message) -> None:
+        hb = requests.Heartbeat.parse(msg.body)
+        self.registry.heartbeat(hb.worker, time.monotonic(), hb.pace, hb.steps, hb.bye)
+        self._progress(hb.steps, hb.commit)
+        self._reply(identity, msg, "heartbeat_ack", {
+            "round": self.registry.round, "aborted": self.registry.aborted,
+            "reason": self.registry.abort_reason, "updates": self._notifications.recent(),
+            "durable": self._copies.last_id if self._copies is not None else 0})
+
+    def _on_rendezvous(self, identity: bytes, msg: Message) -> None:
+        req = requests.Rendezvous.parse(msg.body)
+        self._pending_rdzv[req.worker] = _Pending(identity, msg.sender, msg.body.get("req"))
+        self.registry.rendezvous(req.worker, time.monotonic(), error=req.error, restored=req.restored,
+                                 has_state=req.has_state, gpus=req.gpus)
+
+    def _on_store(self, identity: bytes, msg: Message) -> None:
+        pending = _Pending(identity, msg.sender, msg.body.get("req"))
+        self._send_store_replies(self._store.handle(pending, msg.body, time.monotonic()))
+
+    def _on_events(self, identity: bytes, msg: Message) -> None:
+        events = msg.body.get("events")
+        self._on_worker_events(str(msg.sender), events if isinstance(events, list) else [])
+
+    def _on_leaving(self, identity: bytes, msg: Message) -> None:  # the worker got SIGTERM: its host is going
+        self._reply(identity, msg, "leaving_ack", {})
+        req = requests.Leaving.parse(msg.body)
+        self.registry.leaving(req.worker, req.why, time.monotonic())
+
+    def _on_failing(self, identity: bytes, msg: Message) -> None:
+        self._reply(identity, msg, "ack", {})
+        req = requests.Failing.parse(msg.body)
+        self.registry.failing(req.worker, req.error, time.monotonic())
+
+    def _on_restored(self, identity: bytes, msg: Message) -> None:  # rank 0 loaded the durable copy: resumed
+        self._reply(identity, msg, "ack", {})
+        self._say_resumed(self.registry.round)
+
+    def _on_restore_failed(self, identity: bytes, msg: Message) -> None:  # the copy does not fit the script
+        self._reply(identity, msg, "ack", {})
+        req = requests.RestoreFailed.parse(msg.body)
+        self.registry.restore_failed(req.worker, req.error)
+
+    def _on_service(self, identity: bytes, msg: Message) -> None:  # e.g. elasticrun.run()'s function and results
+        worker = self.registry.workers.get(str(msg.body.get("worker")))
+        self._reply(identity, msg, *self._services[msg.type].handle(msg.type, msg.body, worker))
 
     def _reply(self, identity: bytes, msg: Message | _Pending, type_: str, body: dict[str, Any]) -> None:
         req = msg.body.get("req") if isinstance(msg, Message) else msg.req
@@ -687,10 +709,9 @@ class ElasticDriver:
         self._publish("durable_request", {"id": request})
         return request
 
-    def _progress(self, heartbeat: dict[str, Any]) -> None:
+    def _progress(self, steps: int | None, commit: int | None) -> None:
         """Workers report their steps and commits: how far a resume from disk goes back."""
-        steps, commit = heartbeat.get("steps"), heartbeat.get("commit")
-        if not (isinstance(steps, int) and isinstance(commit, int)) or (steps, commit) <= self._latest:
+        if steps is None or commit is None or (steps, commit) <= self._latest:
             return
         if commit != self._latest[1]:
             self._commit_at = time.monotonic()

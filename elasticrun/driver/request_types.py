@@ -1,0 +1,96 @@
+"""What the driver's request types carry, read from an authenticated message's body (pure).
+
+A body is JSON from a worker holding the job's key: well-formed, but its fields are whatever
+that process sent. Each request type is a small class whose ``parse`` takes any body and
+returns its fields typed and bounded (strings cut, lists capped, wrong types dropped), never
+raising: the loop's handlers (``ElasticDriver``'s dispatch table) get values, not dicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from elasticrun.driver.stragglers import Pace
+
+__all__ = ["Heartbeat", "Rendezvous", "Leaving", "Failing", "RestoreFailed"]
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _worker(body: Mapping[str, Any]) -> str:
+    return str(body.get("worker"))[:200]
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """A sign of life: steps and commits so far, the pace of recent steps, and on the last one
+    of a process, ``bye`` ("exit" or "shutdown")."""
+
+    worker: str
+    steps: int | None = None
+    commit: int | None = None
+    pace: Pace | None = None
+    bye: str | None = None
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> "Heartbeat":
+        bye = body.get("bye")
+        return cls(_worker(body), _int(body.get("steps")), _int(body.get("commit")), Pace.parse(body.get("pace")),
+                   bye[:20] if isinstance(bye, str) else None)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """A worker asks for its place in the next round (see ``Registry.rendezvous``)."""
+
+    worker: str
+    error: str | None = None
+    restored: bool = False
+    has_state: bool = False
+    gpus: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> "Rendezvous":
+        error, gpus = body.get("error"), body.get("gpus")
+        return cls(_worker(body), str(error)[:300] if error else None, body.get("restored") is True,
+                   body.get("has_state") is True,
+                   tuple(str(g)[:100] for g in gpus[:1024]) if isinstance(gpus, list) else ())
+
+
+@dataclass(frozen=True)
+class Leaving:
+    """The worker got SIGTERM: its host is going."""
+
+    worker: str
+    why: str = "SIGTERM"
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> "Leaving":
+        return cls(_worker(body), str(body.get("why", "SIGTERM"))[:100])
+
+
+@dataclass(frozen=True)
+class Failing:
+    """The worker's script raised: it reports before its exit."""
+
+    worker: str
+    error: str = ""
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> "Failing":
+        return cls(_worker(body), str(body.get("error", ""))[:500])
+
+
+@dataclass(frozen=True)
+class RestoreFailed:
+    """Rank 0 could not load the durable copy into the script's state (a changed model)."""
+
+    worker: str
+    error: str = ""
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> "RestoreFailed":
+        return cls(_worker(body), str(body.get("error", ""))[:1000])

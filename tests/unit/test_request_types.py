@@ -1,0 +1,41 @@
+"""Request bodies read into typed requests (driver/request_types.py): any body, from a worker
+that holds the job's key but may send anything, gives bounded typed fields and never raises."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elasticrun.driver import request_types as rt
+
+pytestmark = pytest.mark.timeout(60)
+
+values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=3000),
+                      lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+                      max_leaves=20)
+bodies = st.dictionaries(st.sampled_from(["worker", "steps", "commit", "pace", "bye", "error", "restored",
+                                          "has_state", "gpus", "why", "req"]) | st.text(max_size=5), values)
+
+
+@given(bodies)
+def test_any_body_gives_typed_bounded_fields(body):
+    hb = rt.Heartbeat.parse(body)
+    assert isinstance(hb.worker, str) and len(hb.worker) <= 200
+    assert hb.steps is None or (isinstance(hb.steps, int) and not isinstance(hb.steps, bool))
+    assert hb.bye is None or len(hb.bye) <= 20
+    r = rt.Rendezvous.parse(body)
+    assert r.error is None or len(r.error) <= 300
+    assert isinstance(r.restored, bool) and isinstance(r.has_state, bool)
+    assert len(r.gpus) <= 1024 and all(isinstance(g, str) and len(g) <= 100 for g in r.gpus)
+    assert len(rt.Leaving.parse(body).why) <= 100
+    assert len(rt.Failing.parse(body).error) <= 500
+    assert len(rt.RestoreFailed.parse(body).error) <= 1000
+
+
+def test_well_formed_bodies_keep_their_values():
+    hb = rt.Heartbeat.parse({"worker": "w3", "steps": 12, "commit": 4, "bye": "exit",
+                             "pace": {"round": 1, "steps": 5, "step": 0.1, "wait": 0.01, "compute": 0.09}})
+    assert (hb.worker, hb.steps, hb.commit, hb.bye) == ("w3", 12, 4, "exit") and hb.pace is not None
+    assert rt.Heartbeat.parse({"worker": "w3", "steps": True}).steps is None  # a bool is no count
+    r = rt.Rendezvous.parse({"worker": "w1", "error": "peer died", "restored": True, "gpus": ["GPU-1"]})
+    assert r == rt.Rendezvous("w1", "peer died", True, False, ("GPU-1",))
+    assert rt.Rendezvous.parse({"worker": "w1", "restored": "yes"}).restored is False  # only true is true
