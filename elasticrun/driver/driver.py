@@ -481,13 +481,13 @@ class ElasticDriver:
 
     def _on_leaving(self, identity: bytes, msg: Message) -> None:  # the worker got SIGTERM: its host is going
         self._reply(identity, msg, "leaving_ack", {})
-        req = requests.Leaving.parse(msg.body)
-        self.registry.leaving(req.worker, req.why, time.monotonic())
+        req = requests.Report.parse(msg.body, "why", "SIGTERM", 100)
+        self.registry.leaving(req.worker, req.text, time.monotonic())
 
     def _on_failing(self, identity: bytes, msg: Message) -> None:
         self._reply(identity, msg, "ack", {})
-        req = requests.Failing.parse(msg.body)
-        self.registry.failing(req.worker, req.error, time.monotonic())
+        req = requests.Report.parse(msg.body, "error", "", 500)
+        self.registry.failing(req.worker, req.text, time.monotonic())
 
     def _on_restored(self, identity: bytes, msg: Message) -> None:  # rank 0 loaded the durable copy: resumed
         self._reply(identity, msg, "ack", {})
@@ -495,8 +495,8 @@ class ElasticDriver:
 
     def _on_restore_failed(self, identity: bytes, msg: Message) -> None:  # the copy does not fit the script
         self._reply(identity, msg, "ack", {})
-        req = requests.RestoreFailed.parse(msg.body)
-        self.registry.restore_failed(req.worker, req.error)
+        req = requests.Report.parse(msg.body, "error", "", 1000)
+        self.registry.restore_failed(req.worker, req.text)
 
     def _on_service(self, identity: bytes, msg: Message) -> None:  # e.g. elasticrun.run()'s function and results
         worker = self.registry.workers.get(str(msg.body.get("worker")))

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from elasticrun.driver.stragglers import Pace
 
-__all__ = ["Heartbeat", "Rendezvous", "Leaving", "Failing", "RestoreFailed"]
+__all__ = ["Heartbeat", "Rendezvous", "Report"]
 
 
 def _int(value: Any) -> int | None:
@@ -61,36 +61,13 @@ class Rendezvous:
 
 
 @dataclass(frozen=True)
-class Leaving:
-    """The worker got SIGTERM: its host is going."""
+class Report:
+    """A worker's one line: why it is leaving (``leaving``: it got SIGTERM), how its script
+    failed (``failing``), why the durable copy does not fit its state (``restore_failed``)."""
 
     worker: str
-    why: str = "SIGTERM"
+    text: str
 
     @classmethod
-    def parse(cls, body: Mapping[str, Any]) -> "Leaving":
-        return cls(_worker(body), str(body.get("why", "SIGTERM"))[:100])
-
-
-@dataclass(frozen=True)
-class Failing:
-    """The worker's script raised: it reports before its exit."""
-
-    worker: str
-    error: str = ""
-
-    @classmethod
-    def parse(cls, body: Mapping[str, Any]) -> "Failing":
-        return cls(_worker(body), str(body.get("error", ""))[:500])
-
-
-@dataclass(frozen=True)
-class RestoreFailed:
-    """Rank 0 could not load the durable copy into the script's state (a changed model)."""
-
-    worker: str
-    error: str = ""
-
-    @classmethod
-    def parse(cls, body: Mapping[str, Any]) -> "RestoreFailed":
-        return cls(_worker(body), str(body.get("error", ""))[:1000])
+    def parse(cls, body: Mapping[str, Any], key: str, default: str, limit: int) -> "Report":
+        return cls(_worker(body), str(body.get(key, default))[:limit])

@@ -26,9 +26,8 @@ def test_any_body_gives_typed_bounded_fields(body):
     assert r.error is None or len(r.error) <= 300
     assert isinstance(r.restored, bool) and isinstance(r.has_state, bool)
     assert len(r.gpus) <= 1024 and all(isinstance(g, str) and len(g) <= 100 for g in r.gpus)
-    assert len(rt.Leaving.parse(body).why) <= 100
-    assert len(rt.Failing.parse(body).error) <= 500
-    assert len(rt.RestoreFailed.parse(body).error) <= 1000
+    for limit in (100, 500, 1000):
+        assert len(rt.Report.parse(body, "why", "SIGTERM", limit).text) <= limit
 
 
 def test_well_formed_bodies_keep_their_values():
@@ -39,3 +38,4 @@ def test_well_formed_bodies_keep_their_values():
     r = rt.Rendezvous.parse({"worker": "w1", "error": "peer died", "restored": True, "gpus": ["GPU-1"]})
     assert r == rt.Rendezvous("w1", "peer died", True, False, ("GPU-1",))
     assert rt.Rendezvous.parse({"worker": "w1", "restored": "yes"}).restored is False  # only true is true
+    assert rt.Report.parse({"worker": "w2"}, "why", "SIGTERM", 100) == rt.Report("w2", "SIGTERM")
