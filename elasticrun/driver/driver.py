@@ -174,6 +174,12 @@ class ElasticDriver:
         # Request types served by others (elasticrun.run(): driver/functions.py).
         self._services: dict[str, Service] = {t: svc for svc in services for t in svc.types}
         self._handlers = self._request_handlers()
+        # What requests are read with and answered through: pure objects, so that a test can
+        # serve frames (handle_frame) with no socket; run() points reply_to at the ROUTER.
+        self._rx = Codec(self._keys.secret, self.job_id, new_sender_id("driver-rx"))
+        self._pub_codec = Codec(self._keys.secret, self.job_id, new_sender_id("driver-pub"))
+        self._store = KVStore()
+        self.reply_to: Callable[[list[bytes]], None] = lambda frames: None  # until run() binds its socket
 
     def worker_exited(self, worker_id: str, code: int) -> None:
         """The launcher's report that a worker ended (from any thread); ``code`` as ``subprocess``
@@ -187,6 +193,8 @@ class ElasticDriver:
             os.write(self._wake_w, b"x")
         except BlockingIOError:
             pass  # the pipe is full: the loop is already awake
+        except OSError:
+            pass  # the driver has closed: nobody is left to wake
 
     def _rank_of(self, worker_id: str) -> int:
         w = self.registry.workers.get(worker_id)
@@ -225,9 +233,7 @@ class ElasticDriver:
         # 127.0.0.1 (or --driver-address) now; for remote hosts, the address they route to, on demand.
         self._endpoints = DriverEndpoints(self._router, self._pub, driver_bind_address(self.settings))
         self._control_addr, self._notify_addr = self._endpoints.local()
-        self._rx = Codec(self._keys.secret, self.job_id, new_sender_id("driver-rx"))
-        self._pub_codec = Codec(self._keys.secret, self.job_id, new_sender_id("driver-pub"))
-        self._store = KVStore()
+        self.reply_to = self._send_reply
         self._durable = self._start_durable(ctx)
         # Signal handlers can only be set in the main thread (elasticrun.run() may be called elsewhere).
         previous = ({s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -266,9 +272,28 @@ class ElasticDriver:
             self._pub.close(0)
             self._zap.stop()
             ctx.term()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self.close()
             self._sink.close()
+
+    @property
+    def keys(self) -> JobKeys:
+        """The job's keys (what each worker gets through its pipe; never printed or passed on)."""
+        return self._keys
+
+    def flush_counts(self) -> None:
+        """Say now the counts of repeated problems held back (dropped frames, ignored requests):
+        the loop says them every second and at the end."""
+        self._limited.flush(force=True)
+
+    def close(self) -> None:
+        """Release what the driver holds from its construction (run() does it at its end; a
+        driver that never ran, as in a test, is closed with this). Idempotent."""
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
 
     _stopping = False
     _hurry = False  # a second signal while stopping: no final durable copy
@@ -356,7 +381,7 @@ class ElasticDriver:
                     except zmq.Again:
                         break
                     if n == 2:
-                        self._on_frame(*parts)
+                        self.handle_frame(*parts)
                     else:  # a DEALER sends one frame, which the ROUTER receives after the peer's identity
                         self._limited.warn("dropped control frames", f"dropped a message of {n} frames "
                                            f"(a request is 1 frame)", f"messages of {n} frames")
@@ -418,7 +443,9 @@ class ElasticDriver:
             self.registry.exited(worker_id, code, now)
 
     # --- requests from workers -------------------------------------------------------------
-    def _on_frame(self, identity: bytes, frame: bytes) -> None:
+    def handle_frame(self, identity: bytes, frame: bytes) -> None:
+        """One request frame from peer ``identity``: authenticated, dispatched to its handler,
+        answered through :attr:`reply_to`. Never raises: bad frames are counted and dropped."""
         # Anyone who reaches the port can send frames: refusals are counted, not each logged.
         try:
             msg = self._rx.decode(frame)
@@ -504,9 +531,11 @@ class ElasticDriver:
 
     def _reply(self, identity: bytes, msg: Message | _Pending, type_: str, body: dict[str, Any]) -> None:
         req = msg.body.get("req") if isinstance(msg, Message) else msg.req
+        self.reply_to([identity, self._rx.encode(type_, dict(body, re=req), to=msg.sender)])
+
+    def _send_reply(self, frames: list[bytes]) -> None:
         try:
-            self._router.send_multipart([identity, self._rx.encode(type_, dict(body, re=req), to=msg.sender)],
-                                        zmq.NOBLOCK)
+            self._router.send_multipart(frames, zmq.NOBLOCK)
         except (zmq.Again, zmq.ZMQError):
             pass  # the worker is gone (ROUTER_MANDATORY makes that an error, not a silent drop)
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-from typing import Any
 
 import pytest
 import zmq
@@ -15,12 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elasticrun.common.protocol import Codec
-from elasticrun.common.ratelimit import LimitedLog
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.sources import FixedHosts
 from elasticrun.driver.driver import ElasticDriver, _receive
 from elasticrun.driver.functions import FunctionService
-from elasticrun.driver.kvstore import KVStore
 from elasticrun.driver.launch.launchers import Launchers
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,64 +34,56 @@ values = st.recursive(
 bodies = st.dictionaries(st.sampled_from(KEYS), values, max_size=6)
 
 
-class _Socket:
-    """Stands in for the ROUTER and PUB sockets: records what the driver sends."""
-
-    def __init__(self) -> None:
-        self.sent: list[Any] = []
-
-    def send_multipart(self, parts: list[bytes], flags: int = 0) -> None:
-        self.sent.append(parts)
-
-    def send(self, frame: bytes, flags: int = 0) -> None:
-        self.sent.append(frame)
-
-
 _SEQ = itertools.count(1)  # one sequence for every frame the tests forge: none is a replay
+
+
+def _driver() -> ElasticDriver:
+    """A driver that has not run: it serves frames given to handle_frame, its replies collected
+    in ``sent`` through its public ``reply_to``; no socket, no private attribute."""
+    settings_ = JobSettings(command=["true"], np=1, min_np=1, max_np=1, hosts={"localhost": 1})
+    d = ElasticDriver(settings_, FixedHosts({"localhost": 1}), Launchers(settings_),
+                      services=[FunctionService(b"x" * 100, [])])
+    d.sent = []  # type: ignore[attr-defined]
+    d.reply_to = d.sent.append  # type: ignore[attr-defined]
+    return d
 
 
 @pytest.fixture(scope="module")
 def driver():
-    d = ElasticDriver(JobSettings(command=["true"], np=1, min_np=1, max_np=1, hosts={"localhost": 1}),
-                      FixedHosts({"localhost": 1}), Launchers(JobSettings(command=["true"], np=1, min_np=1, max_np=1)),
-                      services=[FunctionService(b"x" * 100, [])])
-    d._router, d._pub = _Socket(), _Socket()
-    d._rx = Codec(d._keys.secret, d.job_id, "driver-rx")
-    d._pub_codec = Codec(d._keys.secret, d.job_id, "driver-pub")
-    d._store = KVStore()
+    d = _driver()
     yield d
-    os.close(d._wake_r)
-    os.close(d._wake_w)
+    d.close()
 
 
 @given(type_=st.sampled_from(TYPES) | st.text(max_size=10), body=bodies)
 @settings(max_examples=400, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
 def test_authenticated_requests_of_any_shape_never_raise(driver, type_, body):
-    sender = Codec(driver._keys.secret, driver.job_id, "fuzzer", _counter=_SEQ)
-    driver._on_frame(b"identity", sender.encode(type_, body))
+    sender = Codec(driver.keys.secret, driver.job_id, "fuzzer", _counter=_SEQ)
+    driver.handle_frame(b"identity", sender.encode(type_, body))
 
 
 def test_the_fuzzed_requests_were_accepted_and_answered(driver):
-    """The sanity check of the test above: its frames are genuine, so they reach _dispatch."""
-    sender = Codec(driver._keys.secret, driver.job_id, "fuzzer", _counter=_SEQ)
-    before = len(driver._router.sent)
-    driver._on_frame(b"identity", sender.encode("heartbeat", {"worker": "w1", "req": 5}))
-    reply = Codec(driver._keys.secret, driver.job_id, "fuzzer").decode(driver._router.sent[before][1])
+    """The sanity check of the test above: its frames are genuine, so they reach a handler."""
+    sender = Codec(driver.keys.secret, driver.job_id, "fuzzer", _counter=_SEQ)
+    before = len(driver.sent)
+    driver.handle_frame(b"identity", sender.encode("heartbeat", {"worker": "w1", "req": 5}))
+    reply = Codec(driver.keys.secret, driver.job_id, "fuzzer").decode(driver.sent[before][1])
     assert reply.type == "heartbeat_ack" and reply.body["re"] == 5
 
 
 @given(frame=st.binary(max_size=200))
 @settings(max_examples=200, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
 def test_garbage_never_raises(driver, frame):
-    driver._on_frame(b"identity", frame)
+    driver.handle_frame(b"identity", frame)
 
 
-def test_refusals_are_a_few_lines_and_counts(driver, caplog):
-    driver._limited = LimitedLog(logging.getLogger("elasticrun"))  # not what the tests above left
+def test_refusals_are_a_few_lines_and_counts(caplog):
+    driver = _driver()  # a fresh one: its counts are not what the tests above left
     with caplog.at_level(logging.WARNING, logger="elasticrun"):
         for i in range(10_000):
-            driver._on_frame(b"identity", b"garbage, long enough to hold a MAC: %d" % i)
-        driver._limited.flush(force=True)
+            driver.handle_frame(b"identity", b"garbage, long enough to hold a MAC: %d" % i)
+        driver.flush_counts()
+    driver.close()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 6, lines
     assert lines[0].startswith("dropped a control frame: bad MAC")
