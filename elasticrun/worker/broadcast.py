@@ -108,7 +108,7 @@ def broadcast_parameters(params: Mapping[str, Any] | Iterable[Any], root_rank: i
 class _TensorSpec(NamedTuple):
     """Stands for a tensor in the picklable skeleton of an optimizer state dict."""
 
-    index: int
+    number: int  # its position in the list of tensors sent beside the skeleton
     shape: tuple[int, ...]
     dtype: torch.dtype
     kind: str = "cpu"  # the root's device type: receivers make theirs on the same kind (the same group)
@@ -129,7 +129,7 @@ def _strip(obj: Any, out: list[torch.Tensor]) -> Any:
 
 def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, _TensorSpec):
-        return tensors[obj.index]
+        return tensors[obj.number]
     if isinstance(obj, dict):
         return {k: _fill(v, tensors) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -170,7 +170,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         specs: list[_TensorSpec] = []
         _collect_specs(skeleton, specs)
         tensors = [torch.empty(s.shape, dtype=s.dtype, device=devices.kind_device(s.kind))
-                   for s in sorted(specs, key=lambda s: s.index)]
+                   for s in sorted(specs, key=lambda s: s.number)]
     _broadcast_tensors(tensors, root_rank, "broadcast_optimizer_state", process_set)
     if r.rank != root_rank:
         optimizer.load_state_dict(_fill(skeleton, tensors))

@@ -281,7 +281,7 @@ class _Channel:
                 continue  # an answer to an abandoned request
             if msg.type == "error" or "error" in msg.body:
                 raise RuntimeError(str(msg.body.get("error")))
-            return msg.body, data
+            return msg.body, bytes(data)  # bytes already (recv_multipart copies): the same object
 
     def close(self) -> None:
         self._sock.close(0)
@@ -359,6 +359,7 @@ class DurableSender:
                 if self._closed:
                     return
                 c, self._pending, self._busy = self._pending, None, True
+            assert c is not None  # the wait above ends only with a copy pending, or closed
             try:
                 self._send(c)
                 self.sent += 1

@@ -203,7 +203,7 @@ def run(func: F) -> F:
         finally:
             rt.active_state = None
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]  # called as func is (functools.wraps); mypy sees another type
 
 
 def _restore_durable(state: State, rt: Any) -> None:

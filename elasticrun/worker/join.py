@@ -37,8 +37,9 @@ from elasticrun.worker.rounds import Round
 
 __all__ = ["join"]
 
-_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
-        "product": dist.ReduceOp.PRODUCT}
+# (Any: torch's stubs type these RedOpType and AllreduceOptions.reduceOp a ReduceOp; both work.)
+_OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
+                        "product": dist.ReduceOp.PRODUCT}
 #: How long one store wait for the next descriptor lasts before the abort check runs again.
 _WAIT_SLICE = 0.5
 
@@ -177,7 +178,8 @@ def join(device: int = -1) -> int:
         if count == 1:
             store.set(collectives.join_key(f"{gen}/first"), str(seq))
         if count == r.size:  # the last one: everyone else waits at this very operation
-            store.set(collectives.join_key(f"op{seq}"), pickle.dumps((ops.End(r.rank), "cpu")))
+            store.set(collectives.join_key(f"op{seq}"),
+                      pickle.dumps((ops.End(r.rank), "cpu")))  # type: ignore[arg-type]  # stub: str; C++ takes bytes
     except Exception as exc:
         raise HorovodInternalError(f"join() could not reach the round's store: {exc}") from exc
     r.joined = True

@@ -93,7 +93,7 @@ class _GlobalProcessSet(ProcessSet):
         super().__init__([])
         self.process_set_id = 0
 
-    @property  # type: ignore[override]
+    @property
     def ranks(self) -> list[int]:
         try:
             return list(range(rounds.current().size))

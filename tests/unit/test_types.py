@@ -21,8 +21,17 @@ def test_mypy_passes():
     assert "Success" in r.stdout
 
 
+def _mypy_config() -> dict:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    return tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["mypy"]
+
+
 def test_every_ignore_in_the_checked_code_says_why():
-    checked = ["elasticrun/common", "elasticrun/discovery", "elasticrun/driver", "elasticrun/api.py"]
+    checked = _mypy_config()["files"]
+    assert "elasticrun/driver" in checked
     bare = []
     for root in checked:
         path = REPO / root

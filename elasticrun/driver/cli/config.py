@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any, Callable, Mapping, NoReturn
 
 from elasticrun.driver.cli import horovod_config
@@ -171,7 +172,10 @@ def _toml_kind(value: Any) -> str:
 def read_config_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
     """The options in TOML file ``path`` as argparse dests -> values (exit 2 on any problem).
     A horovodrun YAML config file is read too (``horovod_config.py``)."""
-    import tomllib
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10: the same parser, as the tomli package (a dependency there)
+        import tomli as tomllib
 
     try:
         with open(path, "rb") as f:
