@@ -408,7 +408,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 pending, added = r.host_updates.local_flags()
                 wanted, busy = r.copy_requests.local_flags(r.copy_busy()) if r.copy_requests else (False, False)
                 flags = StepFlags(1.0 if pending else 0.0, added, wanted, busy)
-                b.buffer[b.numel:b.numel + StepFlags.SIZE] = torch.tensor(flags.encode(), dtype=b.dtype)
+                for i, value in enumerate(flags.encode()):  # scalar fills: no host-to-device copy to wait on
+                    b.buffer[b.numel + i] = value
             tensor, b.ctx = self._dist_compression.compress(b.buffer)  # scaled already (see _dist_scale)
             b.handle = collectives.allreduce_async_(tensor, name=b.name, op=Sum, trusted=True,
                                                     process_set=self._dist_ps or global_process_set)

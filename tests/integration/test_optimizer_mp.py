@@ -337,14 +337,20 @@ def test_average_matches_mean_and_full_batch(main: list[dict[str, Any]]) -> None
             assert close(r["reduced"][step], expected, atol=1e-6)
             assert r["launched_in_backward"][step]  # all buckets went out during backward
     # The same two momentum steps in one process on the full batches.
+    expected_params = _full_batch_params(steps=2, first_seed=10)
+    for r in res:
+        assert close(r["params"], expected_params, atol=1e-6)
+
+
+def _full_batch_params(steps: int, first_seed: int) -> Any:
+    """The parameters after ``steps`` momentum steps in one process on the full batches."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(2):
+    for step in range(steps):
         opt.zero_grad()
-        loss_fn(model, *data(10 + step)).backward()
+        loss_fn(model, *data(first_seed + step)).backward()
         opt.step()
-    for r in res:
-        assert close(r["params"], params(model), atol=1e-6)
+    return params(model)
 
 
 def test_gradients_kept_between_steps_are_reduced_in_place(main: list[dict[str, Any]]) -> None:
@@ -355,14 +361,9 @@ def test_gradients_kept_between_steps_are_reduced_in_place(main: list[dict[str, 
             assert close(r["reduced"][step], expected, atol=1e-6), step
     for r in res:
         assert r["views"]  # no copy back: the gradients are the reduced bucket
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(3):
-        opt.zero_grad()
-        loss_fn(model, *data(30 + step)).backward()
-        opt.step()
+    expected_params = _full_batch_params(steps=3, first_seed=30)
     for r in res:
-        assert close(r["params"], params(model), atol=1e-6)
+        assert close(r["params"], expected_params, atol=1e-6)
 
 
 def test_sum_and_explicit_synchronize(main: list[dict[str, Any]]) -> None:
