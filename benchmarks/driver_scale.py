@@ -13,7 +13,7 @@ with its server in a separate process (the other core) and all N simulated worke
           heartbeats at once, answers the N rendezvous requests as soon as it holds all N (a
           barrier), and publishes one ``hosts_updated`` frame on its PUB socket;
   driver  the real ``ElasticDriver`` (registry, host manager, event loop, discovery thread,
-          CLI defaults), given a launcher (``elasticrun.driver.launch.launchers.Launcher``) that asks
+          CLI defaults), given a launcher (``elasticrun.driver.launching.Launcher``) that asks
           this process to start simulated workers instead of spawning processes.
 
 A simulated worker speaks the real protocol with the job's keys (handed over by the launcher,
@@ -158,7 +158,7 @@ class _SimSource:
 
 
 class _SimLauncher:
-    """A ``Launcher`` (elasticrun.driver.launch.launchers) forwarding to the simulator instead of
+    """A ``Launcher`` (elasticrun.driver.launching) forwarding to the simulator instead of
     starting processes. Exits come back from the simulator through the driver's ``on_exit``."""
 
     def __init__(self, send):

@@ -246,7 +246,7 @@ class ElasticDriver:
             if self.settings.hosts is None:  # a discovery script or callable: poll it
                 threading.Thread(target=self._discovery_loop, name="elasticrun-discovery", daemon=True).start()
             finished = self._loop()
-            assert finished is not None  # without ``until``, the loop ends only when the job has
+            assert finished is not None  # without ``until``, the loop returns only a finished job
             return self._conclude(finished)
         except _Interrupted as exc:
             self._stopping = True  # a second Ctrl-C must not interrupt the stop itself
