@@ -102,13 +102,15 @@ def is_initialized() -> bool:
 
 
 def rank() -> int:
-    """This worker's rank in the current round."""
-    return _rounds.current().rank
+    """This worker's rank in the current round (a worker joining a running job: the rank it
+    was launched for, until its first collective or sync takes its place)."""
+    return _rounds.placed().rank
 
 
 def size() -> int:
-    """The number of workers in the current round."""
-    return _rounds.current().size
+    """The number of workers in the current round (a worker joining a running job: the size
+    it was launched for, until its first collective or sync takes its place)."""
+    return _rounds.placed().size
 
 
 def local_rank() -> int:

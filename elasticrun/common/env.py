@@ -24,6 +24,10 @@ NOTIFY_ADDR = "ELASTICRUN_NOTIFY_ADDR"  # driver PUB: host updates, round aborts
 WORKER_ID = "ELASTICRUN_WORKER_ID"
 DURABLE_ADDR = "ELASTICRUN_DURABLE_ADDR"  # driver ROUTER for durable copies (only with --checkpoint-dir)
 SLOT = "ELASTICRUN_SLOT"
+# "1": the worker joins a job whose rounds have begun. Its hvd.init() connects but takes no place
+# yet: it asks for one at its first collective or elastic.run's first sync, so the survivors
+# train on while it builds its model and loads its data (see worker/runtime.py, init).
+JOINING = "ELASTICRUN_JOINING"
 
 # Timeouts (seconds) the worker must respect.
 COLLECTIVE_TIMEOUT = "ELASTICRUN_COLLECTIVE_TIMEOUT"

@@ -635,7 +635,8 @@ class ElasticDriver:
             return
         worker_env = worker_environment(s, info, job_id=self.job_id, worker_id=act.worker_id,
                                         control_addr=control_addr, notify_addr=notify_addr,
-                                        base_env=os.environ, remote=remote, durable_addr=durable_addr)
+                                        base_env=os.environ, remote=remote, durable_addr=durable_addr,
+                                        joining=act.joining)
         try:
             # The keys go through a pipe (locally) or the SSH channel, never the environment.
             self._launcher.launch(act.worker_id, s.command, worker_env, host=info.host, keys=self._worker_keys)

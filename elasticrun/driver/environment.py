@@ -69,13 +69,14 @@ def shared_environment(settings: JobSettings, base_env: Mapping[str, str], remot
 
 def worker_environment(settings: JobSettings, info: SlotInfo, *, job_id: str, worker_id: str,
                        control_addr: str, notify_addr: str, base_env: Mapping[str, str],
-                       remote: bool, durable_addr: str | None = None) -> dict[str, str]:
+                       remote: bool, durable_addr: str | None = None, joining: bool = False) -> dict[str, str]:
     """The environment of worker ``worker_id``, started for ``info`` (its place in the round).
 
     ``base_env`` is the driver's environment (``os.environ``); ``remote``: the worker runs on
     another machine; ``control_addr``/``notify_addr``: the driver's endpoints that machine
     reaches (``durable_addr``: the durable-copy socket, with ``--checkpoint-dir``). ``--network-interface`` also sets ``GLOO_SOCKET_IFNAME`` unless the driver's
-    environment has it.
+    environment has it. ``joining``: the job's rounds have begun, so the worker asks for its place
+    when it first needs one (``env.JOINING``), not at ``hvd.init()``.
     """
     s = settings
     worker_env = shared_environment(s, base_env, remote)
@@ -94,4 +95,6 @@ def worker_environment(settings: JobSettings, info: SlotInfo, *, job_id: str, wo
     worker_env.update(horovod_environment(info))
     if durable_addr is not None:  # --checkpoint-dir: where this worker sends its shards
         worker_env[env.DURABLE_ADDR] = durable_addr
+    if joining:
+        worker_env[env.JOINING] = "1"
     return worker_env

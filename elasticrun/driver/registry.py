@@ -14,6 +14,7 @@ Lifecycle of a worker process::
     LAUNCHING --rendezvous--> WAITING --assigned--> RUNNING --rendezvous--> WAITING ...
         \\                         \\                   \\
          exit / start timeout       exit               exit 0 -> SUCCEEDED, else FAILED
+         (heartbeat timeout once it has reached the driver)
     (dismissed or killed on purpose -> LEFT; its exit is then ignored)
 
 Holders of the state
@@ -47,8 +48,12 @@ During a round, host changes do not stop it until they can take effect:
 
 * a removal is notified at once, whatever else is pending: the next round is formed of the
   ready workers (a newcomer still starting joins later);
-* an addition is notified only when every newcomer has checked in, so the survivors keep
-  training while the newcomers import torch, and all of them join in one reset.
+* an addition is notified only when every newcomer has asked for its place, so the survivors
+  keep training while the newcomers import torch, and all of them join in one reset. A worker
+  launched after round 0 formed (``Launch.joining``) asks at its first collective or first
+  ``sync()``, not at ``hvd.init()``: building its model and loading its data are off the
+  survivors' clock too. Until then it is LAUNCHING but reachable: its heartbeats bound it,
+  not ``--start-timeout`` (it may prepare for as long as it needs).
 """
 
 from __future__ import annotations
@@ -74,6 +79,9 @@ class WorkerState(enum.Enum):
 
 _GONE = (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.LEFT)
 _LIVE = (WorkerState.WAITING, WorkerState.RUNNING)
+# States whose silence is a hang: a launching worker that has reached the driver is preparing
+# (building its model before it asks for a place) and heartbeats meanwhile.
+_BEATING = (WorkerState.LAUNCHING, *_LIVE)
 
 #: How often a wait for slots is reported on the console.
 WAIT_REMINDER = 30.0
@@ -122,6 +130,9 @@ class WorkerRecord:
 class Launch:
     worker_id: str
     info: SlotInfo  # the planned place, given to the process as its launch environment
+    # The job's rounds have begun: the worker asks for its place when it first needs one (its
+    # first collective or sync), not at hvd.init(), so the survivors train while it prepares.
+    joining: bool = False
 
 
 @dataclass(frozen=True)
@@ -438,10 +449,10 @@ class Registry:
     def next_deadline(self) -> float | None:
         """When ``decide`` should next be called at the latest (None: only on events)."""
         times = [] if self.plain else [w.started_at + self.config.start_timeout for w in self.workers.values()
-                                       if w.state is WorkerState.LAUNCHING]
+                                       if w.state is WorkerState.LAUNCHING and w.last_seen is None]
         if self.config.heartbeat_timeout is not None:
             times += [w.last_seen + self.config.heartbeat_timeout for w in self.workers.values()
-                      if w.last_seen is not None and w.state in _LIVE and w.bye is None]
+                      if w.last_seen is not None and w.state in _BEATING and w.bye is None]
         times += [w.bye_at + EXIT_GRACE for w in self.workers.values()
                   if w.bye == "exit" and w.state in _LIVE and not w.exited]
         if self._wait_started is not None:
@@ -491,7 +502,8 @@ class Registry:
         for w in list(self.workers.values()):
             # A process that never reached the driver within start_timeout is a failed launch,
             # unless no worker ever did: then they are plain processes, which run to their end.
-            if w.state is WorkerState.LAUNCHING and now - w.started_at >= self.config.start_timeout:
+            if (w.state is WorkerState.LAUNCHING and w.last_seen is None
+                    and now - w.started_at >= self.config.start_timeout):
                 if not self._contacted and self.round < 0:
                     if not self.plain:
                         self.plain = True
@@ -516,7 +528,7 @@ class Registry:
                 continue
             limit = self.config.heartbeat_timeout
             if (limit is not None and w.last_seen is not None and now - w.last_seen >= limit
-                    and w.state in _LIVE):
+                    and w.state in _BEATING):
                 self._outbox.append(Kill(w.id, "heartbeat timeout"))
                 self._fail(w, f"sent no heartbeat for {now - w.last_seen:.1f} s "
                               f"(--heartbeat-timeout {limit:g} s); it is hung or unreachable", now)
@@ -619,7 +631,7 @@ class Registry:
                 wid = self._new_id()
                 self.workers[wid] = WorkerRecord(wid, info.host, info.slot, WorkerState.LAUNCHING, now,
                                                  rank=info.rank)
-                acts.append(Launch(wid, info))
+                acts.append(Launch(wid, info, joining=self.round >= 0))
         return acts
 
     # --- decisions -----------------------------------------------------------------------

@@ -197,6 +197,13 @@ def run(func: F) -> F:
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         rt = runtime.get()
+        launched_for = (rt.rank, rt.size)
+        if rt.join():
+            # A newcomer to a running job takes its place here, its model built. Had the job
+            # changed since it was launched, what the script derived from hvd.size() is stale:
+            # the reset callbacks (which derive it again after every reset) run first.
+            if (rt.rank, rt.size) != launched_for:
+                state.on_reset()
         rt.active_state = state  # host updates agreed in a step interrupt there (Runtime.step_done)
         try:
             return _run(func, state, rt, args, kwargs)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from elasticrun.worker.durable import CopyRequests
     from elasticrun.worker.host_updates import HostUpdates
 
-__all__ = ["Round", "current", "install", "uninstall"]
+__all__ = ["Round", "current", "defer", "install", "placed", "uninstall"]
 
 #: How many recent operations a round remembers for ``join()``: more than any rank issues
 #: before it waits for one (the DistributedOptimizer's buckets of one step).
@@ -121,25 +121,55 @@ class Round:
 
 
 _current: Round | None = None
+# A worker joining a running job (runtime.init) takes its place when it first needs it: until
+# then ``_pending`` is the place it was launched for and ``_join`` asks the driver for one.
+_pending: Round | None = None
+_join: Callable[[], None] | None = None
 
 
 def current() -> Round:
-    """The round this process is in; raises until ``hvd.init()`` has joined the job."""
+    """The round this process is in; raises until ``hvd.init()`` has joined the job. A worker
+    that deferred its place (see :func:`defer`) joins the job's next round here, at its first
+    collective."""
     r = _current
+    if r is None:
+        join = _join
+        if join is not None:
+            join()  # installs the round it joined (or raises: the rendezvous failed)
+            r = _current
+        if r is None:
+            raise ValueError("elasticrun has not been initialized; call hvd.init() first")
+    return r
+
+
+def placed() -> Round:
+    """The current round, or the place a worker that has not joined yet was launched for
+    (``hvd.rank()``/``hvd.size()`` before its first collective): never joins."""
+    r = _current if _current is not None else _pending
     if r is None:
         raise ValueError("elasticrun has not been initialized; call hvd.init() first")
     return r
 
 
+def defer(provisional: Round, join: Callable[[], None]) -> None:
+    """No round yet: :func:`placed` answers with ``provisional`` and :func:`current` calls
+    ``join`` (which must :func:`install` the round it joined) when a round is first needed."""
+    global _pending, _join
+    _pending, _join = provisional, join
+    trace.note_rank(provisional.rank)
+
+
 def install(r: Round) -> None:
     """Make ``r`` the current round (the runtime, at every rendezvous)."""
-    global _current
+    global _current, _pending, _join
     _current = r
+    _pending = _join = None
     trace.note_rank(r.rank)
 
 
 def uninstall(r: Any = None) -> None:
     """No current round any more (shutdown); with ``r``, only if ``r`` is the current one."""
-    global _current
-    if r is None or _current is r:
+    global _current, _pending, _join
+    if r is None or _current is r or (_current is None and _pending is r):
         _current = None
+        _pending = _join = None

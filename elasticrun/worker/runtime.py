@@ -116,6 +116,9 @@ class Runtime:
 
     def __init__(self) -> None:
         self.standalone = env.CONTROL_ADDR not in os.environ
+        # Launched into a running job: init() takes no place; join() does, when one is first needed.
+        self.joining = not self.standalone and os.environ.get(env.JOINING) == "1"
+        self._join_lock = threading.Lock()
         self.hostname = os.environ.get(env.HOSTNAME, socket.gethostname())
         self.slot = int(os.environ.get(env.SLOT, "0"))
         self.worker_id = os.environ.get(env.WORKER_ID, "standalone")
@@ -437,6 +440,21 @@ class Runtime:
                 log.warning("round %d was aborted while its group formed (%s); asking for the next round",
                             self.round, reason)
 
+    def join(self) -> bool:
+        """Take this worker's place in the job's next round, if it has none yet; True if it
+        joined now.
+
+        A worker launched into a running job (``joining``) defers this from ``hvd.init()`` to
+        its first collective (``rounds.current``) or ``elastic.run``'s first sync: the driver
+        tells the survivors of it only once it asks, so they train on while it builds its
+        model and loads its data, instead of waiting for it in their next ``sync()``.
+        """
+        with self._join_lock:
+            if self._round.number >= 0:
+                return False
+            self.rendezvous()
+            return True
+
     def _form_group(self) -> None:
         """Form the current round's gloo group on its own namespace of the driver's store."""
         r = self._round
@@ -590,7 +608,11 @@ _init_lock = threading.Lock()
 
 
 def init() -> Runtime:
-    """Join the job (idempotent): connect to the driver and form the first round's group."""
+    """Join the job (idempotent): connect to the driver and form the first round's group.
+
+    A worker launched into a running job connects only: its place comes at its first
+    collective or first ``sync()`` (:meth:`Runtime.join`); ``hvd.rank()``/``hvd.size()``
+    until then give the place it was launched for."""
     global _runtime
     with _init_lock:
         if _runtime is None:
@@ -601,11 +623,14 @@ def init() -> Runtime:
             rt = Runtime()
             if not rt.standalone:
                 warm_up()
-            try:
-                rt.rendezvous()
-            except BaseException:
-                rounds.uninstall(rt.current_round)  # collectives: "not initialized", as before
-                raise
+            if rt.joining:
+                rounds.defer(rt.current_round, rt.join)
+            else:
+                try:
+                    rt.rendezvous()
+                except BaseException:
+                    rounds.uninstall(rt.current_round)  # collectives: "not initialized", as before
+                    raise
             _runtime = rt
             atexit.register(shutdown, exiting=True)
             if not rt.standalone:

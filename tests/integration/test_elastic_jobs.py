@@ -50,6 +50,23 @@ def test_hosts_added_then_removed(job, slots):
     assert "training finished" in r.stderr
 
 
+def test_survivors_train_while_a_newcomer_prepares(job):
+    """A worker launched into a running job takes its place at its first sync, not at
+    hvd.init(): while it prepares (here: waits for rank 0 to train two more epochs, which
+    would never happen if the survivors waited for it), the survivors train; then it joins
+    them in one reset."""
+    schedule = f"0:{TWO.format(s=1)};2:{THREE.format(s=1)}"
+    r = job.run(["-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", str(PROGRESS_DISCOVERY),
+                 "--discovery-interval", "0.2"],
+                job.train_cmd("--prepare-epochs=2", "--await-size=8:3", epochs=9), **discovery(schedule))
+    assert r.returncode == 0, r.output
+    assert "prepared while the survivors trained epochs" in r.output, r.output
+    by_epoch = {e["epoch"]: e for e in r.log}
+    assert by_epoch[8]["size"] == 3, r.log
+    assert by_epoch[8]["rendezvous"] == 2, r.log  # round 0, then one reset that took the newcomer in
+    assert all(e["rank"] == 0 and e["host"] == "localhost" for e in r.log)
+
+
 @pytest.mark.parametrize("mode", ["exception", "sigkill", "latekill"])
 @pytest.mark.parametrize("hosts", ["discovery", "fixed"])
 def test_one_rank_fails_and_survivors_continue(job, mode, hosts):

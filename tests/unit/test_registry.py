@@ -312,6 +312,33 @@ class TestHostAdded:
         # The killed process's exit is expected, not news.
         assert job.exit("w1", -9, at=36) == []
 
+    def test_only_workers_launched_into_a_running_job_defer_their_place(self):
+        job = Job(np=2, min_np=1)
+        launches = of(job.discover({"a": 2}, at=0), Launch)
+        assert [l.joining for l in launches] == [False, False]  # round 0 forms at their hvd.init()
+        job.rdv_all([l.worker_id for l in launches], at=1)
+        assert [l.joining for l in of(job.discover({"a": 2, "b": 1}, at=2), Launch)] == [True]
+
+    def test_a_preparing_newcomer_is_bounded_by_its_heartbeats_not_start_timeout(self):
+        """A newcomer that reached the driver builds its model before it asks for a place: it
+        may take longer than --start-timeout (the survivors train meanwhile), but once silent
+        for --heartbeat-timeout it is hung."""
+        job = Job(np=1, min_np=1, start_timeout=30.0, heartbeat_timeout=5.0)
+        job.start({"a": 1}, at=0)
+        job.reg.heartbeat("w0", 4.0)
+        job.discover({"a": 1, "b": 1}, at=5)
+        for t in range(6, 100, 2):  # preparing for 94 s, heartbeating
+            job.reg.heartbeat("w1", float(t))
+            job.reg.heartbeat("w0", float(t))
+            assert control(job.tick(t + 0.5)) == [], t
+            assert job.reg.next_deadline() == t + 5.0
+        assert job.state("w1") is WorkerState.LAUNCHING
+        job.reg.heartbeat("w0", 102.0)
+        acts = job.tick(103.0)  # w1 silent since 98
+        assert of(acts, Kill) == [Kill("w1", "heartbeat timeout")]
+        assert job.state("w1") is WorkerState.FAILED and job.state("w0") is WorkerState.RUNNING
+        assert not of(acts, AbortRound) and not of(acts, Notify)
+
     def test_newcomer_crash_before_rendezvous_blacklists_without_abort(self):
         job = Job(np=1, min_np=1)
         job.start({"a": 1})

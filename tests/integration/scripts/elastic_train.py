@@ -29,10 +29,32 @@ p.add_argument("--fail", action="append", default=[],
 p.add_argument("--marker-dir", default=None)
 p.add_argument("--await-size", action="append", default=[],
                help="EPOCH:SIZE: at the start of EPOCH, wait (checking for host updates) until size() == SIZE")
+p.add_argument("--prepare-epochs", type=int, default=0,
+               help="a worker joining the running job waits after hvd.init() until rank 0 has trained this "
+                    "many more epochs (a slow model build the survivors must not wait for)")
 args = p.parse_args()
 
 hvd.init()
 rt = runtime.get()
+
+
+def epoch_now() -> int:
+    try:
+        return int(open(args.progress).read() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+if args.prepare_epochs and rt.joining:
+    first, deadline = epoch_now(), time.monotonic() + 60
+    launched_for = (hvd.rank(), hvd.size())  # the planned place: no round joined for it
+    assert rt.round == -1 and launched_for[1] >= 2, f"a newcomer takes no place at hvd.init(): {rt.current_round}"
+    while epoch_now() < first + args.prepare_epochs:
+        if time.monotonic() > deadline:
+            sys.exit(f"the survivors stalled at epoch {epoch_now()} while {rt.hostname} prepared")
+        time.sleep(0.02)
+    print(f"prepared while the survivors trained epochs {first} to {epoch_now()} "
+          f"(launched as rank {launched_for[0]} of {launched_for[1]})", flush=True)
 state = hvd.elastic.ObjectState(epoch=0, batch=0, total=0.0)
 
 
