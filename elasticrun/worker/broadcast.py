@@ -21,6 +21,7 @@ __all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
 
 _ALIGN = 16  # byte offsets stay aligned so that views of the flat buffer can be any dtype
 _BCAST_CHUNK_BYTES = 64 << 20
+_IN_PLACE_BYTES = 1 << 20  # tensors this large are broadcast from and into their own storage
 
 
 def _nbytes(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> int:
@@ -72,19 +73,45 @@ def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, name: str,
         for kind in sorted(by_kind, key=lambda k: (k != "cpu", k)):
             members = by_kind[kind]
             device = tensors[members[0]].device
-            sizes = [_nbytes(tensors[i].shape, tensors[i].dtype) for i in members]
+            # Large tensors go as they are (no staging buffer: a 1 GiB model would otherwise be
+            # copied in on the root and out on every receiver, into freshly faulted pages: 6x
+            # the time of the transfer itself); the small ones packed, a handful of messages.
+            large = [i for i in members if _nbytes(tensors[i].shape, tensors[i].dtype) >= _IN_PLACE_BYTES]
+            small = [i for i in members if _nbytes(tensors[i].shape, tensors[i].dtype) < _IN_PLACE_BYTES]
+            for i in large:
+                n = _broadcast_in_place(tensors[i], root_rank, name, n, process_set)
+            sizes = [_nbytes(tensors[i].shape, tensors[i].dtype) for i in small]
             for chunk in _plan(sizes):
                 _, last_off, last_nb = chunk[-1]
                 buf = torch.empty(last_off + last_nb, dtype=torch.uint8, device=device)
                 if is_root:
                     for j, off, nb in chunk:
-                        buf[off:off + nb].copy_(tensors[members[j]].detach().reshape(-1).view(torch.uint8))
+                        buf[off:off + nb].copy_(tensors[small[j]].detach().reshape(-1).view(torch.uint8))
                 collectives.broadcast_(buf, root_rank, f"{name}[{n}]", process_set, trusted=True)
                 n += 1
                 if not is_root:
                     for j, off, nb in chunk:
-                        t = tensors[members[j]]
+                        t = tensors[small[j]]
                         t.copy_(buf[off:off + nb].view(t.dtype).view(t.shape))
+
+
+def _broadcast_in_place(t: torch.Tensor, root_rank: int, name: str, n: int, process_set: ProcessSet) -> int:
+    """Broadcast one large tensor's bytes straight from and into its storage, in slices of
+    at most ``_BCAST_CHUNK_BYTES`` (an abort is noticed between them); the next message
+    number. Every rank slices alike: the agreement checked shapes and dtypes, and a rank
+    whose tensor is not contiguous (strides are its own) goes through a contiguous copy."""
+    is_root = rounds.current().rank == root_rank
+    dense = t.detach()
+    if not dense.is_contiguous():
+        dense = dense.contiguous()  # the root's values; a receiver's scratch, copied back below
+    flat = dense.reshape(-1).view(torch.uint8)
+    for off in range(0, flat.numel(), _BCAST_CHUNK_BYTES):
+        collectives.broadcast_(flat[off:off + _BCAST_CHUNK_BYTES], root_rank, f"{name}[{n}]", process_set,
+                               trusted=True)
+        n += 1
+    if not is_root and dense.data_ptr() != t.data_ptr():
+        t.copy_(dense)
+    return n
 
 
 def broadcast_parameters(params: Mapping[str, Any] | Iterable[Any], root_rank: int, prefix: str | None = None,
