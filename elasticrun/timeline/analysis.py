@@ -15,7 +15,7 @@ from elasticrun.common.events import Kind
 
 PHASES = ("detect", "decide", "rendezvous", "group", "restore+sync", "first step")
 # Markers on the world-size chart: event kind -> (label, colour, shape).
-MARKERS = {
+MARKERS: dict[str, tuple[str, str, str]] = {  # Kind -> (label, colour, shape); Kind is a str
     Kind.HOST_ADDED: ("host added", "#2ca02c", "up"),
     Kind.HOST_REMOVED: ("host removed", "#7f7f7f", "down"),
     Kind.HOST_LEAVING: ("host left (SIGTERM)", "#ff7f0e", "down"),
@@ -128,7 +128,7 @@ def analyze(events: list[dict[str, Any]]) -> Analysis:
                             max(end, e["t"])))
     steps = [(t0, 0)] + [(r.start, r.size) for r in rounds]
 
-    resets = []
+    resets: list[Reset] = []
     for e in (e for e in events if e["kind"] == Kind.RESET):
         r = int(e.get("round", -1))
         seconds = float(e.get("seconds", 0.0))

@@ -58,8 +58,8 @@ def to_chrome_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
 
     meta("process_name", DRIVER_PID, None, "elasticrun driver")
     meta("process_sort_index", DRIVER_PID, None, 0)
-    for track, tid in DRIVER_TRACKS.items():
-        meta("thread_name", DRIVER_PID, tid, track)
+    for track_name, tid in DRIVER_TRACKS.items():
+        meta("thread_name", DRIVER_PID, tid, track_name)
         meta("thread_sort_index", DRIVER_PID, tid, tid)
     for r in a.rounds:
         span(f"round {r.round} ({r.size} workers)", DRIVER_PID, DRIVER_TRACKS["rounds"], r.start, r.end, "round",
@@ -77,7 +77,8 @@ def to_chrome_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         k = e["kind"]
         if k in MARKERS:
-            fields = {x: e[x] for x in ("host", "slot", "rank", "message", "reason", "error", "round") if x in e}
+            fields: dict[str, Any] = {x: e[x] for x in ("host", "slot", "rank", "message", "reason", "error", "round")
+                                      if x in e}
             instant(f"{MARKERS[k][0]}: {e.get('host', '')}".rstrip(": "), DRIVER_PID, hf, e["t"],
                     "failure" if k == Kind.WORKER_FAILED else "hosts", **fields)
         elif k in (Kind.ROUND_ABORTED, Kind.NOTIFICATION_SENT, Kind.JOB_END):
@@ -111,7 +112,7 @@ def to_chrome_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         train_from: tuple[float, dict] | None = None
         for e in mine:
             k, t = e["kind"], e["t"]
-            where = {x: e[x] for x in ("round", "rank") if x in e}
+            where: dict[str, Any] = {x: e[x] for x in ("round", "rank") if x in e}
             if k == Kind.WORKER_STARTED:
                 instant("worker started", pid, tid, t, "worker", worker=e.get("worker"), rank=e.get("rank"))
             elif k == Kind.WORKER_EXITED:
@@ -272,8 +273,8 @@ def to_svg(events: list[dict[str, Any]], title: str = "elasticrun job timeline")
     # World size: a step line.
     d = []
     for i, (t, s) in enumerate(a.steps):
-        x, y = _num(X(t)), _num(Y(s))
-        d.append(f"M{x} {y}" if i == 0 else f"H{x} V{y}")
+        sx, sy = _num(X(t)), _num(Y(s))
+        d.append(f"M{sx} {sy}" if i == 0 else f"H{sx} V{sy}")
     d.append(f"H{_num(X(a.t_end))}")
     p.append(f'<path id="world-size" class="world-size" d="{" ".join(d)}" fill="none" stroke="#1f77b4" '
              f'stroke-width="2.5"/>')
@@ -303,7 +304,7 @@ def to_svg(events: list[dict[str, Any]], title: str = "elasticrun job timeline")
                  f'stroke-dasharray="2 3" stroke-opacity="0.6"/></g>')
     p.append("</g>")
     # Legend of markers.
-    lx = left
+    lx: float = left
     kinds = [k for k in MARKERS if any(m.kind == k for m in a.markers)]
     for k in kinds:
         label, color, shape = MARKERS[k]

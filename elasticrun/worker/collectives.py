@@ -63,7 +63,7 @@ class ReduceOp:
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM, ReduceOp.MIN,
                                            ReduceOp.MAX, ReduceOp.PRODUCT)
 _BY_NAME = {"average": Average, "sum": Sum, "adasum": Adasum, "min": Min, "max": Max, "product": Product}
-_TORCH_OPS = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
+_TORCH_OPS: dict[int, Any] = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
               Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
 #: gloo reduction -> its name in descriptors (what a joined rank contributes depends on it).
 _TORCH_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max",
@@ -166,7 +166,7 @@ def _look_for_join(r: Round) -> None:
 def _publish(r: Round, seq: int, desc: Op, kind: str) -> None:
     assert r.store is not None
     try:
-        r.store.set(join_key(f"op{seq}"), pickle.dumps((desc, kind)))
+        r.store.set(join_key(f"op{seq}"), pickle.dumps((desc, kind)))  # type: ignore[arg-type]  # stub: str; bytes work
     except Exception as exc:
         raise HorovodInternalError(f"could not publish operation {seq} for the joined ranks: {exc}") from exc
 
@@ -329,7 +329,9 @@ def _is_global(process_set: ProcessSet | None) -> bool:
 
 
 def _ps_id(process_set: ProcessSet | None) -> Any:
-    return 0 if _is_global(process_set) else (process_set.process_set_id, tuple(process_set.ranks or ()))
+    if process_set is None or _is_global(process_set):
+        return 0
+    return (process_set.process_set_id, tuple(process_set.ranks or ()))
 
 
 def _agree(r: Round, signature: dict[str, Any], what: str, process_set: ProcessSet | None = None) -> None:
@@ -341,7 +343,8 @@ def _agree(r: Round, signature: dict[str, Any], what: str, process_set: ProcessS
     if _is_global(process_set):
         pg, size = None, r.size
     else:
-        pg, _, size, _ = _group(r, process_set)  # type: ignore[arg-type]
+        assert process_set is not None  # not global
+        pg, _, size, _ = _group(r, process_set)
     if size == 1:
         return
     mine = agreement.words(signature)
@@ -674,7 +677,8 @@ def _root_index(r: Round, root_rank: int, process_set: ProcessSet | None,
     """(group or None for the round's, root's rank in it): roots are global ranks, as in Horovod."""
     if _is_global(process_set):
         return None, root_rank
-    pg, _, _, members = _group(r, process_set, on)  # type: ignore[arg-type]
+    assert process_set is not None  # not global
+    pg, _, _, members = _group(r, process_set, on)
     if root_rank not in members:
         raise ValueError(f"root rank {root_rank} is not a member of {process_set}")
     return pg, members.index(root_rank)
@@ -737,7 +741,8 @@ def _allgather_same_async(tensor: torch.Tensor, what: str, process_set: ProcessS
         outputs = [torch.empty_like(t) for _ in range(r.size)]
         work = _issue(r, lambda pg: pg.allgather([outputs], [t]), what, ops.Allgather(t.shape, t.dtype), on=t)
     else:
-        pg, _, size, _ = _group(r, process_set, t)  # type: ignore[arg-type]
+        assert process_set is not None  # not global
+        pg, _, size, _ = _group(r, process_set, t)
         outputs = [torch.empty_like(t) for _ in range(size)]
         work = _issue(r, lambda g: g.allgather([outputs], [t]), what, pg=pg)
     return _handle(work, what, lambda: outputs)
@@ -794,7 +799,8 @@ class _Group:
 def _where(r: Round, process_set: ProcessSet | None) -> _Group:
     if _is_global(process_set):
         return _Group(None, r.size, r.rank, ())
-    pg, me, size, members = _group(r, process_set)  # type: ignore[arg-type]
+    assert process_set is not None  # not global
+    pg, me, size, members = _group(r, process_set)
     return _Group(pg, size, me, members)
 
 
@@ -872,15 +878,18 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
         results = []
         for k, t in enumerate(ts):
             per_rank = [row[k] for row in table]
-            if first[k] is not None and not rests[k] and all(n == caps[k] for n in per_rank):
-                results.append(first[k][0])  # every rank filled its capacity: the output is the result
+            head, tail = first[k], second[k]
+            if head is not None and not rests[k] and all(n == caps[k] for n in per_rank):
+                results.append(head[0])  # every rank filled its capacity: the output is the result
                 continue
             chunks = []
             for i, (a, b) in enumerate(capacities.pieces(per_rank, caps[k], rests[k])):
                 if a:
-                    chunks.append(first[k][0][i * caps[k]:i * caps[k] + a])
+                    assert head is not None  # a rank sent rows within the capacity: the first pass ran
+                    chunks.append(head[0][i * caps[k]:i * caps[k] + a])
                 if b:
-                    chunks.append(second[k][0][i * rests[k]:i * rests[k] + b])
+                    assert tail is not None  # rows beyond it: the second pass ran
+                    chunks.append(tail[0][i * rests[k]:i * rests[k] + b])
             results.append(torch.cat(chunks) if chunks else t.new_empty((0,) + tuple(t.shape[1:])))
         return results
     return _handle(_Works(works) if works else _DONE, what, finish, None if trusted else name)
@@ -986,6 +995,7 @@ def _reducescatter_issue(tensor: torch.Tensor, what: str, op: int, prescale: flo
         work = _issue(r, lambda pg: pg.alltoall_base(out, t, recv, counts, opts), what,
                       ops.Alltoall(rest, t.dtype, tuple(tuple(counts) for _ in range(size))), on=t)
     else:
+        assert process_set is not None  # not global
         pg, _, _, _ = _group(r, process_set, t)
         work = _issue(r, lambda g: g.alltoall_base(out, t, recv, counts, opts), what, pg=pg)
 

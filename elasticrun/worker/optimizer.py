@@ -147,6 +147,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     attributes, so ``param_groups``, ``state`` and ``defaults`` are the very same objects.
     """
 
+    _dist_original: Callable[[], torch.optim.Optimizer | None]  # the wrapped instance (a weak reference)
+
     # --- setup ------------------------------------------------------------------------
     def _dist_setup(self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None, compression: type[Compressor],
                     backward_passes_per_step: int, op: int | str, gradient_predivide_factor: float,
@@ -501,7 +503,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         original = self._dist_original()
         if original is not None:
             # An LR scheduler made before wrapping watches the original for "stepped".
-            original._opt_called = True
+            setattr(original, "_opt_called", True)  # an attribute torch.optim.lr_scheduler sets, not in the stubs
         return super().step(closure)
 
     def _dist_adasum_step(self, closure: Callable[[], Any] | None) -> Any:
@@ -512,7 +514,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         r = rounds.current()
         original = self._dist_original()
         if original is not None:
-            original._opt_called = True
+            setattr(original, "_opt_called", True)  # an attribute torch.optim.lr_scheduler sets, not in the stubs
         if r.size == 1:
             super().step()
             return loss
@@ -533,7 +535,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p, s in zip(params, start):
                 p.copy_(s)
         if r.step_done is not None:  # may raise HostsUpdatedInterrupt: this step is not applied
-            r.step_done()
+            r.step_done(0.0)
         with torch.no_grad():
             for i, p in enumerate(params):
                 p.add_(reduced[i])
@@ -542,7 +544,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # torch's Optimizer.__setstate__/load_state_dict wrap ``type(self).step`` in a profiling
     # hook unless it is marked: ours calls the wrapped class's (already hooked) step, so
     # wrapping it again would run the step hooks twice.
-    step.hooked = True  # type: ignore[attr-defined]
+    step.hooked = True  # type: ignore[attr-defined]  # a mark on the function, read by torch.optim
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         launched = self._dist_has_handles()
@@ -579,10 +581,10 @@ def abandon_step(optimizer: torch.optim.Optimizer) -> None:
         optimizer._dist_clear(discard=True)
 
 
-_classes: dict[type, type] = {}
+_classes: dict[type, type[_DistributedOptimizer]] = {}
 
 
-def _distributed_class(base: type) -> type:
+def _distributed_class(base: type) -> type[_DistributedOptimizer]:
     """One subclass per optimizer class, named like it, so isinstance checks keep working."""
     cls = _classes.get(base)
     if cls is None:

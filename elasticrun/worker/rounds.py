@@ -52,7 +52,7 @@ class Round:
 
     def __init__(self, number: int, rank: int, size: int, *, collective_timeout: float,
                  host_updates: HostUpdates, aborted: Mapping[int, str],
-                 emit: Callable[..., None], pg: dist.ProcessGroup | None = None,
+                 emit: Callable[..., None], pg: dist.ProcessGroupGloo | None = None,
                  copy_requests: CopyRequests | None = None, copy_busy: Callable[[], bool] = lambda: False,
                  step_done: Callable[[float], None] | None = None) -> None:
         self.number = number
@@ -124,7 +124,7 @@ _current: Round | None = None
 # A worker joining a running job (runtime.init) takes its place when it first needs it: until
 # then ``_pending`` is the place it was launched for and ``_join`` asks the driver for one.
 _pending: Round | None = None
-_join: Callable[[], None] | None = None
+_join: Callable[[], object] | None = None
 
 
 def current() -> Round:
@@ -151,7 +151,7 @@ def placed() -> Round:
     return r
 
 
-def defer(provisional: Round, join: Callable[[], None]) -> None:
+def defer(provisional: Round, join: Callable[[], object]) -> None:
     """No round yet: :func:`placed` answers with ``provisional`` and :func:`current` calls
     ``join`` (which must :func:`install` the round it joined) when a round is first needed."""
     global _pending, _join

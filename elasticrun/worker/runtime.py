@@ -204,10 +204,10 @@ class Runtime:
         return self._round.size
 
     @property
-    def pg(self) -> dist.ProcessGroup | None:
+    def pg(self) -> dist.ProcessGroupGloo | None:
         return self._round.pg
 
-    def _new_round(self, number: int, rank: int, size: int, pg: dist.ProcessGroup | None = None) -> Round:
+    def _new_round(self, number: int, rank: int, size: int, pg: dist.ProcessGroupGloo | None = None) -> Round:
         return Round(number, rank, size, collective_timeout=self.collective_timeout, host_updates=self.host_updates,
                      aborted=self._aborted, emit=self.emit, pg=pg, copy_requests=self.copy_requests,
                      copy_busy=self.copy_busy, step_done=self.step_done)
@@ -253,7 +253,7 @@ class Runtime:
         if r.awaiting_first_step:  # a world of one reduces nothing: its first step is this one
             r.step_completed("optimizer step")
 
-    def enter_round(self, number: int, rank: int, size: int, pg: dist.ProcessGroup | None = None,
+    def enter_round(self, number: int, rank: int, size: int, pg: dist.ProcessGroupGloo | None = None,
                     store: dist.Store | None = None) -> Round:
         """Make round ``number`` (this worker: ``rank`` of ``size``) the current one, for this
         runtime and for the collectives. The rendezvous calls it with the driver's assignment
@@ -462,7 +462,7 @@ class Runtime:
         if r.size == 1:
             # A world of one has no peer to meet: its group, store and MASTER_PORT are local
             # (the driver's store would cost round trips on the recovery path for nothing).
-            store = dist.HashStore()
+            store: dist.Store = dist.HashStore()
             r.pg = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=self.collective_timeout))
             r.store = store
             self.export_environment(f"{self.hostname}:{_free_port()}")
@@ -531,7 +531,7 @@ class Runtime:
             agreed = StepFlags.decode(packed.tolist())  # pending: the newest timestamp any rank knows
             verdict = (updates.settle(agreed.pending), agreed.added)
             copy = (agreed.wanted, agreed.busy)
-            where = {"ts": agreed.pending}
+            where: dict[str, Any] = {"ts": agreed.pending}
         else:
             where = {"agreed_in": "gradient allreduce"}
         if hand_off is not None and copy is not None and copy[0] and not copy[1] and self._sender is not None:

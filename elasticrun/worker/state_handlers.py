@@ -155,8 +155,8 @@ class ModelStateHandler(StateHandler):
                 and list(map(len, self._dicts)) == self._sizes and self._plan.current())
 
     def save(self) -> None:
-        if self._plan_is_current():
-            self._plan.run()  # type: ignore[union-attr]
+        if self._plan is not None and self._plan_is_current():
+            self._plan.run()
             return
         generation = _structure_generation
         live = self.value.state_dict(keep_vars=True)
@@ -183,7 +183,8 @@ class ModelStateHandler(StateHandler):
             self.save()
             return None
         if self._split is None or self._split[0] != guarded:
-            now_plan, later_plan = self._plan.split(lambda t: id(t) not in guarded)  # type: ignore[union-attr]
+            assert self._plan is not None  # current, checked above
+            now_plan, later_plan = self._plan.split(lambda t: id(t) not in guarded)
             self._split = (guarded, now_plan, later_plan)
         self._split[1].run()
         return _later(self._split[2])
@@ -268,11 +269,15 @@ class OptimizerStateHandler(StateHandler):
 
     def save(self) -> None:
         if self._save_unless_current():
-            self._plan.run()  # type: ignore[union-attr]
+            assert self._plan is not None  # current: it was just checked
+            self._plan.run()
 
     def save_deferred(self, guarded: frozenset[int]) -> Callable[[], None] | DeviceCopy | None:
         # Only a step changes the optimizer's tensors, and steps wait for the copy.
-        return _later(self._plan) if self._save_unless_current() else None  # type: ignore[arg-type]
+        if not self._save_unless_current():
+            return None
+        assert self._plan is not None  # current: it was just checked
+        return _later(self._plan)
 
     def _rebuild(self, params: list[torch.Tensor]) -> None:
         opt = self.value
@@ -451,8 +456,8 @@ def _check_sync(cls: type, takes_root: Callable[[], bool], stacklevel: int) -> b
 
 def _class_sync_takes_root(cls: type) -> bool:
     if isinstance(inspect.getattr_static(cls, "sync", None), (staticmethod, classmethod)):
-        return _sync_takes_root(cls.sync)  # type: ignore[attr-defined]
-    return _sync_takes_root(cls.sync, bound=False)  # type: ignore[attr-defined]
+        return _sync_takes_root(getattr(cls, "sync"))
+    return _sync_takes_root(getattr(cls, "sync"), bound=False)  # any class with a sync(), not only StateHandlers
 
 
 def sync_handler(handler: StateHandler, root: int) -> None:
@@ -462,7 +467,7 @@ def sync_handler(handler: StateHandler, root: int) -> None:
     if _check_sync(type(handler), lambda: _sync_takes_root(handler.sync), stacklevel=2):
         handler.sync(root)
     else:
-        handler.sync()  # type: ignore[call-arg]
+        handler.sync()  # type: ignore[call-arg]  # an older handler's sync() takes no root (checked above)
 
 
 HandlerFactory = Callable[[Any], StateHandler]

@@ -100,7 +100,7 @@ def stop_blas_threads() -> list[str]:
     pthread_atfork handler); it starts the pool again at its next threaded call, which in a
     worker is after the fork, with the settings it read when it loaded.
     """
-    stopped = []
+    stopped: list[str] = []
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
             libs = sorted({line.split()[-1] for line in f if "openblas" in line.rsplit("/", 1)[-1].lower()})
@@ -627,19 +627,21 @@ def standard_streams(unbuffered: bool) -> None:
     for fd, name, write, old in ((0, "<stdin>", False, sys.__stdin__), (1, "<stdout>", True, sys.__stdout__),
                                  (2, "<stderr>", True, sys.__stderr__)):
         buffered = not (write and unbuffered)
-        buf = open(fd, "wb" if write else "rb", buffering=-1 if buffered else 0, closefd=False)
+        # Typed Any: the streams are given the names and modes a terminal's have, which the
+        # IO stubs declare read-only.
+        buf: Any = open(fd, "wb" if write else "rb", buffering=-1 if buffered else 0, closefd=False)
         raw = buf.raw if buffered else buf
         raw.name = name
         encoding = getattr(old, "encoding", None) or "utf-8"
         errors = getattr(old, "errors", None) or ("backslashreplace" if fd == 2 else "strict")
-        stream = io.TextIOWrapper(buf, encoding=encoding, errors=errors, newline="\n",
+        stream: Any = io.TextIOWrapper(buf, encoding=encoding, errors=errors, newline="\n",
                                   line_buffering=buffered and (raw.isatty() or fd == 2),
                                   write_through=not buffered)
         stream.mode = "w" if write else "r"
         made.append(stream)
-    sys.stdin = sys.__stdin__ = made[0]
-    sys.stdout = sys.__stdout__ = made[1]
-    sys.stderr = sys.__stderr__ = made[2]
+    sys.stdin, sys.stdout, sys.stderr = made
+    for name, stream in zip(("__stdin__", "__stdout__", "__stderr__"), made):
+        setattr(sys, name, stream)  # the originals, as a new interpreter has them (Final in the stubs)
 
 
 def reseed() -> None:
@@ -660,7 +662,7 @@ def reseed() -> None:
 
 def run_worker(job: WorkerJob) -> int:
     """Run the script (or module) as ``__main__``; its exit status (SystemExit propagates)."""
-    main = types.ModuleType("__main__")
+    main: Any = types.ModuleType("__main__")  # given __cached__ and the rest a script's __main__ has
     main.__dict__.update(__builtins__=builtins, __annotations__={})
     sys.modules["__main__"] = main
     cmd = job.cmd
@@ -732,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     original_env = ctypes.string_at(areas[2], areas[3] - areas[2]) if areas is not None else b""
     os.environ.pop(warmstart.ROOM_VAR, None)
     startup_env = dict(os.environ)
-    handlers = {s: signal.getsignal(s) for s in HANDLED}
+    handlers: dict[int, Any] = {s: signal.getsignal(s) for s in HANDLED}
     args = parse_args(sys.argv[1:] if argv is None else argv)
     cwd = os.getcwd()
     if not sys.flags.safe_path and sys.path and (args.script or args.module):

@@ -59,6 +59,17 @@ class TorchState(ObjectState):
 
     register_handler = staticmethod(register_handler)
 
+    # Set in __init__ through object.__setattr__ (this class's __setattr__ routes public names
+    # to handlers and ObjectState's attributes); declared here for the type checker.
+    _handlers: dict[str, StateHandler]
+    _constructed: bool
+    _commit_seq: int
+    _background: bool
+    _pending: concurrent.futures.Future[None] | None
+    _device_copies: list[DeviceCopy]
+    _copy_thread: concurrent.futures.ThreadPoolExecutor | None
+    _guarded: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any]
+
     #: How long a wait for a background commit copy may take before it is reported.
     COMMIT_WAIT_TIMEOUT = 600.0
 
