@@ -1,7 +1,8 @@
 """Collectives on the current round's process group, with horovod.torch's semantics.
 
-Every collective is issued asynchronously and then waited on by polling, because a blocked
-gloo collective cannot be interrupted (gloo's abort() does not unblock it): polling lets a
+Every collective is issued asynchronously here and then waited on by polling
+(``worker/waiting.py``, with the handles of collectives in flight), because a blocked gloo
+collective cannot be interrupted (gloo's abort() does not unblock it): polling lets a
 worker give up the moment the driver says the round is dead, or when the collective timeout
 passes. Either way the caller gets :class:`HorovodInternalError`, never a hang or a crash.
 CUDA tensors go over the round's NCCL group when the round has one (``worker/devices.py``):
@@ -29,24 +30,23 @@ from __future__ import annotations
 
 import ctypes
 import math
-import pickle
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import cloudpickle
 import torch
 import torch.distributed as dist
 
-from elasticrun.worker import adasum, agreement, capacities, devices, process_sets, rounds, trace
+from elasticrun.worker import adasum, agreement, capacities, devices, process_sets, rounds, trace, waiting
 from elasticrun.worker import descriptors as ops
 from elasticrun.worker.agreement import CollectiveMismatch
 from elasticrun.worker.descriptors import Op
-from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
+from elasticrun.worker.exceptions import HorovodInternalError
 from elasticrun.worker.process_sets import ProcessSet, global_process_set
 from elasticrun.worker.rounds import Round
+from elasticrun.worker.waiting import Handle, join_key, poll, synchronize, wait  # re-exported: hvd's API, join
 
 
 class ReduceOp:
@@ -73,22 +73,6 @@ _TORCH_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MIN: "min", dist.Redu
 # (13 MB allreduce, 2 ranks): this matches a blocking work.wait() (7.9 vs 8.0 ms); a spinning
 # waiter starves the other ranks' gloo threads (21 ms); waking through the work's future
 # callback costs a thread hand-off (9.2 ms).
-_POLL = 0.0001
-_SLOW_POLL = 0.001
-_SLOW_AFTER = 0.05
-# A gloo work is waited on in slices instead (a blocking wait with a timeout, woken as soon as
-# it completes): no sleep overshoot on short collectives, and the abort and join checks still
-# run at least every slice. A slice that ends early raises "timed out" and leaves the work
-# running; a real failure shows as a completed work whose wait() raises (below). A slice
-# costs its exception (tens of us): they grow with the wait, a quarter of it, from 1 to 4 ms,
-# so that a long allreduce is not a stream of them (measured: 4 ranks on 2 cores, 1 ms slices
-# throughout cost 3 to 5 % of a training step), while an abort is still seen within a quarter
-# of the time waited.
-_SLICES = tuple(timedelta(milliseconds=ms) for ms in (1, 2, 3, 4))
-# A collective waiting this long looks (on the round's store) whether a peer called join()
-# and now waits for descriptors; then again after as long as it has waited, at most 0.2 s.
-_JOIN_CHECK = 0.01
-_JOIN_CHECK_MAX = 0.2
 
 
 def op_value(op: int | str) -> int:
@@ -99,149 +83,6 @@ def op_value(op: int | str) -> int:
         return _BY_NAME[op.lower()]
     raise ValueError(f"unsupported reduction op {op!r}: use hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max "
                      f"or hvd.Product")
-
-
-# --------------------------------------------------------------------------- waiting
-
-
-def _wait(r: Round, work: Any, what: str) -> None:
-    """Wait for ``work``; give up when round ``r`` is aborted or the collective timeout passes."""
-    start = time.monotonic()
-    deadline = start + r.collective_timeout
-    check = start + _JOIN_CHECK
-    while not work.is_completed():
-        reason = r.abort_reason()
-        if reason:
-            raise HorovodInternalError(f"{what} abandoned: round {r.number} was aborted ({reason})")
-        now = time.monotonic()
-        if now > deadline:
-            raise CollectiveTimeout(f"{what} did not complete within the collective timeout "
-                                    f"({r.collective_timeout:g} s); a peer is hung or unreachable")
-        if now > check:
-            check = now + min(_JOIN_CHECK_MAX, now - start)
-            _look_for_join(r)
-        target = work.pending() if isinstance(work, _Works) else work
-        if isinstance(target, dist.Work):
-            try:
-                target.wait(_SLICES[min(3, int((now - start) * 250))])
-            except Exception:  # the slice ended (or the work failed: is_completed() says so)
-                pass
-        else:
-            time.sleep(_POLL if now - start < _SLOW_AFTER else _SLOW_POLL)
-    try:
-        work.wait()
-    except Exception as exc:  # gloo reports a dead peer as RuntimeError / DistBackendError
-        raise HorovodInternalError(f"{what} failed: {exc}") from exc
-    if r.awaiting_first_step:  # the first collective after a reset: training moves again
-        r.step_completed(what)
-
-
-def join_key(name: str) -> str:
-    """A key of the round's store used by join() (namespaced away from gloo's own keys)."""
-    return f"elasticrun/join/{name}"
-
-
-def _look_for_join(r: Round) -> None:
-    """Called while a collective waits: if a peer has joined (it waits for descriptors on the
-    store), publish this rank's descriptors of every operation since then, and of every later
-    one as it is issued, so the joined peer can take part in them."""
-    if r.join_active or r.joined or r.store is None or r.size == 1:
-        return
-    key = join_key(f"{r.join_gen}/first")
-    try:
-        if not r.store.check([key]):
-            return
-        first = int(r.store.get(key))
-    except Exception:  # an aborted round's store refuses: the wait sees the abort next
-        return
-    r.join_active = True
-    if r.log and r.log[0][0] > first:
-        raise HorovodInternalError(f"a peer joined at operation {first}, but this rank only remembers operations "
-                                   f"from {r.log[0][0]} on")
-    for seq, desc, kind in list(r.log):
-        if seq >= first:
-            _publish(r, seq, desc, kind)
-
-
-def _publish(r: Round, seq: int, desc: Op, kind: str) -> None:
-    assert r.store is not None
-    try:
-        r.store.set(join_key(f"op{seq}"), pickle.dumps((desc, kind)))  # type: ignore[arg-type]  # stub: str; bytes work
-    except Exception as exc:
-        raise HorovodInternalError(f"could not publish operation {seq} for the joined ranks: {exc}") from exc
-
-
-class _Done:
-    """The work of an operation that needed no communication (or completed already)."""
-
-    @staticmethod
-    def is_completed() -> bool:
-        return True
-
-    @staticmethod
-    def wait() -> None:
-        return None
-
-
-_DONE = _Done()
-
-
-class _Polled:
-    """A NCCL work: its completion is polled (its ``wait()`` makes the caller's CUDA stream
-    wait, not the host), then ``wait()`` orders the caller's stream after it."""
-
-    __slots__ = ("work",)
-
-    def __init__(self, work: Any) -> None:
-        self.work = work
-
-    def is_completed(self) -> bool:
-        return bool(self.work.is_completed())
-
-    def wait(self) -> None:
-        self.work.wait()
-
-
-class _Works:
-    """Several works waited on as one."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-    def pending(self) -> Any:
-        """The first work still running (waited on in slices like a single one)."""
-        return next((w for w in self.works if not w.is_completed()), None)
-
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-
-
-@dataclass
-class Handle:
-    """An asynchronous collective in flight; pass it to :func:`synchronize` (or call it)."""
-
-    work: Any
-    what: str
-    finish: Callable[[], Any]
-    done: bool = False
-    result: Any = None
-    started: float = 0.0  # for the timeline (only set while one records)
-    name: str | None = None  # the user's name for it, in flight until synchronized
-
-    def __call__(self) -> Any:
-        """``handle()`` == ``synchronize(handle)`` (Horovod's sparse allreduce returns a function)."""
-        return synchronize(self)
-
-
-def _handle(work: Any, what: str, finish: Callable[[], Any], name: str | None = None) -> Handle:
-    """A handle for ``work``; a ``name`` given is in flight until the handle is synchronized."""
-    if name is not None:
-        rounds.current().in_flight.add(name)
-    return Handle(work, what, finish, started=trace.now() if trace.active() is not None else 0.0, name=name)
 
 
 def on_device(r: Round, t: torch.Tensor | None) -> bool:
@@ -285,7 +126,7 @@ def _issue(r: Round, start: Callable[[Any], Any], what: str, desc: Op | None = N
         kind = "cuda" if device else "cpu"
         r.log.append((seq, d, kind))
         if r.join_active and not r.joined:
-            _publish(r, seq, d, kind)
+            waiting.publish(r, seq, d, kind)
     try:
         work = start(pg)
     except HorovodInternalError:
@@ -293,7 +134,7 @@ def _issue(r: Round, start: Callable[[Any], Any], what: str, desc: Op | None = N
     except Exception as exc:
         raise HorovodInternalError(f"{what} failed to start: {exc}") from exc
     if device or (not main and any(pg is g for g in r.device_groups.values())):
-        return _Polled(work)
+        return waiting.Polled(work)
     return work
 
 
@@ -301,11 +142,6 @@ def issue(r: Round, start: Callable[[Any], Any], what: str, desc: Op | None = No
           on: torch.Tensor | None = None) -> Any:
     """:func:`_issue` on the round's group, for other modules of the worker (``join``)."""
     return _issue(r, start, what, desc, on=on)
-
-
-def wait(r: Round, work: Any, what: str) -> None:
-    """:func:`_wait`, for other modules of the worker (``join``)."""
-    _wait(r, work, what)
 
 
 def _group(r: Round, process_set: ProcessSet, on: torch.Tensor | None = None) -> tuple[Any, int, int, tuple[int, ...]]:
@@ -353,7 +189,7 @@ def _agree(r: Round, signature: dict[str, Any], what: str, process_set: ProcessS
     label = f"{what} (its arguments)"
     start = lambda g: g._allgather_base(out, t)  # noqa: E731
     work = _issue(r, start, label, ops.Allgather(t.shape, t.dtype)) if pg is None else _issue(r, start, label, pg=pg)
-    _wait(r, work, label)
+    waiting.wait(r, work, label)
     words = out.tolist()
     if all((x, y) == mine or (x, y) == (0, 0) for x, y in zip(words[0::2], words[1::2])):
         return
@@ -379,32 +215,6 @@ def _check_name(r: Round, name: str | None, what: str) -> None:
     if name is not None and name in r.in_flight:
         raise ValueError(f"{what}: an operation named {name!r} is already in progress; names of collectives in "
                          f"flight at the same time must differ (as in Horovod)")
-
-
-def poll(handle: Handle) -> bool:
-    """True when the collective has completed (successfully or not)."""
-    return handle.done or bool(handle.work.is_completed())
-
-
-def synchronize(handle: Handle) -> Any:
-    """Wait for an asynchronous collective and return its output (a tensor; a list of them for
-    grouped operations; ``(output, received_splits)`` for alltoall)."""
-    if not handle.done:
-        if handle.name is not None:
-            rounds.current().in_flight.discard(handle.name)
-        _wait(rounds.current(), handle.work, handle.what)
-        handle.result = handle.finish()
-        handle.done = True
-        timeline = trace.active()
-        if timeline is not None and handle.started:
-            timeline.record(handle.what, handle.started, trace.now(), rounds.current().number)
-    return handle.result
-
-
-def _traced(r: Round, what: str, started: float) -> None:
-    timeline = trace.active()
-    if timeline is not None:
-        timeline.record(what, started, trace.now(), r.number)
 
 
 def _resolve_op(op: int | str | None, average: bool | None) -> int:
@@ -483,7 +293,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
         if data is not tensor:
             tensor.copy_(data)
         return tensor
-    return _handle(work, what, finish, None if trusted else name)
+    return waiting.handle(work, what, finish, None if trusted else name)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -509,9 +319,9 @@ def allreduce_inplace(tensor: torch.Tensor, op: Any, what: str) -> None:
     opts.reduceOp = op
     r = rounds.current()
     started = trace.now()
-    _wait(r, _issue(r, lambda pg: pg.allreduce([tensor], opts), what,
+    waiting.wait(r, _issue(r, lambda pg: pg.allreduce([tensor], opts), what,
                     ops.Allreduce(tensor.shape, tensor.dtype, _TORCH_OP_NAMES[op]), on=tensor), what)
-    _traced(r, what, started)
+    waiting.traced(r, what, started)
 
 
 def _flat_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
@@ -558,7 +368,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                         t.copy_(flat[off:off + n].view_as(t))
                     off += n
         return tensors
-    return _handle(_Works([h.work for _, _, h in parts]), what, finish, None if trusted else name)
+    return waiting.handle(waiting.Works([h.work for _, _, h in parts]), what, finish, None if trusted else name)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -601,7 +411,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: in
         if op == Average:
             v = v / size
         return torch.sparse_coo_tensor(i.t(), v, t.size())
-    return _handle(gathered.work, what, finish)
+    return waiting.handle(gathered.work, what, finish)
 
 
 # --------------------------------------------------------------------------- Adasum
@@ -616,7 +426,7 @@ def _adasum(tensors: list[torch.Tensor], what: str, prescale: float, postscale: 
         raise NotImplementedError("Adasum does not support non-global process sets yet.")
     result: Any = tensors[0] if single else tensors
     if not tensors:
-        return Handle(_DONE, what, lambda: result, done=True, result=result)
+        return Handle(waiting.DONE, what, lambda: result, done=True, result=result)
     dtype = tensors[0].dtype
     if not dtype.is_floating_point or any(t.dtype != dtype for t in tensors):
         raise ValueError(f"Adasum needs floating-point tensors of one dtype, got {[t.dtype for t in tensors]}")
@@ -650,7 +460,7 @@ def _adasum(tensors: list[torch.Tensor], what: str, prescale: float, postscale: 
             inp = flat if any(row) else flat.new_empty(0)
             out = flat.new_empty(sum(col))
             matrix = tuple(tuple(x) for x in sends)
-            _wait(r, _issue(r, lambda pg: pg.alltoall_base(out, inp, col, row, opts), what,
+            waiting.wait(r, _issue(r, lambda pg: pg.alltoall_base(out, inp, col, row, opts), what,
                             ops.Alltoall((), dtype, matrix), on=flat), what)
             if not any(col):
                 continue
@@ -665,8 +475,8 @@ def _adasum(tensors: list[torch.Tensor], what: str, prescale: float, postscale: 
             flat.mul_(postscale)
         for t, (o, k) in zip(tensors, segments):
             t.copy_(flat[o:o + k].view_as(t))
-    _traced(r, what, started)
-    return Handle(_DONE, what, lambda: result, done=True, result=result)
+    waiting.traced(r, what, started)
+    return Handle(waiting.DONE, what, lambda: result, done=True, result=result)
 
 
 # --------------------------------------------------------------------------- broadcast
@@ -710,7 +520,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
         if held is not tensor:
             tensor.copy_(held)
         return tensor
-    return _handle(work, what, finish, None if trusted else name)
+    return waiting.handle(work, what, finish, None if trusted else name)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -745,7 +555,7 @@ def _allgather_same_async(tensor: torch.Tensor, what: str, process_set: ProcessS
         pg, _, size, _ = _group(r, process_set, t)
         outputs = [torch.empty_like(t) for _ in range(size)]
         work = _issue(r, lambda g: g.allgather([outputs], [t]), what, pg=pg)
-    return _handle(work, what, lambda: outputs)
+    return waiting.handle(work, what, lambda: outputs)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -864,7 +674,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     # the capped rows first, then the counts: the rows do not wait for the counts' round trip
     first = [_gather_bytes(r, g, t, cap, 0, what, tag) if cap else None for t, cap in zip(ts, caps)]
     head = _on(r, g, lambda pg: pg._allgather_base(table_out, counts), what + ".sizes", tag())
-    _wait(r, head, what + ".sizes")
+    waiting.wait(r, head, what + ".sizes")
     flat = table_out.tolist()
     table = [flat[i:i + len(ts)] for i in range(0, len(flat), len(ts))]  # [member][tensor]
     new_caps = capacities.gather_capacities(table)
@@ -892,7 +702,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
                     chunks.append(tail[0][i * rests[k]:i * rests[k] + b])
             results.append(torch.cat(chunks) if chunks else t.new_empty((0,) + tuple(t.shape[1:])))
         return results
-    return _handle(_Works(works) if works else _DONE, what, finish, None if trusted else name)
+    return waiting.handle(waiting.Works(works) if works else waiting.DONE, what, finish, None if trusted else name)
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -904,7 +714,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> Handle:
     """Start concatenating ``tensor`` from every rank along dim 0; first dimensions may differ."""
     inner = grouped_allgather_async([tensor], name, process_set, trusted=trusted)
-    return _handle(inner.work, inner.what, lambda: synchronize(inner)[0])
+    return waiting.handle(inner.work, inner.what, lambda: synchronize(inner)[0])
 
 
 # --------------------------------------------------------------------------- alltoall, reducescatter
@@ -957,7 +767,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     counts = torch.tensor([x for n in sends for x in (n, a, b)], dtype=torch.int64)
     received_t = torch.empty(3 * g.size, dtype=torch.int64)
     tag = _Tag(ops.VarAlltoall(name, t.dtype, rest_shape, "cuda" if on_device(r, t) else "cpu"))
-    _wait(r, _on(r, g, lambda pg: pg.alltoall_base(received_t, counts, three, three, opts), what + ".splits", tag()),
+    waiting.wait(r, _on(r, g, lambda pg: pg.alltoall_base(received_t, counts, three, three, opts), what + ".splits", tag()),
           what + ".splits")
     table = received_t.tolist()
     if not trusted and any((sa, sb) != (a, b) and (sa, sb) != (0, 0) for sa, sb in zip(table[1::3], table[2::3])):
@@ -968,7 +778,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     (send, row), (recv, _) = _wire(t), _wire(out)
     sb, rb = ([n * row for n in sends], [n * row for n in received]) if row != 1 else (sends, received)
     work = _on(r, g, lambda pg: pg.alltoall_base(recv, send, rb, sb, opts), what, tag(), on=t)
-    return _handle(work, what, lambda: (out, received_t.to(splits_dtype)), None if trusted else name)
+    return waiting.handle(work, what, lambda: (out, received_t.to(splits_dtype)), None if trusted else name)
 
 
 def _reducescatter_issue(tensor: torch.Tensor, what: str, op: int, prescale: float,
@@ -1022,7 +832,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int |
         _agree(r, _signature("reducescatter", name, [tensor], process_set, op=op, shape=tuple(tensor.shape)),
                what, process_set)
     work, finish = _reducescatter_issue(tensor, what, op, prescale_factor, process_set)
-    return _handle(work, what, lambda: finish(postscale_factor), None if trusted else name)
+    return waiting.handle(work, what, lambda: finish(postscale_factor), None if trusted else name)
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: int | str = Average,
@@ -1039,7 +849,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
         _agree(r, _signature("grouped reducescatter", name, list(tensors), process_set, op=op,
                              shape=tuple(tuple(t.shape) for t in tensors)), what, process_set)
     parts = [_reducescatter_issue(t, what, op, prescale_factor, process_set) for t in tensors]
-    return _handle(_Works([w for w, _ in parts]), what, lambda: [f(postscale_factor) for _, f in parts],
+    return waiting.handle(waiting.Works([w for w, _ in parts]), what, lambda: [f(postscale_factor) for _, f in parts],
                    None if trusted else name)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from elasticrun.worker import collectives, rounds
+from elasticrun.worker import collectives, rounds, waiting
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
 from elasticrun.worker.host_updates import HostUpdates
 from elasticrun.worker.rounds import Round
@@ -44,11 +44,11 @@ class Work:
 def test_first_step_is_reported_once_after_a_reset() -> None:
     events: list[tuple[str, dict[str, Any]]] = []
     r = make_round(events=events)
-    collectives._wait(r, Work(), "allreduce x")
+    waiting.wait(r, Work(), "allreduce x")
     assert events == []  # no reset: nothing to report
     r.mark_reset()
-    collectives._wait(r, Work(0.002), "allreduce y")
-    collectives._wait(r, Work(), "allreduce z")
+    waiting.wait(r, Work(0.002), "allreduce y")
+    waiting.wait(r, Work(), "allreduce z")
     assert events == [("first_step", {"what": "allreduce y"})]
     assert not r.awaiting_first_step
 
@@ -59,7 +59,7 @@ def test_an_aborted_round_abandons_the_wait_at_once() -> None:
     threading.Timer(0.05, aborted.__setitem__, (7, "rank 2 died")).start()
     started = time.monotonic()
     with pytest.raises(HorovodInternalError, match=r"allreduce x abandoned: round 7 was aborted \(rank 2 died\)"):
-        collectives._wait(r, Work(60), "allreduce x")
+        waiting.wait(r, Work(60), "allreduce x")
     assert time.monotonic() - started < 5
     aborted[6] = "an older round"
     assert make_round(8, aborted).abort_reason() is None
@@ -68,7 +68,7 @@ def test_an_aborted_round_abandons_the_wait_at_once() -> None:
 def test_a_slow_collective_times_out() -> None:
     r = make_round(timeout=0.05)
     with pytest.raises(CollectiveTimeout, match=r"within the collective timeout \(0.05 s\)"):
-        collectives._wait(r, Work(60), "broadcast b")
+        waiting.wait(r, Work(60), "broadcast b")
 
 
 def test_a_failed_collective_is_an_internal_error() -> None:
@@ -76,7 +76,7 @@ def test_a_failed_collective_is_an_internal_error() -> None:
     r = make_round(events=events)
     r.mark_reset()
     with pytest.raises(HorovodInternalError, match="allgather g failed: connection reset"):
-        collectives._wait(r, Work(error=RuntimeError("connection reset")), "allgather g")
+        waiting.wait(r, Work(error=RuntimeError("connection reset")), "allgather g")
     assert events == [] and r.awaiting_first_step  # a failure is not the first step
 
 

@@ -93,7 +93,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import elasticrun.torch as hvd  # noqa: E402
-from elasticrun.worker import collectives, runtime  # noqa: E402
+from elasticrun.worker import collectives, runtime, waiting  # noqa: E402
 from elasticrun.worker.state_handlers import SamplerStateHandler  # noqa: E402
 
 # --- fault hooks (inside this script only: the library is untouched) -------------------------
@@ -131,7 +131,7 @@ def abandon(marker: str) -> None:
     open(marker, "w").close()
     with open(os.path.join(args.log_dir, "faults.jsonl"), "a") as f:
         f.write(json.dumps({"phase": "abandon", "who": ME, "rank": _rank(), "t": time.time()}) + "\n")
-    orig_wait = collectives._wait
+    orig_wait = waiting.wait
 
     def wait_for_abort(round_, work, what):
         if what.endswith(".size"):  # the merge's first allgather (counts) completes normally
@@ -139,9 +139,9 @@ def abandon(marker: str) -> None:
         deadline = time.monotonic() + 10
         while round_.abort_reason() is None and time.monotonic() < deadline:
             time.sleep(0.001)
-        collectives._wait = orig_wait
+        waiting.wait = orig_wait
         raise hvd.HorovodInternalError(f"{what} abandoned: round {round_.number} was aborted (simulated in-flight)")
-    collectives._wait = wait_for_abort
+    waiting.wait = wait_for_abort
 
 
 def merge(self):

@@ -1,0 +1,211 @@
+"""How a worker waits for a collective it issued, and the handles of those in flight.
+
+A blocked gloo collective cannot be interrupted (gloo's abort() does not unblock it), so every
+collective is issued asynchronously (``collectives.py``) and waited on here, by polling: a
+worker gives up the moment the driver says the round is dead, or when the collective timeout
+passes, with :class:`HorovodInternalError`, never a hang. While it waits it also looks whether a
+peer called ``join()`` (``worker/join.py``) and, if so, publishes the descriptors of the
+operations that peer must take part in.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from elasticrun.worker import rounds, trace
+from elasticrun.worker.descriptors import Op
+from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
+from elasticrun.worker.rounds import Round
+
+__all__ = ["DONE", "Done", "Handle", "Polled", "Works", "handle", "join_key", "look_for_join", "poll", "publish",
+           "synchronize", "traced", "wait"]
+
+_POLL = 0.0001
+_SLOW_POLL = 0.001
+_SLOW_AFTER = 0.05
+# A gloo work is waited on in slices instead (a blocking wait with a timeout, woken as soon as
+# it completes): no sleep overshoot on short collectives, and the abort and join checks still
+# run at least every slice. A slice that ends early raises "timed out" and leaves the work
+# running; a real failure shows as a completed work whose wait() raises (below). A slice
+# costs its exception (tens of us): they grow with the wait, a quarter of it, from 1 to 4 ms,
+# so that a long allreduce is not a stream of them (measured: 4 ranks on 2 cores, 1 ms slices
+# throughout cost 3 to 5 % of a training step), while an abort is still seen within a quarter
+# of the time waited.
+_SLICES = tuple(timedelta(milliseconds=ms) for ms in (1, 2, 3, 4))
+# A collective waiting this long looks (on the round's store) whether a peer called join()
+# and now waits for descriptors; then again after as long as it has waited, at most 0.2 s.
+_JOIN_CHECK = 0.01
+_JOIN_CHECK_MAX = 0.2
+
+
+def wait(r: Round, work: Any, what: str) -> None:
+    """Wait for ``work``; give up when round ``r`` is aborted or the collective timeout passes."""
+    start = time.monotonic()
+    deadline = start + r.collective_timeout
+    check = start + _JOIN_CHECK
+    while not work.is_completed():
+        reason = r.abort_reason()
+        if reason:
+            raise HorovodInternalError(f"{what} abandoned: round {r.number} was aborted ({reason})")
+        now = time.monotonic()
+        if now > deadline:
+            raise CollectiveTimeout(f"{what} did not complete within the collective timeout "
+                                    f"({r.collective_timeout:g} s); a peer is hung or unreachable")
+        if now > check:
+            check = now + min(_JOIN_CHECK_MAX, now - start)
+            look_for_join(r)
+        target = work.pending() if isinstance(work, Works) else work
+        if isinstance(target, dist.Work):
+            try:
+                target.wait(_SLICES[min(3, int((now - start) * 250))])
+            except Exception:  # the slice ended (or the work failed: is_completed() says so)
+                pass
+        else:
+            time.sleep(_POLL if now - start < _SLOW_AFTER else _SLOW_POLL)
+    try:
+        work.wait()
+    except Exception as exc:  # gloo reports a dead peer as RuntimeError / DistBackendError
+        raise HorovodInternalError(f"{what} failed: {exc}") from exc
+    if r.awaiting_first_step:  # the first collective after a reset: training moves again
+        r.step_completed(what)
+
+
+def join_key(name: str) -> str:
+    """A key of the round's store used by join() (namespaced away from gloo's own keys)."""
+    return f"elasticrun/join/{name}"
+
+
+def look_for_join(r: Round) -> None:
+    """Called while a collective waits: if a peer has joined (it waits for descriptors on the
+    store), publish this rank's descriptors of every operation since then, and of every later
+    one as it is issued, so the joined peer can take part in them."""
+    if r.join_active or r.joined or r.store is None or r.size == 1:
+        return
+    key = join_key(f"{r.join_gen}/first")
+    try:
+        if not r.store.check([key]):
+            return
+        first = int(r.store.get(key))
+    except Exception:  # an aborted round's store refuses: the wait sees the abort next
+        return
+    r.join_active = True
+    if r.log and r.log[0][0] > first:
+        raise HorovodInternalError(f"a peer joined at operation {first}, but this rank only remembers operations "
+                                   f"from {r.log[0][0]} on")
+    for seq, desc, kind in list(r.log):
+        if seq >= first:
+            publish(r, seq, desc, kind)
+
+
+def publish(r: Round, seq: int, desc: Op, kind: str) -> None:
+    assert r.store is not None
+    try:
+        r.store.set(join_key(f"op{seq}"), pickle.dumps((desc, kind)))  # type: ignore[arg-type]  # stub: str; bytes work
+    except Exception as exc:
+        raise HorovodInternalError(f"could not publish operation {seq} for the joined ranks: {exc}") from exc
+
+
+class Done:
+    """The work of an operation that needed no communication (or completed already)."""
+
+    @staticmethod
+    def is_completed() -> bool:
+        return True
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+
+DONE = Done()
+
+
+class Polled:
+    """A NCCL work: its completion is polled (its ``wait()`` makes the caller's CUDA stream
+    wait, not the host), then ``wait()`` orders the caller's stream after it."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+class Works:
+    """Several works waited on as one."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def pending(self) -> Any:
+        """The first work still running (waited on in slices like a single one)."""
+        return next((w for w in self.works if not w.is_completed()), None)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+@dataclass
+class Handle:
+    """An asynchronous collective in flight; pass it to :func:`synchronize` (or call it)."""
+
+    work: Any
+    what: str
+    finish: Callable[[], Any]
+    done: bool = False
+    result: Any = None
+    started: float = 0.0  # for the timeline (only set while one records)
+    name: str | None = None  # the user's name for it, in flight until synchronized
+
+    def __call__(self) -> Any:
+        """``handle()`` == ``synchronize(handle)`` (Horovod's sparse allreduce returns a function)."""
+        return synchronize(self)
+
+
+def handle(work: Any, what: str, finish: Callable[[], Any], name: str | None = None) -> Handle:
+    """A handle for ``work``; a ``name`` given is in flight until the handle is synchronized."""
+    if name is not None:
+        rounds.current().in_flight.add(name)
+    return Handle(work, what, finish, started=trace.now() if trace.active() is not None else 0.0, name=name)
+
+
+def poll(handle: Handle) -> bool:
+    """True when the collective has completed (successfully or not)."""
+    return handle.done or bool(handle.work.is_completed())
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for an asynchronous collective and return its output (a tensor; a list of them for
+    grouped operations; ``(output, received_splits)`` for alltoall)."""
+    if not handle.done:
+        if handle.name is not None:
+            rounds.current().in_flight.discard(handle.name)
+        wait(rounds.current(), handle.work, handle.what)
+        handle.result = handle.finish()
+        handle.done = True
+        timeline = trace.active()
+        if timeline is not None and handle.started:
+            timeline.record(handle.what, handle.started, trace.now(), rounds.current().number)
+    return handle.result
+
+
+def traced(r: Round, what: str, started: float) -> None:
+    timeline = trace.active()
+    if timeline is not None:
+        timeline.record(what, started, trace.now(), r.number)
