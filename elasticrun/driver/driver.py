@@ -33,7 +33,8 @@ from elasticrun.discovery.sources import DiscoveryError
 from elasticrun.driver import registry as reg
 from elasticrun.driver import request_types as requests
 from elasticrun.driver.durable import checkpoints
-from elasticrun.driver.durable.service import CopySchedule, DurableService
+from elasticrun.driver.durable.decisions import CopySchedule, FinalCopy, Progress, final_copy_verdict
+from elasticrun.driver.durable.service import DurableService
 from elasticrun.driver.environment import worker_environment
 from elasticrun.driver.functions import Service
 from elasticrun.driver.kvstore import KVStore
@@ -132,6 +133,7 @@ class ElasticDriver:
         self.settings = settings
         self.source = source
         self.job_id = uuid.uuid4().hex[:12]
+        self._progress_seen = Progress()  # the furthest (steps, commit) the workers have reported
         try:  # per job: the HMAC secret, CURVE server and client key pairs (elasticrun/common/auth.py)
             self._keys = JobKeys.generate()
         except CurveUnavailable as exc:
@@ -650,11 +652,7 @@ class ElasticDriver:
     _copies: CopySchedule | None = None
     _resume_from: checkpoints.Durable | None = None
     _lineage = ""
-    _latest: tuple[int, int] = (0, 0)  # (steps, commit): the furthest any worker has reported
-    _latest_at = 0.0  # when it was reported (wall time)
     _copies_written = 0
-    _commit_at: float | None = None  # when the newest commit was first reported (monotonic)
-    _progress_saved = 0.0
     _failed_copies: collections.deque[tuple[float, str]]  # (when the copy began, why it failed): the newest
 
     def _open_checkpoints(self) -> None:
@@ -733,23 +731,18 @@ class ElasticDriver:
         """Every --checkpoint-interval while a round trains, ask the workers for a durable copy:
         at their next commit they agree to hand it off (see worker/durable.py)."""
         c = self._copies
-        if c is None or self.registry.round < 0 or self.registry.aborted or not (force or c.due(now)):
-            return None
-        request = c.request(now)
-        self._publish("durable_request", {"id": request})
+        training = self.registry.round >= 0 and not self.registry.aborted
+        request = c.ask(now, training, force) if c is not None else None
+        if request is not None:
+            self._publish("durable_request", {"id": request})
         return request
 
     def _progress(self, steps: int | None, commit: int | None) -> None:
         """Workers report their steps and commits: how far a resume from disk goes back."""
-        if steps is None or commit is None or (steps, commit) <= self._latest:
+        if steps is None or commit is None:
             return
-        if commit != self._latest[1]:
-            self._commit_at = time.monotonic()
-        self._latest = (steps, commit)
-        self._latest_at = time.time()
-        now = time.monotonic()
-        if self._checkpoints is not None and now - self._progress_saved > 2.0:
-            self._progress_saved = now
+        if self._progress_seen.report(steps, commit, time.monotonic(), time.time(), self._checkpoints is not None):
+            assert self._checkpoints is not None
             try:
                 self._checkpoints.save_progress(steps, commit)
             except OSError as exc:  # a diagnostic: it only shortens "N steps back" after a resume
@@ -762,7 +755,7 @@ class ElasticDriver:
             return
         m = durable.manifest
         steps, _, at = self._checkpoints.load_progress()
-        latest, latest_at = max((self._latest[0], self._latest_at), (steps, at))
+        latest, latest_at = max((self._progress_seen.steps, self._progress_seen.at), (steps, at))
         back = max(0, latest - m.steps)
         # Steps lost also as time: a step count alone says nothing of what was redone.
         lost = f" (about {latest_at - m.saved_at:.1f} s of training)" if back and latest_at > m.saved_at else ""
@@ -803,18 +796,16 @@ class ElasticDriver:
         why: list[str] = []
 
         def settled() -> bool:
-            if service.newest is not before:
-                return True
+            # A copy begun after the request (so of the newest commit) that failed says why.
             failed = [line for began, line in self._failed_copies if began >= asked]
-            if failed:  # a copy begun after the request (so of the newest commit) failed
-                why.append(failed[-1])
-            elif not service.is_alive():
-                why.append("the durable-copy service has stopped")
-            elif not self.registry.live():
-                why.append("every worker is gone")
-            elif time.monotonic() - asked >= COMMIT_NEWS and self._latest[1] <= base:
-                why.append(f"no commit newer than commit {base} was made")
-            return bool(why)
+            verdict = final_copy_verdict(FinalCopy(
+                written=service.newest is not before, failure=failed[-1] if failed else None,
+                service_alive=service.is_alive(), workers_alive=bool(self.registry.live()),
+                waited=time.monotonic() - asked, newest_commit=self._progress_seen.commit, base_commit=base),
+                COMMIT_NEWS)
+            if verdict:
+                why.append(verdict)
+            return verdict is not None
 
         self._loop(until=settled, stop_at=asked + FINAL_COPY_LIMIT)
         if self._durable.newest is not before:
@@ -841,12 +832,13 @@ class ElasticDriver:
             return
         members = r.final_round()
         hosts = len({w.host for w in members})
-        steps = self._latest[0]
+        steps = self._progress_seen.steps
         pace = ""
         if self._status_last is not None and now > self._status_last[0] and steps >= self._status_last[1]:
             pace = f", {(steps - self._status_last[1]) / (now - self._status_last[0]):.1f} steps/s"
         self._status_last = (now, steps)
-        commit = (f", last commit {now - self._commit_at:.0f} s ago" if self._commit_at is not None
+        commit_at = self._progress_seen.commit_at
+        commit = (f", last commit {now - commit_at:.0f} s ago" if commit_at is not None
                   else ", no commit yet")
         durable = self._durable.newest if self._durable is not None else None
         copy = "" if self._durable is None else (

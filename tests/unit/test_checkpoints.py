@@ -282,7 +282,7 @@ def test_numbers_continue_after_copies_of_earlier_jobs(cdir):
 
 
 def test_copies_are_asked_for_at_once_then_every_interval():
-    from elasticrun.driver.durable.service import CopySchedule
+    from elasticrun.driver.durable.decisions import CopySchedule
 
     s = CopySchedule(60.0)
     assert s.due(0.0) and s.next_deadline() is None

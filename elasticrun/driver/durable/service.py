@@ -283,33 +283,3 @@ def _count(body: dict[str, Any], key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{key} must be a whole number, 0 or more, not {str(value)[:20]!r}")
     return value
-
-
-class CopySchedule:
-    """When to ask the workers for a durable copy (pure; the driver's clock is passed in).
-
-    The first copy is asked for as soon as a round trains (a job that dies early still leaves
-    one); then every ``interval`` seconds after the last request, so that the copy on disk is
-    never older than ``interval`` plus the time to the next commit and its transfer. A request
-    that is not whole within ``interval`` is replaced by the next one.
-    """
-
-    def __init__(self, interval: float):
-        self.interval = interval
-        self.last_id = 0
-        self._last_at: float | None = None
-        self.completed: set[int] = set()
-
-    def due(self, now: float) -> bool:
-        return self._last_at is None or now - self._last_at >= self.interval
-
-    def next_deadline(self) -> float | None:
-        return None if self._last_at is None else self._last_at + self.interval
-
-    def request(self, now: float) -> int:
-        self.last_id += 1
-        self._last_at = now
-        return self.last_id
-
-    def written(self, request: int) -> None:
-        self.completed.add(request)
