@@ -844,8 +844,10 @@ class ElasticDriver:
         copy = "" if self._durable is None else (
             f", durable copy {time.time() - durable.manifest.saved_at:.0f} s old" if durable is not None
             else ", no durable copy yet")
-        log.info("status: round %d, %d worker(s) on %d host(s), step %d%s, %d reset(s)%s%s", r.round, len(members),
-                 hosts, steps, pace, r.reset_count, commit, copy)
+        joining = r.joining()
+        coming = f" (+{joining} joining)" if joining else ""
+        log.info("status: round %d, %d worker(s) on %d host(s)%s, step %d%s, %d reset(s)%s%s", r.round, len(members),
+                 hosts, coming, steps, pace, r.reset_count, commit, copy)
 
     # --- the end -----------------------------------------------------------------------------
     def _conclude(self, finished: reg.Finish) -> int:

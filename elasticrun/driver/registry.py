@@ -442,6 +442,11 @@ class Registry:
         """The members of the last round formed, by rank (who returned the job's result)."""
         return sorted((self.workers[wid] for wid in self.members.values()), key=lambda w: w.rank)
 
+    def joining(self) -> int:
+        """Workers launched into the running job that have not asked for a place yet (starting,
+        or building their model before their first sync): the status line counts them."""
+        return 0 if self.round < 0 else sum(1 for w in self.workers.values() if w.state is WorkerState.LAUNCHING)
+
     def holders(self) -> list[WorkerRecord]:
         """Live workers known to hold the newest committed state."""
         return [w for w in self.workers.values() if w.holds and w.state in _LIVE]

@@ -319,6 +319,16 @@ class TestHostAdded:
         job.rdv_all([l.worker_id for l in launches], at=1)
         assert [l.joining for l in of(job.discover({"a": 2, "b": 1}, at=2), Launch)] == [True]
 
+    def test_newcomers_count_as_joining_until_they_ask_for_a_place(self):
+        job = Job(np=1, min_np=1)
+        job.discover({"a": 1}, at=0)
+        assert job.reg.joining() == 0  # round 0's workers are starting, not joining
+        job.rdv("w0", at=1)
+        job.discover({"a": 1, "b": 2}, at=2)
+        assert job.reg.joining() == 2
+        job.rdv("w1", at=3)
+        assert job.reg.joining() == 1
+
     def test_a_preparing_newcomer_is_bounded_by_its_heartbeats_not_start_timeout(self):
         """A newcomer that reached the driver builds its model before it asks for a place: it
         may take longer than --start-timeout (the survivors train meanwhile), but once silent
