@@ -1,6 +1,6 @@
 """Recovery time of a real elastic job, split into phases from the job's event log.
 
-    python benchmarks/recovery.py [--trials 20] [--slots 1] [--state-mb 0] [--commit-every 1]
+    python benchmarks/recovery.py [--trials 20] [--slots 1] [--state-mb 0] [--commit-every 1] [--prepare-s 0]
 
 One long job on two hosts (``localhost``, ``127.0.0.1``; ``--slots`` workers each) trains a
 tiny model, committing every step. Each trial:
@@ -42,7 +42,7 @@ HERE = os.path.abspath(__file__)
 
 
 # --- the training worker --------------------------------------------------------------------
-def worker(stop_file: str, state_mb: int = 0, commit_every: int = 1) -> None:
+def worker(stop_file: str, state_mb: int = 0, commit_every: int = 1, prepare_s: float = 0.0) -> None:
     import torch
     import torch.nn.functional as F
 
@@ -50,6 +50,8 @@ def worker(stop_file: str, state_mb: int = 0, commit_every: int = 1) -> None:
 
     torch.set_num_threads(1)
     hvd.init()
+    if prepare_s and os.environ.get("ELASTICRUN_JOINING") == "1":
+        time.sleep(prepare_s)  # a newcomer loading its data before its first sync
     model = torch.nn.Linear(16, 4)
     if state_mb:  # state that every newcomer must receive (a buffer: synced, committed, not trained)
         model.register_buffer("ballast", torch.ones(state_mb << 18))
@@ -201,7 +203,7 @@ def run_job(args) -> dict[str, list[float]]:
            "--host-discovery-script", script, "--discovery-interval", "0.1", "--events", events,
            "--blacklist-cooldown-range", "1", "1", "--log-level", "WARNING",
            sys.executable, HERE, "--worker", stop_file, "--state-mb", str(args.state_mb),
-           "--commit-every", str(args.commit_every)]
+           "--commit-every", str(args.commit_every), "--prepare-s", str(args.prepare_s)]
     # The driver's console goes to a file: a pipe nobody reads fills (64 KiB) and blocks it.
     console = open(os.path.join(tmp, "console.log"), "w")
     driver = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
@@ -311,10 +313,12 @@ def main() -> None:
     p.add_argument("--state-mb", type=int, default=0,
                    help="add this many MiB to the state (a model buffer): what a newcomer's sync carries")
     p.add_argument("--commit-every", type=int, default=1, help="commit every N steps (1)")
+    p.add_argument("--prepare-s", type=float, default=0.0,
+                   help="a worker joining the running job sleeps this long after hvd.init() (loading its data)")
     p.add_argument("--worker", metavar="STOP_FILE", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.state_mb, args.commit_every)
+        worker(args.worker, args.state_mb, args.commit_every, args.prepare_s)
         return
     if args.sweep:
         sweep(args)
@@ -323,8 +327,9 @@ def main() -> None:
     out = run_job(args)
     size = f"tiny model + {args.state_mb} MiB of state" if args.state_mb else "tiny model"
     every = "every step" if args.commit_every == 1 else f"every {args.commit_every} steps"
+    prepare = f"; newcomers prepare {args.prepare_s:g} s after hvd.init()" if args.prepare_s else ""
     print(f"2 hosts x {args.slots} slot(s), {size}, commit {every}; {args.trials} kill trials, "
-          f"{args.graceful} graceful removals")
+          f"{args.graceful} graceful removals{prepare}")
     print(f"baseline (this run): form a 2-rank gloo group on a new prefix + one tiny allreduce: "
           f"{floor * 1000:.1f} ms")
     print(f"{'measure':<46} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8} {'p50/base':>9}")
