@@ -50,8 +50,10 @@ def worker(stop_file: str, state_mb: int = 0, commit_every: int = 1, prepare_s: 
 
     torch.set_num_threads(1)
     hvd.init()
-    if prepare_s and os.environ.get("ELASTICRUN_JOINING") == "1":
-        time.sleep(prepare_s)  # a newcomer loading its data before its first sync
+    if prepare_s and os.environ.get("ELASTICRUN_HOSTNAME") != "localhost":
+        # Every worker of the second host (the one that leaves and comes back) loads its data
+        # before its first sync; round 0's too, which only delays the start.
+        time.sleep(prepare_s)
     model = torch.nn.Linear(16, 4)
     if state_mb:  # state that every newcomer must receive (a buffer: synced, committed, not trained)
         model.register_buffer("ballast", torch.ones(state_mb << 18))
@@ -314,7 +316,7 @@ def main() -> None:
                    help="add this many MiB to the state (a model buffer): what a newcomer's sync carries")
     p.add_argument("--commit-every", type=int, default=1, help="commit every N steps (1)")
     p.add_argument("--prepare-s", type=float, default=0.0,
-                   help="a worker joining the running job sleeps this long after hvd.init() (loading its data)")
+                   help="the second host's workers sleep this long after hvd.init() (loading their data)")
     p.add_argument("--worker", metavar="STOP_FILE", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -327,7 +329,7 @@ def main() -> None:
     out = run_job(args)
     size = f"tiny model + {args.state_mb} MiB of state" if args.state_mb else "tiny model"
     every = "every step" if args.commit_every == 1 else f"every {args.commit_every} steps"
-    prepare = f"; newcomers prepare {args.prepare_s:g} s after hvd.init()" if args.prepare_s else ""
+    prepare = f"; the second host's workers prepare {args.prepare_s:g} s after hvd.init()" if args.prepare_s else ""
     print(f"2 hosts x {args.slots} slot(s), {size}, commit {every}; {args.trials} kill trials, "
           f"{args.graceful} graceful removals{prepare}")
     print(f"baseline (this run): form a 2-rank gloo group on a new prefix + one tiny allreduce: "
