@@ -238,7 +238,10 @@ class ElasticDriver:
         self.reply_to = self._send_reply
         self._durable = self._start_durable(ctx)
         # Signal handlers can only be set in the main thread (elasticrun.run() may be called elsewhere).
-        previous = ({s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        # An ignored SIGINT stays ignored: a process started in the background by a script, or
+        # a caller that chose to ignore it, is not stopped by one (as Python itself does).
+        previous = ({s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)
+                     if signal.getsignal(s) is not signal.SIG_IGN or s == signal.SIGTERM}
                     if threading.current_thread() is threading.main_thread() else {})
         if self.settings.status_interval > 0:
             self._status_due = time.monotonic() + self.settings.status_interval

@@ -270,12 +270,20 @@ def test_api_only_argument_errors():
         elasticrun.run(sleepy_rank, args=(threading.Lock(),), np=1, hosts="localhost")
 
 
-def test_ctrl_c_stops_the_job_and_restores_the_handler(tag):
+@pytest.fixture
+def sigint():
+    """Python's own SIGINT handler for the test, whatever this process started with (a run
+    started in the background by a shell has SIGINT ignored)."""
     import signal
 
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield signal
+    signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_stops_the_job_and_restores_the_handler(tag, sigint):
     assert threading.current_thread() is threading.main_thread()
-    before = signal.getsignal(signal.SIGINT)
-    timer = threading.Timer(4.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer = threading.Timer(4.0, os.kill, (os.getpid(), sigint.SIGINT))
     timer.start()
     started = time.monotonic()
     try:
@@ -284,7 +292,21 @@ def test_ctrl_c_stops_the_job_and_restores_the_handler(tag):
     finally:
         timer.cancel()
     assert time.monotonic() - started < 30
-    assert signal.getsignal(signal.SIGINT) is before
+    assert sigint.getsignal(sigint.SIGINT) is sigint.default_int_handler
+
+
+def test_an_ignored_sigint_stays_ignored(tag, sigint):
+    """A caller that ignores SIGINT (or a script's background job) is not stopped by one."""
+    sigint.signal(sigint.SIGINT, sigint.SIG_IGN)
+    sent = threading.Event()
+    timer = threading.Timer(1.0, lambda: (os.kill(os.getpid(), sigint.SIGINT), sent.set()))
+    timer.start()
+    try:
+        assert elasticrun.run(sleepy_rank, args=(3,), np=2, hosts="localhost:2") == [0, 1]
+    finally:
+        timer.cancel()
+    assert sent.is_set()  # it came while the job ran, and the job went on
+    assert sigint.getsignal(sigint.SIGINT) is sigint.SIG_IGN
 
 
 @pytest.mark.parametrize("kwargs, argv", [
