@@ -20,6 +20,12 @@ from typing import Iterable
 
 import pytest
 
+# The jobs run as from a terminal whatever started the suite: a script's background job has
+# SIGINT ignored, every process started from here would inherit that, and the driver (as any
+# program) leaves an ignored SIGINT ignored. The Ctrl-C tests would then test nothing.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = SCRIPTS / "elastic_train.py"
 PROGRESS_DISCOVERY = SCRIPTS / "progress_discovery.sh"
