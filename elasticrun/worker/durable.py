@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import zmq
@@ -285,6 +285,52 @@ class _Channel:
 
     def close(self) -> None:
         self._sock.close(0)
+
+
+class CommittedState(Protocol):
+    """What a durable hand-off reads of the state right after a commit (``elastic.State``)."""
+
+    @property
+    def commit_seq(self) -> int: ...
+
+    def durable_state(self) -> dict[str, Any]: ...
+
+    def staging_sources(self, tensors: list[Any]) -> list[Any]: ...
+
+
+class HandOff:
+    """This rank's part in durable copies, in one place: from the agreement that a commit is
+    copied to its shard in the sender. The runtime holds one (with ``--checkpoint-dir``) and
+    gives it the state a commit just saved; the state only says what it holds
+    (:class:`CommittedState`)."""
+
+    def __init__(self, sender: DurableSender):
+        self.sender = sender
+
+    @property
+    def busy(self) -> bool:
+        """The last copy is still being sent: this rank cannot take another yet."""
+        return self.sender.busy
+
+    def before_commit(self) -> None:
+        """A commit is about to overwrite its buffers: a copy still reading them on the GPU goes
+        first (ordered on the GPU; the host does not wait)."""
+        self.sender.order_after_staging()
+
+    def give(self, state: CommittedState, request: int, rank: int, size: int, steps: int) -> None:
+        """This rank's shard of the commit ``state`` just saved (the training thread's only cost:
+        copying 1/size of it into staging); the sender does the rest."""
+        tensors, structure = split_tensors(state.durable_state())
+        entries = layout(tensors)
+        commit = state.commit_seq
+
+        def meta() -> bytes:  # rank 0 only, on this thread: the state does not move meanwhile
+            return encode_meta(structure, entries, commit, steps)
+        self.sender.hand_off(request, rank, size, commit, steps, state.staging_sources([t for _, t in tensors]),
+                             entries, meta)
+
+    def close(self) -> None:
+        self.sender.close()
 
 
 class DurableSender:

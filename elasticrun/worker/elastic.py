@@ -69,23 +69,13 @@ class State:
     def load_durable_state(self, saved: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def _hand_off(self, request: int) -> None:
-        """This rank's shard of the commit just saved, to the durable-copy sender."""
-        rt = runtime.get()
-        tensors, structure = durable.split_tensors(self.durable_state())
-        entries = durable.layout(tensors)
-
-        def meta() -> bytes:  # rank 0 only, on this thread: the state does not move meanwhile
-            return durable.encode_meta(structure, entries, self.commit_seq, rt.steps)
-        rt.send_durable(request, self._staging_sources([t for _, t in tensors]), entries, meta)
-
     @staticmethod
     def _before_commit_copy() -> None:
         """A commit is about to overwrite its buffers: a durable copy still reading them goes first."""
         if runtime.is_initialized():
             runtime.get().before_commit_copy()
 
-    def _staging_sources(self, tensors: list[Any]) -> list[Any]:
+    def staging_sources(self, tensors: list[Any]) -> list[Any]:
         """Where a durable copy reads the commit's tensors from (the live ones, equal to the
         commit right after it; a state that keeps committed copies on the GPU names those:
         they do not change until the next commit, so the copy to host needs no stall)."""
@@ -112,7 +102,7 @@ class State:
         try:
             # Right after a commit's save, the same agreement may hand the commit off as a
             # durable copy (--checkpoint-dir).
-            runtime.get().check_host_updates(hand_off=self._hand_off if just_saved else None)
+            runtime.get().check_host_updates(committed=self if just_saved else None)
         except HostsUpdatedInterrupt:
             if not just_saved:
                 self.save()

@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ from elasticrun.common.protocol import Message
 from elasticrun.worker import collectives, devices, durable, rounds, trace
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from elasticrun.worker.durable import CopyRequests, DurableSender
+from elasticrun.worker.durable import CommittedState, CopyRequests, DurableSender, HandOff
 from elasticrun.worker.host_updates import HostUpdates
 from elasticrun.worker.pace import StepPace
 from elasticrun.worker.rounds import Round
@@ -143,7 +143,7 @@ class Runtime:
         self.active_state: Any = None  # the state elastic.run is training (for interrupts at a step)
         self.device: Any = None  # this rank's GPU, once a NCCL group was formed on it (it never changes)
         self._gpus: list[str] | None = None  # GPUs NCCL could use here (asked once, at the first rendezvous)
-        self._sender: DurableSender | None = None
+        self._durable: HandOff | None = None  # with --checkpoint-dir: this rank's part in durable copies
         self._keys: Any = None
         self._leaving: float | None = None  # when SIGTERM came (the worker is leaving)
         self._driver_stopping = False  # the driver said it stops the job (its SIGTERM is no reclaim)
@@ -168,7 +168,7 @@ class Runtime:
         self._ctx = zmq.Context()
         self._client = DriverClient(self._ctx, os.environ[env.CONTROL_ADDR], keys, job_id, "worker")
         if env.DURABLE_ADDR in os.environ:  # --checkpoint-dir: this rank sends its shards there
-            self._sender = DurableSender(self._ctx, os.environ[env.DURABLE_ADDR], keys, job_id)
+            self._durable = HandOff(DurableSender(self._ctx, os.environ[env.DURABLE_ADDR], keys, job_id))
         self._control = ControlChannel(
             self._ctx, os.environ[env.CONTROL_ADDR], os.environ[env.NOTIFY_ADDR], keys, job_id,
             heartbeat_body=self._heartbeat_body,
@@ -233,7 +233,7 @@ class Runtime:
         it does not hold the job's state yet (a commit before ``elastic.run`` synced it, or
         before rank 0 restored the durable copy it was told to: a copy then would replace the
         very copy the job resumes from with the script's initial state)."""
-        return (self._sender is not None and self._sender.busy) or not self.has_state or self.restore
+        return (self._durable is not None and self._durable.busy) or not self.has_state or self.restore
 
     def step_done(self, wait: float = 0.0) -> None:
         """The DistributedOptimizer reduced a step's gradients (with the agreed flags), after
@@ -506,23 +506,24 @@ class Runtime:
         except Exception as exc:  # the exit code still tells the driver
             log.debug("could not report the failure: %s", exc)
 
-    def check_host_updates(self, hand_off: Callable[[int], None] | None = None) -> None:
+    def check_host_updates(self, committed: CommittedState | None = None) -> None:
         """Collective: raise HostsUpdatedInterrupt on every rank if any rank saw a newer update.
 
         When the optimizer's gradient allreduce already carried the flags since the last
         check, their agreed value is used and no extra collective runs. Every rank takes the
         same path: they all ran the same steps. See worker/host_updates.py.
 
-        ``hand_off`` (a commit's, with --checkpoint-dir): the same agreement says whether the
-        ranks hand the commit just saved off as a durable copy (some rank was asked, none is
-        still sending the last one); it is called with the copy's id before any interrupt.
+        ``committed`` (the state, right after its commit saved; with --checkpoint-dir): the same
+        agreement says whether the ranks hand that commit off as a durable copy (some rank was
+        asked, none is still sending the last one); the hand-off (``durable.HandOff``) takes
+        this rank's shard before any interrupt.
         """
         if self.standalone:
             return
         r = self._round
         updates = self.host_updates
         verdict = updates.take_agreed(r.number)
-        copy = self.copy_requests.take_agreed(r.number) if hand_off is not None else None
+        copy = self.copy_requests.take_agreed(r.number) if committed is not None else None
         if verdict is None:
             latest, added = updates.proposal()
             wanted, busy = self.copy_requests.local_flags(self.copy_busy())
@@ -534,8 +535,9 @@ class Runtime:
             where: dict[str, Any] = {"ts": agreed.pending}
         else:
             where = {"agreed_in": "gradient allreduce"}
-        if hand_off is not None and copy is not None and copy[0] and not copy[1] and self._sender is not None:
-            hand_off(r.number << 32 | (self.commit_seq() & 0xFFFFFFFF))
+        if committed is not None and copy is not None and copy[0] and not copy[1] and self._durable is not None:
+            self._durable.give(committed, r.number << 32 | (committed.commit_seq & 0xFFFFFFFF), self.rank, self.size,
+                               self.steps)
             self.copy_requests.served()
         interrupt, added = verdict
         if interrupt:
@@ -545,15 +547,8 @@ class Runtime:
     def before_commit_copy(self) -> None:
         """A commit is about to overwrite its buffers: a durable copy still reading them on the
         GPU goes first (ordered on the GPU; the host does not wait)."""
-        if self._sender is not None:
-            self._sender.order_after_staging()
-
-    def send_durable(self, request: int, tensors: list[Any], entries: list[Any], meta: Callable[[], bytes]) -> None:
-        """Hand this rank's shard of the commit just saved to the sender (the training thread's
-        only cost: copying 1/size of the state into a staging buffer)."""
-        if self._sender is not None:
-            self._sender.hand_off(request, self.rank, self.size, self.commit_seq(), self.steps, tensors,
-                                  entries, meta)
+        if self._durable is not None:
+            self._durable.before_commit()
 
     def fetch_durable(self) -> tuple[dict[str, Any], bytes, bytes]:
         """The newest durable copy, from the driver (a restore)."""
@@ -586,9 +581,9 @@ class Runtime:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
         devices.settle_aborts()
         _settle_drops()
-        if self._sender is not None:
-            self._sender.close()
-            self._sender = None
+        if self._durable is not None:
+            self._durable.close()
+            self._durable = None
         if self._control is not None:
             self._control.stop("exit" if exiting else "shutdown")  # it ships the last queued events first
             self._control.join(timeout=2)

@@ -185,7 +185,7 @@ class TorchState(ObjectState):
                 handler.save()
         self._save_objects()
 
-    def _staging_sources(self, tensors: list[Any]) -> list[Any]:
+    def staging_sources(self, tensors: list[Any]) -> list[Any]:
         """The committed copies on the GPU stand in for the live tensors they copy (the durable
         copy then reads them beside training, and the next step need not wait)."""
         self.wait_for_commit()  # a background copy into them may still run (waited for on the GPU)
