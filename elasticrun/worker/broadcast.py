@@ -76,11 +76,12 @@ def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, name: str,
             # Large tensors go as they are (no staging buffer: a 1 GiB model would otherwise be
             # copied in on the root and out on every receiver, into freshly faulted pages: 6x
             # the time of the transfer itself); the small ones packed, a handful of messages.
-            large = [i for i in members if _nbytes(tensors[i].shape, tensors[i].dtype) >= _IN_PLACE_BYTES]
-            small = [i for i in members if _nbytes(tensors[i].shape, tensors[i].dtype) < _IN_PLACE_BYTES]
-            for i in large:
-                n = _broadcast_in_place(tensors[i], root_rank, name, n, process_set)
-            sizes = [_nbytes(tensors[i].shape, tensors[i].dtype) for i in small]
+            nbytes = {i: _nbytes(tensors[i].shape, tensors[i].dtype) for i in members}
+            small = [i for i in members if nbytes[i] < _IN_PLACE_BYTES]
+            for i in members:
+                if nbytes[i] >= _IN_PLACE_BYTES:
+                    n = _broadcast_in_place(tensors[i], root_rank, name, n, process_set)
+            sizes = [nbytes[i] for i in small]
             for chunk in _plan(sizes):
                 _, last_off, last_nb = chunk[-1]
                 buf = torch.empty(last_off + last_nb, dtype=torch.uint8, device=device)
