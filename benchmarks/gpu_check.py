@@ -51,6 +51,8 @@ from typing import Any, Callable
 HERE = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
 MARK = "GPU-CHECK "
+if REPO not in sys.path:  # the commit row runs in this process: the checkout, installed or not
+    sys.path.insert(0, REPO)
 
 
 def _emit(obj: Any) -> None:
@@ -304,7 +306,17 @@ def _job(args: list[str], mode: str, device: str, log_dir: str, timeout: float,
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=log_dir,
                           env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                                    **(env or {})))
+    _keep(log_dir, proc.stdout, proc.stderr)
     return proc, started
+
+
+def _keep(log_dir: str, out: str, err: str) -> None:
+    """The job's whole console beside its workers' files: a row shows only its last lines, and a
+    run on a lent GPU cannot be repeated at will."""
+    n = sum(1 for f in os.listdir(log_dir) if f.startswith("job-") and f.endswith(".err"))
+    for suffix, text in ((".out", out), (".err", err)):
+        with open(os.path.join(log_dir, f"job-{n}{suffix}"), "w") as f:
+            f.write(text or "")
 
 
 Row = tuple[str, str, str, Any]  # (check, result, goal, ok: True/False/None for "reported")
@@ -360,11 +372,13 @@ def check_kill(device: str) -> list[Row]:
                         victim = int(f[len("steps-"):-len(".log")])
             time.sleep(0.1)
         if victim is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            _keep(work, *proc.communicate(timeout=30))
             return [("kill -9, 2 ranks, gloo", "rank 1 never trained 50 steps", "-", False)]
         os.kill(victim, signal.SIGKILL)
         killed = time.time()
         out, err = proc.communicate(timeout=120)
+        _keep(work, out, err)
         steps = []
         for f in os.listdir(work):
             if f.startswith("steps-"):
