@@ -29,7 +29,7 @@ import contextlib
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -101,6 +101,33 @@ _FIRST_BUCKET_BYTES = 1 << 20
 # The first bucket carries the step's agreement flags (worker/step_flags.py) after its
 # gradients. check_host_updates() then reads the already-agreed flags instead of running its
 # own allreduce every step (0.7 ms per step on 2 ranks here, ~0.05 this way).
+
+
+def assign_buckets(tensors: Sequence[tuple[Hashable, int]], cap: int, first_cap: int) -> list[list[int]]:
+    """Which tensors share a bucket: ``tensors`` are (key, bytes) in the order their gradients
+    are expected; a bucket holds one key (dtype and device) and its members in that order.
+
+    As DDP once it has seen a backward pass (its rebuilt buckets): a key's first bucket is
+    capped at ``first_cap``, the others at ``cap``, and a bucket closes once it holds its cap,
+    the tensor that crosses it included. Closing *before* that tensor (as this did until
+    2026-11-27) left a first bucket of a few KB whenever a large weight followed a small head,
+    so every large gradient waited for the end of backward while DDP's overlapped it (that
+    layout trained at 0.95-0.97 of DDP's speed on 16 cores)."""
+    layout: list[list[int]] = []
+    open_: dict[Hashable, tuple[int, int, int]] = {}  # key -> (bucket, bytes so far, its cap)
+    started: set[Hashable] = set()
+    for i, (key, nbytes) in enumerate(tensors):
+        if key not in open_:
+            open_[key] = (len(layout), 0, cap if key in started else min(cap, first_cap))
+            layout.append([])
+            started.add(key)
+        index, held, limit = open_[key]
+        layout[index].append(i)
+        if held + nbytes >= limit:
+            del open_[key]
+        else:
+            open_[key] = (index, held + nbytes, limit)
+    return layout
 
 
 @dataclass(eq=False)
@@ -230,19 +257,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     seen.add(p)
                     params.append(p)
                     hooked.append(p)
+        order = list(reversed(params))  # gradients of the last layers are ready first
+        layout = assign_buckets([((p.dtype, p.device), p.numel() * p.element_size()) for p in order],
+                                self._dist_bucket_cap, _FIRST_BUCKET_BYTES)
         buckets: list[_Bucket] = []
-        open_: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
-        for p in reversed(params):  # gradients of the last layers are ready first
-            key = (p.dtype, p.device)
-            b = open_.get(key)
-            cap = self._dist_bucket_cap
-            if b is not None and b is buckets[0]:
-                cap = min(cap, _FIRST_BUCKET_BYTES)
-            if b is None or (b.params and b.nbytes + p.numel() * p.element_size() > cap):
-                b = _Bucket(len(buckets), "", p.dtype, p.device)
-                buckets.append(b)
-                open_[key] = b
-            b.add(p)
+        for members in layout:
+            b = _Bucket(len(buckets), "", order[members[0]].dtype, order[members[0]].device)
+            for i in members:
+                b.add(order[i])
+            buckets.append(b)
         for b in buckets:
             first, last = self._dist_names.get(b.params[0], "?"), self._dist_names.get(b.params[-1], "?")
             b.name = first if len(b.params) == 1 else f"gradient bucket {b.index} ({first} .. {last})"
