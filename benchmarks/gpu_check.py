@@ -150,6 +150,11 @@ def worker_paths(device: str, log_dir: str) -> None:
 
     check("broadcast_parameters", lambda: (hvd.broadcast_parameters(model.state_dict(), root_rank=0),
                                            params_equal())[1])
+    big = {"w": torch.full((1024, 600), float(r), device=dev), "h": torch.full((600, 1024), float(r), device=dev,
+                                                                           dtype=torch.float16).t()}
+    check("broadcast_parameters, tensors >= 1 MiB (in place)", lambda: (
+        hvd.broadcast_parameters(big, root_rank=n - 1),
+        bool((big["w"] == n - 1).all()) and bool((big["h"] == n - 1).all()) and big["w"].device.type == dev.type)[1])
     data = torch.randn(16, 8, device=dev) + r
     target = torch.randint(0, 2, (16,), device=dev)
     for _ in range(2):  # backward_passes_per_step=2: one step from two passes
