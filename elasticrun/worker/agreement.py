@@ -4,7 +4,7 @@ gloo and NCCL match collectives by the order they are issued in, not by what the
 ranks that pass different dtypes, shapes or roots to "the same" collective make gloo abort the
 process, hang until the collective timeout, or return garbage. Horovod negotiates every tensor
 first and raises the same error on every rank. elasticrun does the same in the cheapest way it
-can (``collectives._agree``): each rank reduces a 128-bit digest of its *signature* (what must
+can (``issuing.agree``): each rank reduces a 128-bit digest of its *signature* (what must
 match: the kind of collective, its name, op, dtype, shapes, root, process set) with MAX, and
 its negation too, in one tiny allreduce; the ranks agree when every maximum equals the
 matching minimum. Only when they do not, the full signatures are gathered to say which ranks

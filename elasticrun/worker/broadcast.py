@@ -1,10 +1,12 @@
-"""``hvd.broadcast_parameters`` and ``hvd.broadcast_optimizer_state``: a model's or an
-optimizer's state from one rank to all, in a handful of messages.
+"""The broadcasts: a tensor (``hvd.broadcast``), a picklable object, and a model's or an
+optimizer's state (``hvd.broadcast_parameters``, ``hvd.broadcast_optimizer_state``) from one
+rank to all.
 
-Tensors travel as raw bytes packed into few large broadcasts (any dtype, bool included;
-chunks of at most 64 MiB), and an optimizer's state dict as a picklable skeleton plus its
-tensors, so a rank whose optimizer never stepped receives complete state. Used by users
-directly (as in horovod) and by the state handlers' ``sync``.
+A model's tensors travel as raw bytes packed into few large broadcasts (any dtype, bool
+included; chunks of at most 64 MiB; tensors of 1 MiB and more from and into their own
+storage), and an optimizer's state dict as a picklable skeleton plus its tensors, so a rank
+whose optimizer never stepped receives complete state. Used by users directly (as in
+horovod) and by the state handlers' ``sync``.
 """
 
 from __future__ import annotations
@@ -12,16 +14,98 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
+import cloudpickle
 import torch
+import torch.distributed as dist
 
-from elasticrun.worker import collectives, devices, process_sets, rounds
+from elasticrun.worker import devices, issuing, process_sets, rounds, waiting
+from elasticrun.worker import descriptors as ops
 from elasticrun.worker.process_sets import ProcessSet, global_process_set
+from elasticrun.worker.rounds import Round
+from elasticrun.worker.waiting import Handle, synchronize
 
-__all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
+__all__ = ["broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_parameters",
+           "broadcast_optimizer_state"]
 
 _ALIGN = 16  # byte offsets stay aligned so that views of the flat buffer can be any dtype
 _BCAST_CHUNK_BYTES = 64 << 20
 _IN_PLACE_BYTES = 1 << 20  # tensors this large are broadcast from and into their own storage
+
+
+# ------------------------------------------------------------------- a tensor, an object
+
+
+def _root_index(r: Round, root_rank: int, process_set: ProcessSet | None,
+                on: torch.Tensor | None = None) -> tuple[Any, int]:
+    """(group or None for the round's, root's rank in it): roots are global ranks, as in Horovod."""
+    if issuing.is_global(process_set):
+        return None, root_rank
+    assert process_set is not None  # not global
+    pg, _, _, members = issuing.group_of(r, process_set, on)
+    if root_rank not in members:
+        raise ValueError(f"root rank {root_rank} is not a member of {process_set}")
+    return pg, members.index(root_rank)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> Handle:
+    """Start overwriting ``tensor`` on every rank with its value on ``root_rank`` (a global rank)."""
+    what = f"broadcast {name or tuple(tensor.shape)} from rank {root_rank}"
+    r = rounds.current()
+    if not trusted:
+        issuing.check_name(r, name, what)
+        issuing.agree(r, issuing.signature("broadcast", name, [tensor], process_set, shape=tuple(tensor.shape), root=root_rank),
+               what, process_set)
+    pg, root = _root_index(r, root_rank, process_set, tensor)
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = root, 0
+    # A dtype the backends refuse (int16, complex, ...) travels as its bytes; a tensor that is
+    # not contiguous through a contiguous copy, written back when it arrives.
+    held = tensor if tensor.is_contiguous() else tensor.contiguous()
+    wire = held if held.dtype in issuing.GLOO_DTYPES else held.reshape(-1).view(torch.uint8)
+    if pg is None:
+        work = issuing.issue(r, lambda g: g.broadcast([wire], opts), what, ops.Broadcast(wire.shape, wire.dtype, root),
+                      on=wire)
+    else:
+        work = issuing.issue(r, lambda g: g.broadcast([wire], opts), what, pg=pg)
+
+    def finish() -> torch.Tensor:
+        if held is not tensor:
+            tensor.copy_(held)
+        return tensor
+    return waiting.handle(work, what, finish, None if trusted else name)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> Handle:
+    """Start a broadcast into a copy of ``tensor`` (the input is not modified)."""
+    return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set, trusted=trusted)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> torch.Tensor:
+    """Overwrite ``tensor`` on every rank with its value on ``root_rank``."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set, trusted=trusted))
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> Any:
+    """Send a picklable object from ``root_rank`` to every rank (cloudpickle)."""
+    r = rounds.current()
+    if not trusted:
+        issuing.agree(r, dict(collective="broadcast_object", name=name, root=root_rank, process_set=issuing.ps_id(process_set)),
+               f"broadcast_object {name or ''}", process_set)
+    is_root = r.rank == root_rank
+    payload = cloudpickle.dumps(obj) if is_root else b""
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    broadcast_(length, root_rank, f"{name or 'object'}.size", process_set, trusted=True)
+    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if is_root
+            else torch.empty(int(length.item()), dtype=torch.uint8))
+    broadcast_(data, root_rank, name or "object", process_set, trusted=True)
+    return obj if is_root else cloudpickle.loads(issuing.tensor_bytes(data))
+
+
+# ------------------------------------------------------------------- a model's or an optimizer's state
 
 
 def _nbytes(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> int:
@@ -65,7 +149,7 @@ def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, name: str,
         by_kind.setdefault(t.device.type, []).append(i)
     # One agreement for the whole call (a model that differs between ranks would otherwise make
     # the packed broadcasts differ in size): then the broadcasts themselves need none.
-    collectives.agree(r, {"collective": name, "root": root_rank,
+    issuing.agree(r, {"collective": name, "root": root_rank,
                           "tensors": tuple((str(t.dtype), tuple(t.shape), t.device.type) for t in tensors)},
                       name, process_set)
     n = 0
@@ -88,7 +172,7 @@ def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, name: str,
                 if is_root:
                     for j, off, nb in chunk:
                         buf[off:off + nb].copy_(tensors[small[j]].detach().reshape(-1).view(torch.uint8))
-                collectives.broadcast_(buf, root_rank, f"{name}[{n}]", process_set, trusted=True)
+                broadcast_(buf, root_rank, f"{name}[{n}]", process_set, trusted=True)
                 n += 1
                 if not is_root:
                     for j, off, nb in chunk:
@@ -107,7 +191,7 @@ def _broadcast_in_place(t: torch.Tensor, root_rank: int, name: str, n: int, proc
         dense = dense.contiguous()  # the root's values; a receiver's scratch, copied back below
     flat = dense.reshape(-1).view(torch.uint8)
     for off in range(0, flat.numel(), _BCAST_CHUNK_BYTES):
-        collectives.broadcast_(flat[off:off + _BCAST_CHUNK_BYTES], root_rank, f"{name}[{n}]", process_set,
+        broadcast_(flat[off:off + _BCAST_CHUNK_BYTES], root_rank, f"{name}[{n}]", process_set,
                                trusted=True)
         n += 1
     if not is_root and dense.data_ptr() != t.data_ptr():
@@ -193,7 +277,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         return
     tensors: list[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors)
-    skeleton = collectives.broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.skeleton", process_set)
+    skeleton = broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.skeleton", process_set)
     if r.rank != root_rank:
         specs: list[_TensorSpec] = []
         _collect_specs(skeleton, specs)

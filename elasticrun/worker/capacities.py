@@ -25,7 +25,7 @@ alltoall does not use this: its receivers cannot see the other pairs' counts, an
 2-core machine two alltoalls in flight cost more than one after the other (see
 ``collectives.alltoall_async``).
 
-Pure: no torch, no threads, no clocks. ``worker/collectives.py`` does the communication.
+Pure: no torch, no threads, no clocks. ``worker/gathers.py`` does the communication.
 """
 
 from __future__ import annotations

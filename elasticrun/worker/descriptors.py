@@ -1,6 +1,6 @@
 """What a rank in ``hvd.join()`` needs to take part in an operation of the round's group (pure).
 
-Every operation issued on the round's group carries one of these (``collectives._issue``); a
+Every operation issued on the round's group carries one of these (``issuing.issue``); a
 rank that has joined reads them from the round's store and mirrors each one with tensors that
 change nothing (``join.py``). Each kind that can be mirrored is a class here, and ``join.py``
 keeps one mirror per class: ``tests/unit/test_join_descriptors.py`` fails when a class has no

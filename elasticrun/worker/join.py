@@ -4,7 +4,7 @@ gloo matches collectives by the order they are issued in, so a rank that stopped
 must still take part in every operation the others run on the round's group, with the
 right shape, dtype and reduction, or they would hang. It cannot guess them; the others
 tell it. Every operation on the round's group carries a small descriptor
-(``collectives._issue``, a class of ``descriptors.py``): kind, shape, dtype, reduction, root,
+(``issuing.issue``, a class of ``descriptors.py``): kind, shape, dtype, reduction, root,
 or the row counts of an alltoall. A rank that joins announces it on the round's store (the operation it stopped
 at); a rank whose collective then waits notices within milliseconds, publishes the
 descriptors of its operations from that one on, and of every later one as it issues it.

@@ -1,7 +1,7 @@
 """How a worker waits for a collective it issued, and the handles of those in flight.
 
 A blocked gloo collective cannot be interrupted (gloo's abort() does not unblock it), so every
-collective is issued asynchronously (``collectives.py``) and waited on here, by polling: a
+collective is issued asynchronously (``issuing.py``) and waited on here, by polling: a
 worker gives up the moment the driver says the round is dead, or when the collective timeout
 passes, with :class:`HorovodInternalError`, never a hang. While it waits it also looks whether a
 peer called ``join()`` (``worker/join.py``) and, if so, publishes the descriptors of the

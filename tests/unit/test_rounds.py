@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from elasticrun.worker import collectives, rounds, waiting
+from elasticrun.worker import collectives, issuing, rounds, waiting
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
 from elasticrun.worker.host_updates import HostUpdates
 from elasticrun.worker.rounds import Round
@@ -82,18 +82,18 @@ def test_a_failed_collective_is_an_internal_error() -> None:
 
 def test_issue_needs_a_group_and_a_live_round() -> None:
     with pytest.raises(HorovodInternalError, match="no process group"):
-        collectives._issue(make_round(), lambda pg: pg, "x")
+        issuing.issue(make_round(), lambda pg: pg, "x")
     aborted = {3: "driver said so"}
     with pytest.raises(HorovodInternalError, match="round 3 was aborted: driver said so"):
-        collectives._issue(make_round(3, aborted, pg=object()), lambda pg: pg, "x")
+        issuing.issue(make_round(3, aborted, pg=object()), lambda pg: pg, "x")
     group = object()
-    assert collectives._issue(make_round(pg=group), lambda pg: pg, "x") is group
+    assert issuing.issue(make_round(pg=group), lambda pg: pg, "x") is group
 
     def broken(pg: Any) -> Any:
         raise ValueError("bad tensor")
 
     with pytest.raises(HorovodInternalError, match="x failed to start: bad tensor"):
-        collectives._issue(make_round(pg=group), broken, "x")
+        issuing.issue(make_round(pg=group), broken, "x")
 
 
 def test_current_round() -> None:

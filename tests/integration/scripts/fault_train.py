@@ -93,7 +93,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import elasticrun.torch as hvd  # noqa: E402
-from elasticrun.worker import collectives, runtime, waiting  # noqa: E402
+from elasticrun.worker import broadcast, issuing, runtime, waiting  # noqa: E402
 from elasticrun.worker.state_handlers import SamplerStateHandler  # noqa: E402
 
 # --- fault hooks (inside this script only: the library is untouched) -------------------------
@@ -110,7 +110,7 @@ def form_group(self):
 runtime.Runtime._form_group = form_group
 
 in_sync = threading.local()
-_broadcast_async = collectives.broadcast_async_
+_broadcast_async = broadcast.broadcast_async_
 
 
 def broadcast_async(*a, **kw):
@@ -120,7 +120,7 @@ def broadcast_async(*a, **kw):
     return handle
 
 
-collectives.broadcast_async_ = broadcast_async
+broadcast.broadcast_async_ = broadcast_async
 _merge = SamplerStateHandler.merge
 where = {"epoch": -1, "batch": -1}
 
@@ -148,13 +148,13 @@ def merge(self):
     if (m := armed("abandon", (where["epoch"], where["batch"]))) is not None:
         abandon(m)
     if (m := armed("merge", (where["epoch"], where["batch"]))) is not None:
-        orig_issue = collectives._issue
+        orig_issue = issuing.issue
 
         def issue_then_die(round_, start, what, *rest, **kw):
             work = orig_issue(round_, start, what, *rest, **kw)
             die("merge", m)
             return work
-        collectives._issue = issue_then_die
+        issuing.issue = issue_then_die
     return _merge(self)
 
 
