@@ -53,9 +53,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     what = f"broadcast {name or tuple(tensor.shape)} from rank {root_rank}"
     r = rounds.current()
     if not trusted:
-        issuing.check_name(r, name, what)
-        issuing.agree(r, issuing.signature("broadcast", name, [tensor], process_set, shape=tuple(tensor.shape), root=root_rank),
-               what, process_set)
+        issuing.check_call(r, "broadcast", name, [tensor], process_set, what, shape=tuple(tensor.shape), root=root_rank)
     pg, root = _root_index(r, root_rank, process_set, tensor)
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = root, 0
@@ -65,7 +63,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     wire = held if held.dtype in issuing.GLOO_DTYPES else held.reshape(-1).view(torch.uint8)
     if pg is None:
         work = issuing.issue(r, lambda g: g.broadcast([wire], opts), what, ops.Broadcast(wire.shape, wire.dtype, root),
-                      on=wire)
+                             on=wire)
     else:
         work = issuing.issue(r, lambda g: g.broadcast([wire], opts), what, pg=pg)
 
@@ -93,8 +91,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     """Send a picklable object from ``root_rank`` to every rank (cloudpickle)."""
     r = rounds.current()
     if not trusted:
-        issuing.agree(r, dict(collective="broadcast_object", name=name, root=root_rank, process_set=issuing.ps_id(process_set)),
-               f"broadcast_object {name or ''}", process_set)
+        issuing.agree(r, dict(collective="broadcast_object", name=name, root=root_rank,
+                              process_set=issuing.ps_id(process_set)), f"broadcast_object {name or ''}", process_set)
     is_root = r.rank == root_rank
     payload = cloudpickle.dumps(obj) if is_root else b""
     length = torch.tensor([len(payload)], dtype=torch.int64)
@@ -150,8 +148,8 @@ def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, name: str,
     # One agreement for the whole call (a model that differs between ranks would otherwise make
     # the packed broadcasts differ in size): then the broadcasts themselves need none.
     issuing.agree(r, {"collective": name, "root": root_rank,
-                          "tensors": tuple((str(t.dtype), tuple(t.shape), t.device.type) for t in tensors)},
-                      name, process_set)
+                      "tensors": tuple((str(t.dtype), tuple(t.shape), t.device.type) for t in tensors)},
+                  name, process_set)
     n = 0
     with torch.no_grad():
         for kind in sorted(by_kind, key=lambda k: (k != "cpu", k)):

@@ -117,9 +117,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     what = f"allgather {name or [tuple(t.shape) for t in ts]}"
     r = rounds.current()
     if not trusted:
-        issuing.check_name(r, name, what)
-        issuing.agree(r, issuing.signature("allgather", name, ts, process_set, rows_of=tuple(tuple(t.shape[1:]) for t in ts)),
-               what, process_set)
+        issuing.check_call(r, "allgather", name, ts, process_set, what, rows_of=tuple(tuple(t.shape[1:]) for t in ts))
     g = _where(r, process_set)
     key = ("allgather", name, tuple((t.dtype, tuple(t.shape[1:])) for t in ts))
     cache = _capacities(r, g.key)
@@ -216,8 +214,9 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     counts = torch.tensor([x for n in sends for x in (n, a, b)], dtype=torch.int64)
     received_t = torch.empty(3 * g.size, dtype=torch.int64)
     tag = _Tag(ops.VarAlltoall(name, t.dtype, rest_shape, "cuda" if issuing.on_device(r, t) else "cpu"))
-    waiting.wait(r, _on(r, g, lambda pg: pg.alltoall_base(received_t, counts, three, three, opts), what + ".splits", tag()),
-          what + ".splits")
+    splits_work = _on(r, g, lambda pg: pg.alltoall_base(received_t, counts, three, three, opts), what + ".splits",
+                      tag())
+    waiting.wait(r, splits_work, what + ".splits")
     table = received_t.tolist()
     if not trusted and any((sa, sb) != (a, b) and (sa, sb) != (0, 0) for sa, sb in zip(table[1::3], table[2::3])):
         issuing.disagreed(r, issuing.signature("alltoall", name, [t], process_set, rest=rest_shape), process_set)

@@ -118,7 +118,8 @@ def issue(r: Round, start: Callable[[Any], Any], what: str, desc: Op | None = No
     return work
 
 
-def group_of(r: Round, process_set: ProcessSet, on: torch.Tensor | None = None) -> tuple[Any, int, int, tuple[int, ...]]:
+def group_of(r: Round, process_set: ProcessSet,
+             on: torch.Tensor | None = None) -> tuple[Any, int, int, tuple[int, ...]]:
     """A process set's (group, rank in it, size, members) in round ``r``: its NCCL group for a
     CUDA ``on`` where the round has NCCL, else its gloo group. Forming a group (its first use in
     the round) fails like a collective would."""
@@ -168,6 +169,14 @@ def agree(r: Round, signature: dict[str, Any], what: str, process_set: ProcessSe
     if all((x, y) == mine or (x, y) == (0, 0) for x, y in zip(words[0::2], words[1::2])):
         return
     disagreed(r, signature, process_set)
+
+
+def check_call(r: Round, kind: str, name: str | None, tensors: Sequence[torch.Tensor],
+               process_set: ProcessSet | None, what: str, **more: Any) -> None:
+    """Before a user's collective: its name is not in flight (:func:`check_name`) and every rank
+    submitted the same arguments (:func:`agree` on :func:`signature`)."""
+    check_name(r, name, what)
+    agree(r, signature(kind, name, tensors, process_set, **more), what, process_set)
 
 
 def disagreed(r: Round, signature: dict[str, Any] | None, process_set: ProcessSet | None) -> None:

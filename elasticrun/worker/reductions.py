@@ -35,9 +35,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     what = f"allreduce {name or tuple(tensor.shape)}"
     r = rounds.current()
     if not trusted:
-        issuing.check_name(r, name, what)
-        issuing.agree(r, issuing.signature("allreduce", name, [tensor], process_set, op=op, shape=tuple(tensor.shape)), what,
-               process_set)
+        issuing.check_call(r, "allreduce", name, [tensor], process_set, what, op=op, shape=tuple(tensor.shape))
     if op == Adasum:
         return _adasum([tensor], what, prescale_factor, postscale_factor, process_set, single=True)
     torch_op = issuing.TORCH_OPS[op]
@@ -50,7 +48,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     if process_set is global_process_set or process_set is None:
         size = r.size
         work = issuing.issue(r, lambda pg: pg.allreduce([data], opts), what,
-                      ops.Allreduce(data.shape, data.dtype, issuing.TORCH_OP_NAMES[torch_op]), on=data)
+                             ops.Allreduce(data.shape, data.dtype, issuing.TORCH_OP_NAMES[torch_op]), on=data)
     else:
         pg, _, size, _ = issuing.group_of(r, process_set, data)
         work = issuing.issue(r, lambda g: g.allreduce([data], opts), what, pg=pg)
@@ -86,8 +84,8 @@ def allreduce_inplace(tensor: torch.Tensor, op: Any, what: str) -> None:
     opts.reduceOp = op
     r = rounds.current()
     started = trace.now()
-    waiting.wait(r, issuing.issue(r, lambda pg: pg.allreduce([tensor], opts), what,
-                    ops.Allreduce(tensor.shape, tensor.dtype, issuing.TORCH_OP_NAMES[op]), on=tensor), what)
+    desc = ops.Allreduce(tensor.shape, tensor.dtype, issuing.TORCH_OP_NAMES[op])
+    waiting.wait(r, issuing.issue(r, lambda pg: pg.allreduce([tensor], opts), what, desc, on=tensor), what)
     waiting.traced(r, what, started)
 
 
@@ -109,9 +107,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     what = f"grouped allreduce {name or len(tensors)}"
     r = rounds.current()
     if not trusted:
-        issuing.check_name(r, name, what)
-        issuing.agree(r, issuing.signature("grouped allreduce", name, tensors, process_set, op=op,
-                             shape=tuple(tuple(t.shape) for t in tensors)), what, process_set)
+        issuing.check_call(r, "grouped allreduce", name, tensors, process_set, what, op=op,
+                           shape=tuple(tuple(t.shape) for t in tensors))
     if op == Adasum:
         return _adasum(tensors, what, prescale_factor, postscale_factor, process_set, single=False)
     parts: list[tuple[list[int], torch.Tensor, Handle]] = []
@@ -165,12 +162,10 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: in
     what = f"sparse allreduce {name or tuple(t.shape)}"
     if not trusted:
         r = rounds.current()
-        issuing.check_name(r, name, what)
-        issuing.agree(r, issuing.signature("sparse allreduce", name, [t._values()], process_set, op=op, shape=tuple(t.shape)),
-               what, process_set)
+        issuing.check_call(r, "sparse allreduce", name, [t._values()], process_set, what, op=op, shape=tuple(t.shape))
     # indices and values share one exchange of their (equal) row counts
-    gathered = gathers.grouped_allgather_async([t._indices().t().contiguous(), t._values().contiguous()], name, process_set,
-                                       trusted=True)
+    gathered = gathers.grouped_allgather_async([t._indices().t().contiguous(), t._values().contiguous()], name,
+                                               process_set, trusted=True)
     size = len(process_sets.members(process_set, rounds.current()))
 
     def finish() -> torch.Tensor:
@@ -225,7 +220,7 @@ def _adasum(tensors: list[torch.Tensor], what: str, prescale: float, postscale: 
             out = flat.new_empty(sum(col))
             matrix = tuple(tuple(x) for x in sends)
             waiting.wait(r, issuing.issue(r, lambda pg: pg.alltoall_base(out, inp, col, row, opts), what,
-                            ops.Alltoall((), dtype, matrix), on=flat), what)
+                                          ops.Alltoall((), dtype, matrix), on=flat), what)
             if not any(col):
                 continue
             q = partners[me]
@@ -265,7 +260,7 @@ def _reducescatter_issue(tensor: torch.Tensor, what: str, op: int, prescale: flo
     recv = [mine] * size
     if issuing.is_global(process_set):
         work = issuing.issue(r, lambda pg: pg.alltoall_base(out, t, recv, counts, opts), what,
-                      ops.Alltoall(rest, t.dtype, tuple(tuple(counts) for _ in range(size))), on=t)
+                             ops.Alltoall(rest, t.dtype, tuple(tuple(counts) for _ in range(size))), on=t)
     else:
         assert process_set is not None  # not global
         pg, _, _, _ = issuing.group_of(r, process_set, t)
@@ -278,21 +273,25 @@ def _reducescatter_issue(tensor: torch.Tensor, what: str, op: int, prescale: flo
     return work, finish
 
 
+def _reducescatter_checked(kind: str, name: str | None, tensors: list[torch.Tensor], op: int | str,
+                           process_set: ProcessSet | None, what: str, shape: Any, trusted: bool) -> int:
+    """The op (Horovod's reducescatter takes Average or Sum), after the arguments' checks."""
+    value = op_value(op)
+    if value not in (Average, Sum):
+        raise UnsupportedOperation("reducescatter supports op=Average or op=Sum")
+    if not trusted:
+        issuing.check_call(rounds.current(), kind, name, tensors, process_set, what, op=value, shape=shape)
+    return value
+
+
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int | str = Average,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0, *, trusted: bool = False) -> Handle:
     """Start reducing ``tensor`` over the ranks and scattering the result along dim 0: member
     ``i`` gets rows ``[sum(counts[:i]), ...)`` of the reduction, the first ``rows % size``
     members one row more (as Horovod). The input is not modified."""
-    op = op_value(op)
-    if op not in (Average, Sum):
-        raise UnsupportedOperation("reducescatter supports op=Average or op=Sum")
     what = f"reducescatter {name or tuple(tensor.shape)}"
-    if not trusted:
-        r = rounds.current()
-        issuing.check_name(r, name, what)
-        issuing.agree(r, issuing.signature("reducescatter", name, [tensor], process_set, op=op, shape=tuple(tensor.shape)),
-               what, process_set)
+    op = _reducescatter_checked("reducescatter", name, [tensor], op, process_set, what, tuple(tensor.shape), trusted)
     work, finish = _reducescatter_issue(tensor, what, op, prescale_factor, process_set)
     return waiting.handle(work, what, lambda: finish(postscale_factor), None if trusted else name)
 
@@ -301,18 +300,12 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0, *, trusted: bool = False) -> Handle:
     """:func:`reducescatter_async` of each tensor; ``synchronize`` returns the list of results."""
-    op = op_value(op)
-    if op not in (Average, Sum):
-        raise UnsupportedOperation("reducescatter supports op=Average or op=Sum")
     what = f"grouped reducescatter {name or len(tensors)}"
-    if not trusted:
-        r = rounds.current()
-        issuing.check_name(r, name, what)
-        issuing.agree(r, issuing.signature("grouped reducescatter", name, list(tensors), process_set, op=op,
-                             shape=tuple(tuple(t.shape) for t in tensors)), what, process_set)
+    op = _reducescatter_checked("grouped reducescatter", name, list(tensors), op, process_set, what,
+                                tuple(tuple(t.shape) for t in tensors), trusted)
     parts = [_reducescatter_issue(t, what, op, prescale_factor, process_set) for t in tensors]
     return waiting.handle(waiting.Works([w for w, _ in parts]), what, lambda: [f(postscale_factor) for _, f in parts],
-                   None if trusted else name)
+                          None if trusted else name)
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
