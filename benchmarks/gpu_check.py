@@ -16,7 +16,8 @@ the same GPU). Rows:
   ``SyncBatchNorm``, ``broadcast_parameters/optimizer_state/object``, ``TorchState`` commit and
   restore (the committed copy kept on the GPU), the ``ElasticSampler``, and a durable copy
   written from the GPU and resumed onto it by a second run of the same command.
-* **kill -9, 2 ranks, gloo**: a 2-rank elastic job on the GPU loses a rank; kill -> next step.
+* **kill -9, 2 ranks, gloo**: a 2-rank elastic job on the GPU loses a rank; kill -> next step, and
+  when the survivor detected it, the driver decided and the first step ran (the event log).
 * **NCCL build/allreduce/abort x20**: build a group, a 4 MB allreduce, abort (never waited on);
   build time, allreduce time, what the abort call costs the caller, and GPU memory and threads
   after the 1st and the 20th.
@@ -361,8 +362,9 @@ def check_paths(device: str, size: int, backend: str, quick: bool) -> list[Row]:
 
 def check_kill(device: str) -> list[Row]:
     work = tempfile.mkdtemp(prefix="gpu-check-kill-")
+    events = os.path.join(work, "events.jsonl")
     cmd = [sys.executable, "-m", "elasticrun", "-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1",
-           sys.executable, HERE, "--worker", "kill", "--device", device, "--log-dir", work]
+           "--events", events, sys.executable, HERE, "--worker", "kill", "--device", device, "--log-dir", work]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=work,
                             env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")),
                             start_new_session=True)
@@ -390,11 +392,27 @@ def check_kill(device: str) -> list[Row]:
                 steps += [tuple(map(float, line.split())) for line in open(os.path.join(work, f)) if line.strip()]
         after = sorted(t for t, rank, size, step in steps if t > killed and size == 1)
         ms = (after[0] - killed) * 1000 if after else float("nan")
-        return [("kill -9, 2 ranks, gloo: kill -> next step", f"{ms:.0f} ms (exit {proc.returncode})",
-                 "rc 0; reported", proc.returncode == 0 and bool(after))]
+        return [("kill -9, 2 ranks, gloo: kill -> next step", f"{ms:.0f} ms ({_kill_phases(events, killed)}; exit "
+                 f"{proc.returncode})", "rc 0; reported", proc.returncode == 0 and bool(after))]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _kill_phases(path: str, killed: float) -> str:
+    """Where a kill's recovery went, from the job's event log: when the survivor's collective
+    failed, when the driver formed the next round, when the survivor's first step completed."""
+    from elasticrun.common.events import read_events
+
+    try:
+        events = [e for e in read_events(path) if e["t"] >= killed]
+    except (OSError, ValueError):
+        return "no event log"
+
+    def at(kind: str) -> str:
+        t = next((e["t"] for e in events if e["kind"] == kind), None)
+        return "-" if t is None else f"{(t - killed) * 1000:.0f}"
+    return f"detect {at('failure_detected')}, decide {at('round_formed')}, first step {at('first_step')} ms"
 
 
 def check_nccl_cycles(cycles: int) -> list[Row]:
