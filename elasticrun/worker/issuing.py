@@ -34,6 +34,7 @@ from elasticrun.worker.process_sets import ProcessSet, global_process_set
 from elasticrun.worker.rounds import Round
 from elasticrun.worker.waiting import Handle, synchronize
 
+
 class ReduceOp:
     """horovod's reduction operators (``hvd.Average``, ``hvd.Sum``, ...), with Horovod's values."""
 
@@ -49,10 +50,10 @@ Average, Sum, Adasum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, Reduc
                                            ReduceOp.MAX, ReduceOp.PRODUCT)
 _BY_NAME = {"average": Average, "sum": Sum, "adasum": Adasum, "min": Min, "max": Max, "product": Product}
 TORCH_OPS: dict[int, Any] = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
-              Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
+                             Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
 #: gloo reduction -> its name in descriptors (what a joined rank contributes depends on it).
 TORCH_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max",
-                   dist.ReduceOp.PRODUCT: "product"}
+                  dist.ReduceOp.PRODUCT: "product"}
 
 
 def op_value(op: int | str) -> int:
