@@ -189,8 +189,7 @@ def _broadcast_in_place(t: torch.Tensor, root_rank: int, name: str, n: int, proc
         dense = dense.contiguous()  # the root's values; a receiver's scratch, copied back below
     flat = dense.reshape(-1).view(torch.uint8)
     for off in range(0, flat.numel(), _BCAST_CHUNK_BYTES):
-        broadcast_(flat[off:off + _BCAST_CHUNK_BYTES], root_rank, f"{name}[{n}]", process_set,
-                               trusted=True)
+        broadcast_(flat[off:off + _BCAST_CHUNK_BYTES], root_rank, f"{name}[{n}]", process_set, trusted=True)
         n += 1
     if not is_root and dense.data_ptr() != t.data_ptr():
         t.copy_(dense)

@@ -635,8 +635,8 @@ def standard_streams(unbuffered: bool) -> None:
         encoding = getattr(old, "encoding", None) or "utf-8"
         errors = getattr(old, "errors", None) or ("backslashreplace" if fd == 2 else "strict")
         stream: Any = io.TextIOWrapper(buf, encoding=encoding, errors=errors, newline="\n",
-                                  line_buffering=buffered and (raw.isatty() or fd == 2),
-                                  write_through=not buffered)
+                                       line_buffering=buffered and (raw.isatty() or fd == 2),
+                                       write_through=not buffered)
         stream.mode = "w" if write else "r"
         made.append(stream)
     sys.stdin, sys.stdout, sys.stderr = made

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from elasticrun.worker import collectives, issuing, rounds, waiting
+from elasticrun.worker import issuing, rounds, waiting
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
 from elasticrun.worker.host_updates import HostUpdates
 from elasticrun.worker.rounds import Round
