@@ -30,9 +30,10 @@ part() {  # part SECONDS LOG COMMAND...: run with a limit, keep its whole output
 }
 tcp() { grep -A1 -e '^Tcp:' -e '^TcpExt:' /proc/net/snmp /proc/net/netstat 2>/dev/null; }
 
-rm -rf /tmp/gpu-check-*
-part 240 gpu.log "$py" benchmarks/gpu_check.py --json "$out/gpu.json"
-tar czf "$out/gpu-logs.tgz" --exclude=ckpt /tmp/gpu-check-* 2>/dev/null
+work=$(mktemp -d)  # the check's job folders (its temporary files go where TMPDIR says)
+TMPDIR=$work part 240 gpu.log "$py" benchmarks/gpu_check.py --json "$out/gpu.json"
+tar czf "$out/gpu-logs.tgz" --exclude=ckpt -C "$work" . 2>/dev/null
+rm -rf "$work"
 
 export CUDA_VISIBLE_DEVICES=
 part 110 throughput.log bash -c "$py benchmarks/throughput.py --np 2 --blocks 20 &&
