@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import cloudpickle
 
 from elasticrun.common.errors import JobFailed
+from elasticrun.driver import words
 from elasticrun.driver.functions import FunctionService, Result
 from elasticrun.driver.registry import WorkerRecord
 
@@ -202,7 +203,8 @@ def _final_values(members: list[WorkerRecord], functions: FunctionService) -> li
         blob = r.blob if r is not None and r.kind == "value" else None
         if blob is None:
             failure = r if r is not None and r.kind == "error" else None
-            why = w.why or (f"exited with code {w.exit_code}" if w.exit_code is not None else "did not finish")
+            why = (words.reason(w.why) if w.why is not None else
+                   f"exited with code {w.exit_code}" if w.exit_code is not None else "did not finish")
             raise RunError(f"The job finished, but rank {w.rank} ({w.label}) of its final round returned no "
                            f"value: it {why}.", 1, failure, functions.errors()) from _exception(failure)
         values.append(cloudpickle.loads(blob))

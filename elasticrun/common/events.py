@@ -17,7 +17,8 @@ from __future__ import annotations
 import enum
 import json
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from elasticrun.common.diagnostics import DiagnosticFile
 from elasticrun.common.ratelimit import LimitedLog
@@ -70,38 +71,99 @@ class Kind(str, enum.Enum):
         return self.value
 
 
+class Cause(str, enum.Enum):
+    """Why a worker failed or was sent away, why a round was aborted, why the job ended, and
+    what carries CUDA tensors: the registry's decisions say which as data (with the figures in
+    a ``Reason``'s fields, listed beside each), and ``elasticrun/driver/words.py`` words them."""
+
+    # A worker failed.
+    EXITED = "exited"                        # code, detail
+    SCRIPT_ERROR = "script_error"            # error: its own Python exception
+    NEVER_CONTACTED = "never_contacted"      # limit: --start-timeout
+    STUCK_EXITING = "stuck_exiting"          # grace: its script ended, its process did not exit
+    SILENT = "silent"                        # silent_s, limit: --heartbeat-timeout
+    # A worker is sent away (dismissed or killed).
+    NOT_IN_JOB = "not_in_job"
+    JOB_FINISHED = "job_finished"
+    NO_PLACE_ANY_MORE = "no_place_any_more"
+    NO_PLACE = "no_place"                    # label: no place in the next round
+    NOT_NEEDED = "not_needed"                # label
+    PEER_FAILED = "peer_failed"              # (plain processes) another process failed
+    # A round is aborted.
+    LEFT_AFTER_ERROR = "left_after_error"    # label, round, error
+    MEMBER_FAILED = "member_failed"          # label, why (the member's failure)
+    # The job ended.
+    FINISHED = "finished"                    # rounds, resets
+    ENDED_EARLY = "ended_early"              # rank, steps, training, unfinished
+    ALL_EXITED_0 = "all_exited_0"            # n (plain processes)
+    PROCESSES_FAILED = "processes_failed"    # failed: [(rank, label, why)] (plain processes)
+    FAILED_AFTER_SUCCESS = "failed_after_success"  # failed: [(rank, label, why)], first
+    ALL_FAILED = "all_failed"                # failed: [(label, why)]
+    ALL_BLACKLISTED = "all_blacklisted"      # hosts
+    RESET_LIMIT = "reset_limit"              # limit, resets
+    TIMED_OUT = "timed_out"                  # limit, flag, need, hosts
+    NEVER_ENOUGH = "never_enough"            # flag, need, hosts, blacklisted
+    NCCL_CANNOT_RUN = "nccl_cannot_run"      # round, why (a device cause)
+    CANNOT_RESUME = "cannot_resume"          # error
+    # A straggler is kept (not evicted).
+    KEEP_MIN_NP = "keep_min_np"              # count, left, min_np
+    KEEP_SLOWER = "keep_slower"              # count, left, after, workers, step (seconds)
+    # What carries CUDA tensors in a round.
+    GLOO_ASKED = "gloo_asked"                # --backend gloo
+    NCCL_ASKED = "nccl_asked"                # --backend nccl, and it can run
+    GPU_EACH = "gpu_each"                    # every member has a GPU of its own
+    NO_GPU = "no_gpu"                        # place
+    SHARED_GPU = "shared_gpu"                # places
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Reason:
+    """A :class:`Cause` with its figures (``fields``): what a decision says happened, as data."""
+
+    cause: Cause
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
 #: The fields of each kind, besides ``t``, ``kind`` and ``source`` (``round`` is on most).
 FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.DISCOVERY: ("hosts", "draining"),
     Kind.DISCOVERY_EMPTY: ("round", "message"),
-    Kind.HOST_ADDED: ("round", "message", "host"),
+    Kind.HOST_ADDED: ("round", "message", "host", "slots"),
     Kind.HOST_REMOVED: ("round", "message", "host"),
-    Kind.HOST_RESIZED: ("round", "message", "host"),
-    Kind.HOST_BLACKLISTED: ("round", "message", "host"),
-    Kind.HOST_WHITELISTED: ("round", "message", "host"),
+    Kind.HOST_RESIZED: ("round", "message", "host", "slots"),
+    # seconds: how long (None: permanently); straggler: for dragging the job, not for a failure
+    Kind.HOST_BLACKLISTED: ("round", "message", "host", "seconds", "straggler"),
+    # because: "cooldown" (it ended) or "collapse" (every worker was lost at once: no one host's fault)
+    Kind.HOST_WHITELISTED: ("round", "message", "host", "because"),
     Kind.HOST_DRAINING: ("round", "message", "host"),
     Kind.HOST_LEAVING: ("round", "message", "host", "why"),
     # action: named (no --evict-stragglers), evicted, kept (--min-np, or it would not pay), recovered
-    Kind.STRAGGLER: ("round", "message", "host", "action", "compute_ms", "reference_ms", "step_ms", "steps"),
+    # others: how many hosts it was compared with; hint: --evict-stragglers is off; kept: why it stays
+    Kind.STRAGGLER: ("round", "message", "host", "action", "compute_ms", "reference_ms", "step_ms", "steps", "others",
+                     "hint", "kept"),
     Kind.WORKER_STARTED: ("worker", "host", "slot", "rank"),
     Kind.WORKER_EXITED: ("worker", "code", "host", "slot", "rank"),
-    Kind.WORKER_FAILED: ("round", "message", "host", "rank"),
-    Kind.WORKER_SUCCEEDED: ("round", "message", "host"),
-    Kind.HOSTS_UPDATED: ("round", "message", "added", "removed", "handover"),
+    Kind.WORKER_FAILED: ("round", "message", "host", "label", "rank", "why"),
+    Kind.WORKER_SUCCEEDED: ("round", "message", "host", "label", "rank", "plain"),
+    Kind.HOSTS_UPDATED: ("round", "message", "added", "removed", "handover", "from_size", "to_size"),
     Kind.NOTIFICATION_SENT: ("round", "ts", "added", "removed"),
     Kind.HANDOVER_PENDING: ("round", "message", "hosts"),
-    Kind.REMOVAL_HELD: ("round", "message", "hosts"),
-    Kind.WAITING_FOR_SLOTS: ("round", "message", "need", "ready"),
+    Kind.REMOVAL_HELD: ("round", "message", "hosts", "min_np"),
+    # usable: [[host, slots], ...]; left_s: until the wait gives up; flag: the limit's flag
+    Kind.WAITING_FOR_SLOTS: ("round", "message", "need", "ready", "usable", "left_s", "flag"),
     Kind.STATE_LOST: ("round", "message"),
-    Kind.WORKERS_LOST: ("round", "message"),
-    Kind.PLAIN_COMMAND: ("round", "message"),
+    Kind.WORKERS_LOST: ("round", "message", "limit", "min_np", "commit"),
+    Kind.PLAIN_COMMAND: ("round", "message", "limit"),
     Kind.RESUMED: ("round", "message", "checkpoint", "commit", "saved_at", "steps_back"),
     Kind.DURABLE_WRITTEN: ("round", "number", "commit", "bytes", "seconds"),
-    Kind.ROUND_ABORTED: ("round", "reason"),
+    Kind.ROUND_ABORTED: ("round", "reason", "cause"),
     Kind.ROUND_FORMED: ("round", "message", "size", "hosts"),
-    Kind.DEVICE_BACKEND: ("round", "message", "backend"),
+    Kind.DEVICE_BACKEND: ("round", "message", "backend", "why"),
     Kind.RESET: ("cause", "trigger", "round", "from_size", "to_size", "seconds"),
-    Kind.JOB_END: ("round", "ok", "reason"),
+    Kind.JOB_END: ("round", "ok", "reason", "cause"),
     Kind.NOTIFICATION_RECEIVED: ("round", "rank", "host", "slot", "ts"),
     Kind.INTERRUPT: ("round", "rank", "host", "slot", "skip_sync", "ts", "agreed_in"),
     Kind.FAILURE_DETECTED: ("round", "rank", "host", "slot", "error"),

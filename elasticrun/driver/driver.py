@@ -23,7 +23,7 @@ import zmq
 
 from elasticrun.common.auth import PUB_MAX_FRAME_BYTES, CurveUnavailable, JobKeys, ZapAuthenticator, secure_server
 from elasticrun.common.errors import JobFailed
-from elasticrun.common.events import FIELDS, WORKER_KINDS, EventLog, Kind
+from elasticrun.common.events import FIELDS, WORKER_KINDS, Cause, EventLog, Kind, Reason
 from elasticrun.common.hosts import HostList
 from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, Message, ProtocolError, new_sender_id
 from elasticrun.common.ratelimit import LimitedLog
@@ -32,6 +32,7 @@ from elasticrun.discovery.host_manager import HostManager
 from elasticrun.discovery.sources import DiscoveryError
 from elasticrun.driver import registry as reg
 from elasticrun.driver import request_types as requests
+from elasticrun.driver import words
 from elasticrun.driver.durable import checkpoints
 from elasticrun.driver.durable.decisions import CopySchedule, FinalCopy, Progress, final_copy_verdict
 from elasticrun.driver.durable.service import DurableService
@@ -161,6 +162,7 @@ class ElasticDriver:
         self._launcher = launcher
         self._launcher.bind(self.worker_exited, self._sink)
         self._pending_rdzv: dict[str, _Pending] = {}
+        self._abort_said: tuple[Reason, str] | None = None  # the abort reason worded once, not per heartbeat
         self._notifications = Notifications()
         self._reported_problems: set[int] = set()  # hashes of discovery problems already said
         self._last_problems: int | None = None  # the previous discovery run's problems, hashed
@@ -494,8 +496,17 @@ class ElasticDriver:
         self._progress(hb.steps, hb.commit)
         self._reply(identity, msg, "heartbeat_ack", {
             "round": self.registry.round, "aborted": self.registry.aborted,
-            "reason": self.registry.abort_reason, "updates": self._notifications.recent(),
+            "reason": self._abort_words(), "updates": self._notifications.recent(),
             "durable": self._copies.last_id if self._copies is not None else 0})
+
+    def _abort_words(self) -> str:
+        """Why the current round was aborted, as workers hear it ("" when it was not)."""
+        why = self.registry.abort_reason
+        if why is None:
+            return ""
+        if self._abort_said is None or self._abort_said[0] is not why:
+            self._abort_said = (why, words.reason(why))
+        return self._abort_said[1]
 
     def _on_rendezvous(self, identity: bytes, msg: Message) -> None:
         req = requests.Rendezvous.parse(msg.body)
@@ -555,8 +566,10 @@ class ElasticDriver:
     def _execute(self, actions: list[reg.Action]) -> None:
         for act in actions:
             if isinstance(act, reg.Event):
-                log.log(logging.WARNING if act.level == "warning" else logging.INFO, "%s", act.message)
-                self._journal.write(act.kind, round=self.registry.round, message=act.message, **act.fields)
+                message = words.event(act)
+                log.log(logging.WARNING if act.level == "warning" else logging.INFO, "%s", message)
+                self._journal.write(act.kind, **{"round": self.registry.round, "message": message,
+                                                 **words.plain(act.fields)})
                 if act.kind is Kind.ROUND_FORMED:
                     self._resets.round_formed(self.registry.round, int(act.fields.get("size", 0)))
             elif isinstance(act, reg.Launch):
@@ -575,11 +588,12 @@ class ElasticDriver:
             elif isinstance(act, reg.Dismiss):
                 pending = self._pending_rdzv.pop(act.worker_id, None)
                 if pending is not None:
-                    self._reply(pending.identity, pending, "dismiss", {"reason": act.reason})
+                    why = words.reason(act.why)
+                    self._reply(pending.identity, pending, "dismiss", {"reason": why})
                     w = self.registry.workers.get(act.worker_id)
                     # A graceful exit, said once, without alarm (at the job's end, one per worker: DEBUG).
-                    log.log(logging.DEBUG if self.registry.finished or "job has finished" in act.reason
-                            else logging.INFO, "%s exits 0: %s", w.label if w else act.worker_id, act.reason)
+                    log.log(logging.DEBUG if self.registry.finished or act.why.cause is Cause.JOB_FINISHED
+                            else logging.INFO, "%s exits 0: %s", w.label if w else act.worker_id, why)
             elif isinstance(act, reg.Kill):
                 self._launcher.signal(act.worker_id, signal.SIGKILL)
             elif isinstance(act, reg.Notify):
@@ -590,12 +604,14 @@ class ElasticDriver:
                 what = " and ".join(w for w, on in (("added", act.added), ("removed", act.removed)) if on)
                 self._resets.trigger("hosts", f"hosts {what}", time.time())
             elif isinstance(act, reg.AbortRound):
-                log.warning("round %d aborted: %s", act.round, act.reason)
-                self._publish("round_aborted", {"round": act.round, "reason": act.reason})
-                self._journal.write(Kind.ROUND_ABORTED, round=act.round, reason=act.reason)
-                self._resets.trigger("failure", act.reason, time.time())
+                why = words.reason(act.why)
+                log.warning("round %d aborted: %s", act.round, why)
+                self._publish("round_aborted", {"round": act.round, "reason": why})
+                self._journal.write(Kind.ROUND_ABORTED, round=act.round, reason=why, cause=act.why.cause)
+                self._resets.trigger("failure", why, time.time())
             elif isinstance(act, reg.Finish):
-                self._journal.write(Kind.JOB_END, round=self.registry.round, ok=act.ok, reason=act.reason)
+                self._journal.write(Kind.JOB_END, round=self.registry.round, ok=act.ok, reason=words.reason(act.why),
+                                    cause=act.why.cause)
 
     def _where(self, worker_id: str) -> dict[str, Any]:
         w = self.registry.workers.get(worker_id)
@@ -861,13 +877,14 @@ class ElasticDriver:
         elapsed = time.monotonic() - self._started
         self._summarize()
         self._journal.close()
+        why = words.reason(finished.why)
         if finished.ok:
             if finished.complete:
-                log.info("job succeeded in %.1f s: %s", elapsed, finished.reason)
+                log.info("job succeeded in %.1f s: %s", elapsed, why)
             else:
-                log.warning("job ended in %.1f s: %s", elapsed, finished.reason)
+                log.warning("job ended in %.1f s: %s", elapsed, why)
             return 0
-        raise JobFailed(f"The job failed after {elapsed:.1f} s: {finished.reason}.")
+        raise JobFailed(f"The job failed after {elapsed:.1f} s: {why}.")
 
     def _summarize(self) -> None:
         """The exit summary, once, however the job ends (success, failure or signal); counts

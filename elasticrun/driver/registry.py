@@ -62,7 +62,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, Union
 
-from elasticrun.common.events import Kind
+from elasticrun.common.events import Cause, Kind, Reason
 from elasticrun.discovery.host_manager import HostManager
 from elasticrun.driver.assignment import SlotInfo, assign, assign_keys
 from elasticrun.driver.stragglers import Pace, Straggler, StragglerDetector, eviction_pays
@@ -78,6 +78,19 @@ class WorkerState(enum.Enum):
 
 
 _GONE = (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.LEFT)
+
+#: The lifecycle above as data: the states each state may move to. Every change of a worker's
+#: state goes through :func:`_move`, which refuses any other (a decision bug, not the user's).
+MOVES: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.LAUNCHING: frozenset({WorkerState.WAITING, WorkerState.SUCCEEDED, WorkerState.FAILED,
+                                      WorkerState.LEFT}),
+    WorkerState.WAITING: frozenset({WorkerState.WAITING, WorkerState.RUNNING, WorkerState.SUCCEEDED,
+                                    WorkerState.FAILED, WorkerState.LEFT}),
+    WorkerState.RUNNING: frozenset({WorkerState.WAITING, WorkerState.SUCCEEDED, WorkerState.FAILED}),
+    WorkerState.SUCCEEDED: frozenset(),
+    WorkerState.FAILED: frozenset(),
+    WorkerState.LEFT: frozenset(),
+}
 _LIVE = (WorkerState.WAITING, WorkerState.RUNNING)
 # States whose silence is a hang: a launching worker that has reached the driver is preparing
 # (building its model before it asks for a place) and heartbeats meanwhile.
@@ -103,7 +116,7 @@ class WorkerRecord:
     rank: int = -1
     exit_code: int | None = None
     exited: bool = False
-    why: str = ""  # how it failed, for the job's failure message
+    why: Reason | None = None  # how it failed, for the job's failure message
     last_seen: float | None = None  # last heartbeat or request; None until the first contact
     restored: bool = False  # it rolled back to its last commit before asking for this round
     holds: bool = False  # it holds the job's newest committed state (see the module docstring)
@@ -123,6 +136,13 @@ class WorkerRecord:
     @property
     def label(self) -> str:
         return f"{self.host}[{self.slot}]"
+
+
+def _move(w: WorkerRecord, to: WorkerState) -> None:
+    """The one place a worker's state changes, along :data:`MOVES` only."""
+    if to not in MOVES[w.state]:
+        raise AssertionError("illegal_move", w.label, w.state.value, to.value)
+    w.state = to
 
 
 # --- actions -------------------------------------------------------------------------------
@@ -154,13 +174,13 @@ class Dismiss:
     """Reply to a waiting worker that it has no place: it exits 0."""
 
     worker_id: str
-    reason: str
+    why: Reason
 
 
 @dataclass(frozen=True)
 class Kill:
     worker_id: str
-    reason: str
+    why: Reason
 
 
 @dataclass(frozen=True)
@@ -176,7 +196,7 @@ class AbortRound:
     """A member of ``round`` failed: every worker must abandon its collectives now."""
 
     round: int
-    reason: str
+    why: Reason
 
 
 @dataclass(frozen=True)
@@ -188,10 +208,10 @@ class ForgetRounds:
 
 @dataclass(frozen=True)
 class Event:
-    """Something worth telling the user or the event log (``level``: how loudly)."""
+    """Something worth telling the user or the event log (``level``: how loudly): what
+    happened as data (its kind and figures); ``words.event`` words it for the console."""
 
     kind: Kind
-    message: str
     fields: Mapping[str, Any] = field(default_factory=dict)
     level: str = "info"  # "info" | "warning"
 
@@ -199,7 +219,7 @@ class Event:
 @dataclass(frozen=True)
 class Finish:
     ok: bool
-    reason: str
+    why: Reason
     complete: bool = True  # False: a success that ended the job before every rank finished
 
 
@@ -231,7 +251,7 @@ class Registry:
         self.round = -1
         self.members: dict[tuple[str, int], str] = {}
         self.aborted = False
-        self.abort_reason = ""  # why the current round was aborted (workers hear it with heartbeats)
+        self.abort_reason: Reason | None = None  # why the current round was aborted (workers hear it with heartbeats)
         self.reset_count = 0
         self.finished: Finish | None = None
         self._outbox: list[Action] = []  # what events produced, returned by the next decide()
@@ -242,8 +262,9 @@ class Registry:
         self._said: set[str] = set()  # one-time messages of the current round
         self._empty_said = False  # an empty discovery listing was reported (until a non-empty one)
         self.durable_commit: int | None = None  # the commit of the newest durable copy (--checkpoint-dir)
-        self._ended_early: str | None = None  # "rank R exited 0 at step S while N ranks were training"
-        self._device_said: tuple[str, str] | None = None  # the last (backend, why) told
+        # Who ended the job early: rank, steps and how many were training (Cause.ENDED_EARLY).
+        self._ended_early: dict[str, int] | None = None
+        self._device_said: tuple[str, Reason] | None = None  # the last (backend, why) told
         # Some worker has reached the driver (called hvd.init()). Until one does, a worker that
         # ends, or outlives --start-timeout, makes this a job of plain processes (``plain``).
         self._contacted = False
@@ -263,8 +284,7 @@ class Registry:
         if not hosts and self.hosts.discovered():
             if not self._empty_said:
                 self._empty_said = True
-                self._outbox.append(Event(Kind.DISCOVERY_EMPTY, "discovery listed no usable hosts; keeping the last "
-                                          "known hosts", {}, level="warning"))
+                self._outbox.append(Event(Kind.DISCOVERY_EMPTY, {}, level="warning"))
             return
         self._empty_said = False
         before = self.hosts.discovered()
@@ -272,20 +292,18 @@ class Registry:
         change = self.hosts.update(hosts, now, draining)
         for h in sorted(set(draining) & set(hosts)):
             if h not in was_draining:
-                self._outbox.append(Event(Kind.HOST_DRAINING, f"host {h} is about to go (discovery lists it "
-                                          f"draining): its workers leave at their next step", {"host": h}))
+                self._outbox.append(Event(Kind.HOST_DRAINING, {"host": h}))
         served = set(self.hosts.blacklisted())  # every host ever blacklisted (entries outlive cooldowns)
         for h in change.added:
             if h in served and h in before:  # its cooldown ended just before this listing came
-                self._outbox.append(Event(Kind.HOST_WHITELISTED, f"host {h} is back after its blacklist cooldown",
-                                          {"host": h}))
+                self._outbox.append(Event(Kind.HOST_WHITELISTED, {"host": h, "because": "cooldown"}))
             else:
-                self._outbox.append(Event(Kind.HOST_ADDED, f"host {h} added ({hosts[h]} slots)", {"host": h}))
+                self._outbox.append(Event(Kind.HOST_ADDED, {"host": h, "slots": hosts[h]}))
         for h in change.removed:
             if h not in self.hosts.draining():
-                self._outbox.append(Event(Kind.HOST_REMOVED, f"host {h} removed", {"host": h}))
+                self._outbox.append(Event(Kind.HOST_REMOVED, {"host": h}))
         for h in change.resized:
-            self._outbox.append(Event(Kind.HOST_RESIZED, f"host {h} now has {hosts[h]} slots", {"host": h}))
+            self._outbox.append(Event(Kind.HOST_RESIZED, {"host": h, "slots": hosts[h]}))
 
     def rendezvous(self, worker_id: str, now: float, error: str | None = None, restored: bool = False,
                    has_state: bool = False, gpus: tuple[str, ...] = ()) -> None:
@@ -296,18 +314,19 @@ class Registry:
         self._dirty = True
         w = self.workers.get(worker_id)
         if w is None:
-            self._outbox.append(Dismiss(worker_id, "this process is not part of the job"))
+            self._outbox.append(Dismiss(worker_id, Reason(Cause.NOT_IN_JOB)))
             return
         if w.state in _GONE:
-            self._outbox.append(Dismiss(worker_id, "the job has finished" if self.finished or self._succeeded()
-                                        else "this process has no place in the job any more"))
+            self._outbox.append(Dismiss(worker_id, Reason(Cause.JOB_FINISHED if self.finished or self._succeeded()
+                                                          else Cause.NO_PLACE_ANY_MORE)))
             return
         self._contact(now)
         if error and w.state is WorkerState.RUNNING and w.round == self.round and not self.aborted:
             # Its peers may be blocked in a collective with it (e.g. it gave up on its own
             # collective timeout): without an abort they would wait out theirs.
-            self._abort(f"{w.label} left round {self.round} after an error: {error}")
-        w.state, w.last_seen, w.restored = WorkerState.WAITING, now, restored
+            self._abort(Reason(Cause.LEFT_AFTER_ERROR, {"label": w.label, "round": self.round, "error": error}))
+        _move(w, WorkerState.WAITING)
+        w.last_seen, w.restored = now, restored
         w.holds = w.holds or has_state
         w.gpus = tuple(gpus)[:1024]
 
@@ -320,15 +339,14 @@ class Registry:
             return
         self._dirty = True
         if w.host not in self.hosts.draining():
-            self._outbox.append(Event(Kind.HOST_LEAVING, f"host {w.host} leaving ({why})", {"host": w.host, "why": why}))
+            self._outbox.append(Event(Kind.HOST_LEAVING, {"host": w.host, "why": why}))
         self.hosts.drain(w.host, now)
 
     def restore_failed(self, worker_id: str, error: str) -> None:
         """The durable copy does not fit the script's state (a changed model): the job stops,
         rather than start over from scratch behind the user's back."""
         if self.finished is None:
-            self._outbox += self._finish(False, f"cannot resume: {error} (start over with --fresh, or point "
-                                                f"--checkpoint-dir elsewhere)")
+            self._outbox += self._finish(False, Reason(Cause.CANNOT_RESUME, {"error": error}))
         self._dirty = True
 
     def durable(self, commit: int) -> None:
@@ -369,14 +387,14 @@ class Registry:
             # horovodrun runs one: every process to its end, the job failing if any fails.
             self.plain = True
         if self.plain:
-            w.state = WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED
-            w.why = f"exited with code {code}" + (f": {detail}" if detail else "")
+            _move(w, WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED)
+            w.why = Reason(Cause.EXITED, {"code": code, "detail": detail})
             if code == 0:
-                self._outbox.append(Event(Kind.WORKER_SUCCEEDED, f"{w.label} (rank {w.rank}) exited 0",
-                                          {"host": w.host}))
+                self._outbox.append(Event(Kind.WORKER_SUCCEEDED, {"host": w.host, "label": w.label, "rank": w.rank,
+                                                                  "plain": True}))
             else:
-                self._outbox.append(Event(Kind.WORKER_FAILED, f"{w.label} (rank {w.rank}) {w.why}",
-                                          {"host": w.host, "rank": w.rank}))
+                self._outbox.append(Event(Kind.WORKER_FAILED, {"host": w.host, "label": w.label, "rank": w.rank,
+                                                               "why": w.why}))
             return
         if code == 0:
             # (Checked in this order: when a whole job ends every worker exits, and counting the
@@ -385,16 +403,14 @@ class Registry:
                     and any(wid != w.id and self.workers[wid].state in _LIVE for wid in self.members.values())):
                 # Horovod's rule stands (one worker's success ends the job), but the summary
                 # must not read as if everyone finished.
-                at = f" at step {w.steps}" if w.steps >= 0 else ""
                 n = sum(1 for m in self._live_members() if m is not w)
-                self._ended_early = (f"rank {w.rank} exited 0{at} while {n} rank{'s' if n != 1 else ''} "
-                                     f"{'was' if n == 1 else 'were'} training")
-            w.state = WorkerState.SUCCEEDED
+                self._ended_early = {"rank": w.rank, "steps": w.steps, "training": n}
+            _move(w, WorkerState.SUCCEEDED)
             if self._first_success is None:
                 self._first_success = w.rank
-            self._outbox.append(Event(Kind.WORKER_SUCCEEDED, f"{w.label} (rank {w.rank}) finished", {"host": w.host}))
+            self._outbox.append(Event(Kind.WORKER_SUCCEEDED, {"host": w.host, "label": w.label, "rank": w.rank}))
             return
-        self._fail(w, f"exited with code {code}" + (f": {detail}" if detail else ""), now)
+        self._fail(w, Reason(Cause.EXITED, {"code": code, "detail": detail}), now)
 
     def failing(self, worker_id: str, error: str, now: float) -> None:
         """A worker reports it is failing (before its exit, which is then only recorded)."""
@@ -403,7 +419,7 @@ class Registry:
             return
         self._dirty = True
         w.script_error = True
-        self._fail(w, f"failed: {error}", now)
+        self._fail(w, Reason(Cause.SCRIPT_ERROR, {"error": error}), now)
 
     @property
     def dirty(self) -> bool:
@@ -418,7 +434,7 @@ class Registry:
         if self.finished is not None:
             return acts
         for h in self.hosts.refresh(now).added:
-            acts.append(Event(Kind.HOST_WHITELISTED, f"host {h} is back after its blacklist cooldown", {"host": h}))
+            acts.append(Event(Kind.HOST_WHITELISTED, {"host": h, "because": "cooldown"}))
         self._timeouts(now)
         acts += self._outbox
         self._outbox = []
@@ -476,19 +492,27 @@ class Registry:
     def _wait_limit(self) -> float:
         return self.config.start_timeout if self.round < 0 else self.config.elastic_timeout
 
-    def _fail(self, w: WorkerRecord, why: str, now: float) -> None:
+    def _fail(self, w: WorkerRecord, why: Reason, now: float) -> None:
         was_member = w.state is WorkerState.RUNNING and w.round == self.round
-        w.state, w.why = WorkerState.FAILED, why
-        self._outbox.append(Event(Kind.WORKER_FAILED, f"{w.label} (rank {w.rank}) {why}",
-                                  {"host": w.host, "rank": w.rank}))
+        _move(w, WorkerState.FAILED)
+        w.why = why
+        self._outbox.append(Event(Kind.WORKER_FAILED, {"host": w.host, "label": w.label, "rank": w.rank, "why": why}))
         if not self.hosts.is_blacklisted(w.host):  # once per host: its other workers fail with it
-            until = self.hosts.blacklist(w.host, now)
-            when = "permanently" if until is None else f"for {until - now:.1f} s"
-            self._outbox.append(Event(Kind.HOST_BLACKLISTED, f"host {w.host} blacklisted {when}", {"host": w.host}))
+            self._outbox.append(self._blacklist(w.host, now))
         if was_member and not self.aborted:
-            self._abort(f"{w.label} {why}")
+            self._abort(Reason(Cause.MEMBER_FAILED, {"label": w.label, "why": why}))
 
-    def _abort(self, reason: str) -> None:
+    def _blacklist(self, host: str, now: float, straggler: bool = False) -> Event:
+        until = self.hosts.blacklist(host, now)
+        return Event(Kind.HOST_BLACKLISTED, {"host": host, "seconds": None if until is None else until - now,
+                                             "straggler": straggler})
+
+    @staticmethod
+    def _failures(failed: list[WorkerRecord]) -> list[tuple[int, str, Reason | None]]:
+        """(rank, label, why) of failed workers, by rank (for the job's failure reason)."""
+        return [(w.rank, w.label, w.why) for w in sorted(failed, key=lambda w: w.rank)]
+
+    def _abort(self, reason: Reason) -> None:
         self.aborted, self.abort_reason = True, reason
         self._outbox.append(AbortRound(self.round, reason))
 
@@ -512,14 +536,11 @@ class Registry:
                 if not self._contacted and self.round < 0:
                     if not self.plain:
                         self.plain = True
-                        self._outbox.append(Event(
-                            Kind.PLAIN_COMMAND, f"no worker called hvd.init() within --start-timeout "
-                            f"{self.config.start_timeout:g} s: running them as plain processes (each runs to its end; "
-                            f"the job fails if one fails)", {}))
+                        self._outbox.append(Event(Kind.PLAIN_COMMAND, {"limit": self.config.start_timeout}))
                     continue
-                self._outbox.append(Kill(w.id, "start timeout"))
-                self._fail(w, f"did not contact the driver within --start-timeout "
-                              f"{self.config.start_timeout:g} s", now)
+                why = Reason(Cause.NEVER_CONTACTED, {"limit": self.config.start_timeout})
+                self._outbox.append(Kill(w.id, why))
+                self._fail(w, why, now)
             # A worker that went silent (SIGSTOP, deadlock, host off the network) is killed so
             # that its peers' collectives fail fast instead of waiting for their timeout.
             if w.bye is not None:
@@ -527,18 +548,18 @@ class Registry:
                 # An ending process gets EXIT_GRACE for its teardown; a process that left the
                 # job with hvd.shutdown() runs on as the user's program, as under horovodrun.
                 if w.bye == "exit" and w.state in _LIVE and not w.exited and now - w.bye_at >= EXIT_GRACE:
-                    self._outbox.append(Kill(w.id, "exit timeout"))
-                    self._fail(w, f"ended its script but its process did not exit within {EXIT_GRACE:g} s "
-                                  f"(stuck in the interpreter's teardown); killed", now)
+                    why = Reason(Cause.STUCK_EXITING, {"grace": EXIT_GRACE})
+                    self._outbox.append(Kill(w.id, why))
+                    self._fail(w, why, now)
                 continue
             limit = self.config.heartbeat_timeout
             if (limit is not None and w.last_seen is not None and now - w.last_seen >= limit
                     and w.state in _BEATING):
-                self._outbox.append(Kill(w.id, "heartbeat timeout"))
-                self._fail(w, f"sent no heartbeat for {now - w.last_seen:.1f} s "
-                              f"(--heartbeat-timeout {limit:g} s); it is hung or unreachable", now)
+                why = Reason(Cause.SILENT, {"silent_s": now - w.last_seen, "limit": limit})
+                self._outbox.append(Kill(w.id, why))
+                self._fail(w, why, now)
 
-    def _finish(self, ok: bool, reason: str, complete: bool = True) -> list[Action]:
+    def _finish(self, ok: bool, reason: Reason, complete: bool = True) -> list[Action]:
         self.finished = Finish(ok, reason, complete)
         return [self.finished]
 
@@ -619,11 +640,11 @@ class Registry:
             if w.key in keep:
                 continue
             if w.state is WorkerState.WAITING:
-                w.state = WorkerState.LEFT
-                acts.append(Dismiss(w.id, f"no place for {w.label} in the next round"))
+                _move(w, WorkerState.LEFT)
+                acts.append(Dismiss(w.id, Reason(Cause.NO_PLACE, {"label": w.label})))
             elif w.state is WorkerState.LAUNCHING:
-                w.state = WorkerState.LEFT
-                acts.append(Kill(w.id, f"{w.label} is no longer needed"))
+                _move(w, WorkerState.LEFT)
+                acts.append(Kill(w.id, Reason(Cause.NOT_NEEDED, {"label": w.label})))
         return acts
 
     def _launch_missing(self, target: list[SlotInfo], now: float) -> list[Action]:
@@ -645,39 +666,34 @@ class Registry:
         or at the first that fails (the others are stopped; the failure is the job's)."""
         failed = [w for w in self.workers.values() if w.state is WorkerState.FAILED]
         if failed:
-            acts: list[Action] = [Kill(w.id, "another process of the job failed") for w in self.workers.values()
+            acts: list[Action] = [Kill(w.id, Reason(Cause.PEER_FAILED)) for w in self.workers.values()
                                   if not w.exited]
-            detail = "; ".join(f"rank {w.rank} ({w.label}) {w.why}" for w in sorted(failed, key=lambda w: w.rank))
-            return acts + self._finish(False, detail)
+            return acts + self._finish(False, Reason(Cause.PROCESSES_FAILED, {"failed": self._failures(failed)}))
         if all(w.exited for w in self.workers.values()):
-            n = len(self.workers)
-            return self._finish(True, f"all {n} process(es) exited 0")
+            return self._finish(True, Reason(Cause.ALL_EXITED_0, {"n": len(self.workers)}))
         return []
 
     def _finishing(self) -> list[Action]:
         acts: list[Action] = []
         for w in self.workers.values():
             if w.state is WorkerState.WAITING:
-                w.state = WorkerState.LEFT
-                acts.append(Dismiss(w.id, "the job has finished"))
+                _move(w, WorkerState.LEFT)
+                acts.append(Dismiss(w.id, Reason(Cause.JOB_FINISHED)))
             elif w.state is WorkerState.LAUNCHING:
-                w.state = WorkerState.LEFT
-                acts.append(Kill(w.id, "the job has finished"))
+                _move(w, WorkerState.LEFT)
+                acts.append(Kill(w.id, Reason(Cause.JOB_FINISHED)))
         if not any(w.state is WorkerState.RUNNING for w in self.workers.values()):
-            failed = sorted((w for w in self.final_round() if w.state is WorkerState.FAILED), key=lambda w: w.rank)
+            failed = [w for w in self.final_round() if w.state is WorkerState.FAILED]
             if failed:  # a rank of the last round failed after another finished: the job failed
-                detail = "; ".join(f"rank {w.rank} ({w.label}) {w.why}" for w in failed)
-                return acts + self._finish(False, f"{detail}, after rank {self._first_success} finished")
-            note = ""
+                return acts + self._finish(False, Reason(Cause.FAILED_AFTER_SUCCESS, {
+                    "failed": self._failures(failed), "first": self._first_success}))
             unfinished = sorted(w.rank for w in self.final_round() if w.state is not WorkerState.SUCCEEDED)
             if unfinished and self._ended_early is not None:
-                ranks = ", ".join(map(str, unfinished))
-                acts += self._finish(True, f"{self._ended_early}: the job ends there, as Horovod's does when one "
-                                           f"worker succeeds; rank(s) {ranks} did not finish training{note}",
+                acts += self._finish(True, Reason(Cause.ENDED_EARLY, dict(self._ended_early, unfinished=unfinished)),
                                      complete=False)
             else:
-                acts += self._finish(True, f"training finished after {self.round + 1} round(s), "
-                                           f"{self.reset_count} reset(s){note}")
+                acts += self._finish(True, Reason(Cause.FINISHED, {"rounds": self.round + 1,
+                                                                   "resets": self.reset_count}))
         return acts
 
     def _live_members(self) -> list[WorkerRecord]:
@@ -702,20 +718,14 @@ class Registry:
         gone = sorted({h for h, _ in current - target_keys})
         if not plan:  # every holder is leaving and no newcomer is ready to take the state over
             if gone:
-                acts += self._say_once("handover", Event(
-                    Kind.HANDOVER_PENDING, f"the workers holding the job's state are on host(s) {', '.join(gone)}, "
-                    f"which left discovery or were blacklisted: they keep training until new workers are ready "
-                    f"to take the state over", {"hosts": gone}))
+                acts += self._say_once("handover", Event(Kind.HANDOVER_PENDING, {"hosts": gone}))
             return acts
         if keys == current:
             return acts
         if len(plan) < self.config.min_np:
             if gone:
-                acts += self._say_once("below_min_np", Event(
-                    Kind.REMOVAL_HELD, f"host(s) {', '.join(gone)} left discovery or were blacklisted, but without "
-                    f"them fewer than --min-np "
-                    f"{self.config.min_np} workers are ready: they keep training until enough are",
-                    {"hosts": gone}, level="warning"))
+                acts += self._say_once("below_min_np", Event(Kind.REMOVAL_HELD, {
+                    "hosts": gone, "min_np": self.config.min_np}, level="warning"))
             return acts
         by_key = self._by_key()
         starting = any(i.key not in by_key or by_key[i.key].state is WorkerState.LAUNCHING for i in target)
@@ -727,9 +737,8 @@ class Registry:
             self._notified_target = keys
             added, removed = bool(keys - current), removal
             acts.append(Notify(added=added, removed=removed))
-            what = "handing the state over" if handover else "membership changing"
-            acts.append(Event(Kind.HOSTS_UPDATED, f"{what} from {len(current)} to {len(keys)} worker(s)",
-                              {"added": added, "removed": removed, "handover": handover}))
+            acts.append(Event(Kind.HOSTS_UPDATED, {"added": added, "removed": removed, "handover": handover,
+                                                   "from_size": len(current), "to_size": len(keys)}))
         return acts
 
     def _stragglers(self, now: float) -> list[Action]:
@@ -741,51 +750,40 @@ class Registry:
         members = {w.id: w.host for w in (self.workers[wid] for wid in self.members.values())
                    if w.state is WorkerState.RUNNING}
         newly, recovered = self.stragglers.evaluate(self.round, members)
-        acts: list[Action] = [Event(Kind.STRAGGLER, f"host {h} is no longer a straggler", {"host": h, "action": "recovered"})
-                              for h in recovered]
+        acts: list[Action] = [Event(Kind.STRAGGLER, {"host": h, "action": "recovered"}) for h in recovered]
         usable = dict(self.hosts.available())
         going = [s for h, s in sorted(self.stragglers.named().items()) if h in usable]  # not leaving already
         why = self._keep_stragglers(going, members) if self.config.evict_stragglers and going else None
         evict = self.config.evict_stragglers and bool(going) and not why
         for s in newly:
             if not (evict and s in going):
-                tail = f"; {why}" if why and s in going else ("" if self.config.evict_stragglers else
-                                                             " (--evict-stragglers would move it out)")
-                action = "kept" if why and s in going else "named"
-                acts.append(Event(Kind.STRAGGLER, s.message + tail, self._straggler_fields(s, action), level="warning"))
+                if why and s in going:
+                    fields = dict(s.fields(), action="kept", kept=why)
+                else:
+                    fields = dict(s.fields(), action="named", hint=not self.config.evict_stragglers)
+                acts.append(Event(Kind.STRAGGLER, fields, level="warning"))
         if evict:
             for s in going:
-                acts.append(Event(Kind.STRAGGLER, f"{s.message}; evicting it (--evict-stragglers): its workers leave "
-                                  f"at their next step, without a rollback", self._straggler_fields(s, "evicted"),
-                                  level="warning"))
-                until = self.hosts.blacklist(s.host, now)
-                when = "permanently" if until is None else f"for {until - now:.1f} s"
-                acts.append(Event(Kind.HOST_BLACKLISTED, f"host {s.host} blacklisted {when} (a straggler)",
-                                  {"host": s.host}))
+                acts.append(Event(Kind.STRAGGLER, dict(s.fields(), action="evicted"), level="warning"))
+                acts.append(self._blacklist(s.host, now, straggler=True))
         return acts
 
-    def _keep_stragglers(self, going: list[Straggler], members: Mapping[str, str]) -> str:
-        """Why the stragglers ``going`` must stay ("" when they may go): --min-np, or the job
+    def _keep_stragglers(self, going: list[Straggler], members: Mapping[str, str]) -> Reason | None:
+        """Why the stragglers ``going`` must stay (None when they may go): --min-np, or the job
         would train fewer samples per second without them."""
         hosts = {s.host for s in going}
         workers = len(members)
         leaving = sum(1 for h in members.values() if h in hosts)
         left = workers - leaving
-        it = "it" if len(going) == 1 else "them"
         if left < self.config.min_np:
-            return f"not evicted: without {it} {left} worker(s) would be left, fewer than --min-np {self.config.min_np}"
+            return Reason(Cause.KEEP_MIN_NP, {"count": len(going), "left": left, "min_np": self.config.min_np})
         rest = [p for h, p in self.stragglers.paces().items() if h not in hosts]
         compute, step = max(s.compute for s in going), max(s.step for s in going)
         if rest and not eviction_pays(workers, leaving, step, compute, max(rest)):
             after = step - max(0.0, compute - max(rest))
-            return (f"not evicted: without {it}, {left} worker(s) at about {after * 1000:.0f} ms a step would train "
-                    f"fewer samples per second than {workers} at {step * 1000:.0f} ms")
-        return ""
-
-    @staticmethod
-    def _straggler_fields(s: Straggler, action: str) -> dict[str, Any]:
-        return {"host": s.host, "action": action, "compute_ms": round(s.compute * 1000, 2),
-                "reference_ms": round(s.reference * 1000, 2), "step_ms": round(s.step * 1000, 2), "steps": s.steps}
+            return Reason(Cause.KEEP_SLOWER, {"count": len(going), "left": left, "after": after, "workers": workers,
+                                              "step": step})
+        return None
 
     def _between_rounds(self, target: list[SlotInfo], now: float) -> list[Action]:
         holders = self.holders()
@@ -797,32 +795,28 @@ class Registry:
         failed = [w for w in self.workers.values() if w.state is WorkerState.FAILED]
         if not live and failed:
             if not self._resumable(failed):
-                detail = "; ".join(f"{w.label} {w.why}" for w in failed[-8:])
-                return acts + self._finish(False, f"all workers failed ({detail})")
+                return acts + self._finish(False, Reason(Cause.ALL_FAILED, {
+                    "failed": [(w.label, w.why) for w in failed[-8:]]}))
             if "collapse" not in self._said:
                 # Losing everything at once says nothing about any one host: let them all back.
                 for h in sorted({w.host for w in failed if w.round == self.round}):
                     if self.hosts.is_blacklisted(h):
-                        acts.append(Event(Kind.HOST_WHITELISTED, f"host {h} is not blacklisted after all: every "
-                                          f"worker was lost at once, which is no one host's fault", {"host": h}))
+                        acts.append(Event(Kind.HOST_WHITELISTED, {"host": h, "because": "collapse"}))
                     self.hosts.pardon(h, now)
                 target = self._target()
-            acts += self._say_once("collapse", Event(
-                Kind.WORKERS_LOST, f"every worker is gone; waiting up to --elastic-timeout "
-                f"{self.config.elastic_timeout:g} s for --min-np {self.config.min_np} slots to resume from the "
-                f"durable copy of commit {self.durable_commit}", {}, level="warning"))
+            acts += self._say_once("collapse", Event(Kind.WORKERS_LOST, {
+                "limit": self.config.elastic_timeout, "min_np": self.config.min_np, "commit": self.durable_commit},
+                level="warning"))
         if self.hosts.all_blacklisted() and self.hosts.is_permanent():
-            return acts + self._finish(False, "every host is blacklisted after failures: "
-                                       + ", ".join(self.hosts.blacklisted()))
+            return acts + self._finish(False, Reason(Cause.ALL_BLACKLISTED, {"hosts": list(self.hosts.blacklisted())}))
         limit = self.config.reset_limit
         if self.round >= 0 and limit is not None and self.reset_count >= limit:
-            return acts + self._finish(False, f"reset limit {limit} exceeded: the job needed another reset "
-                                       f"after {self.reset_count} (raise --reset-limit to allow more)")
+            return acts + self._finish(False, Reason(Cause.RESET_LIMIT, {"limit": limit, "resets": self.reset_count}))
         need = self.config.np if self.round < 0 else self.config.min_np
         reachable = len(target) + (1 if handing_over and target else 0)
         if reachable < need:
             if self.config.fixed_hosts and self.hosts.is_permanent():
-                return acts + self._finish(False, self._never_enough(need, holders))
+                return acts + self._finish(False, self._never_enough(need))
             return acts + self._wait(need, now)
         # Enough slots. Workers still starting are bounded by --start-timeout on their own.
         self._wait_started = self._wait_reminder = None
@@ -846,31 +840,28 @@ class Registry:
     def _wait(self, need: int, now: float) -> list[Action]:
         """Not enough slots: wait up to the limit, saying what for (then every 30 s)."""
         flag = "--start-timeout" if self.round < 0 else "--elastic-timeout"
-        hosts = ", ".join(f"{h}:{s}" for h, s in self.hosts.available()) or "none"
+        usable = list(self.hosts.available())
         if self._wait_started is None:
             self._wait_started = now
         waited = now - self._wait_started
         if waited >= self._wait_limit():
             self._wait_reminder = None
-            return self._finish(False, f"timed out after {self._wait_limit():g} s ({flag}) waiting for "
-                                       f"{need} slots; usable hosts: {hosts}")
+            return self._finish(False, Reason(Cause.TIMED_OUT, {"limit": self._wait_limit(), "flag": flag,
+                                                                "need": need, "usable": usable}))
         if self._wait_reminder is not None and now < self._wait_reminder:
             return []
         self._wait_reminder = now + WAIT_REMINDER
         left = self._wait_limit() - waited
         ready = sum(1 for w in self.workers.values() if w.state is WorkerState.WAITING)
-        return [Event(Kind.WAITING_FOR_SLOTS, f"waiting for {need} ready worker(s) (have {ready}; usable hosts: "
-                      f"{hosts}); giving up in {left:.0f} s ({flag})", {"need": need, "ready": ready},
+        return [Event(Kind.WAITING_FOR_SLOTS, {"need": need, "ready": ready, "usable": usable, "left_s": left,
+                                               "flag": flag},
                       level="warning" if self.round >= 0 or waited > 0 else "info")]
 
-    def _never_enough(self, need: int, holders: list[WorkerRecord]) -> str:
+    def _never_enough(self, need: int) -> Reason:
         """Why a fixed host list can never give ``need`` slots again."""
-        hosts = ", ".join(f"{h}:{s}" for h, s in self.hosts.available()) or "none"
-        black = ", ".join(self.hosts.blacklisted()) or "none"
-        flag = "-np" if self.round < 0 else "--min-np"
-        return (f"{flag} {need} can never be met again: usable hosts {hosts} (blacklisted: {black}); with a "
-                f"fixed host list and permanent blacklisting no host can come back (--blacklist-cooldown-range "
-                f"lets failed hosts return, a lower {flag} lets the job go on with fewer)")
+        return Reason(Cause.NEVER_ENOUGH, {"flag": "-np" if self.round < 0 else "--min-np", "need": need,
+                                           "usable": list(self.hosts.available()),
+                                           "blacklisted": list(self.hosts.blacklisted())})
 
     def _form_round(self, plan: list[tuple[tuple[str, int], WorkerRecord]]) -> list[Action]:
         infos = assign_keys([k for k, _ in plan])  # grouped by host: not the order of ``plan``
@@ -887,25 +878,22 @@ class Registry:
                 w.holds = True  # they all start from the same state: the script's own, or the durable copy
             restore = self.durable_commit is not None
             if lost and not restore:
-                acts.append(Event(Kind.STATE_LOST, f"round {self.round + 1} starts without any worker that held the "
-                                  f"job's state: every holder is gone. The new workers start from what the script "
-                                  f"loads (its initial state or its own checkpoint); training since then is redone",
-                                  {}, level="warning"))
+                acts.append(Event(Kind.STATE_LOST, {"round": self.round + 1}, level="warning"))
         backend, why = device_backend(self.config.backend, [(w.host, w.slot, w.gpus) for w in workers])
         if backend is None:  # --backend nccl where NCCL cannot run: every round would fail the same way
-            return acts + self._finish(False, f"--backend nccl cannot run round {self.round + 1}: {why} (NCCL "
-                                              f"needs a GPU of its own per worker; use --backend auto or gloo)")
+            return acts + self._finish(False, Reason(Cause.NCCL_CANNOT_RUN, {"round": self.round + 1, "why": why}))
         self.round += 1
         if self.round > 0:
             self.reset_count += 1
         self.members = {}
-        self.aborted, self.abort_reason = False, ""
+        self.aborted, self.abort_reason = False, None
         self._notified_target = None
         self._wait_started = self._wait_reminder = None
         self._said.clear()
         acts.append(ForgetRounds(self.round))
         for info, w in zip(infos, workers):
-            w.state, w.round, w.rank = WorkerState.RUNNING, self.round, info.rank
+            _move(w, WorkerState.RUNNING)
+            w.round, w.rank = self.round, info.rank
             self.members[info.key] = w.id
             acts.append(Assign(w.id, self.round, info, must_sync or restore, restore and info.rank == 0, backend))
         # Holders kept for a hand-over that are not in it, and anyone else waiting outside the
@@ -913,21 +901,19 @@ class Registry:
         keep = {i.key for i in self._target()} | set(self.members)
         for w in self.workers.values():
             if w.state is WorkerState.WAITING and w.key not in keep:
-                w.state = WorkerState.LEFT
-                acts.append(Dismiss(w.id, f"no place for {w.label} in the next round"))
+                _move(w, WorkerState.LEFT)
+                acts.append(Dismiss(w.id, Reason(Cause.NO_PLACE, {"label": w.label})))
         hosts = sorted({i.host for i in infos})
-        acts.append(Event(Kind.ROUND_FORMED, f"round {self.round}: {len(infos)} worker(s) on {len(hosts)} host(s)",
-                          {"size": len(infos), "hosts": hosts}))
+        acts.append(Event(Kind.ROUND_FORMED, {"round": self.round, "size": len(infos), "hosts": hosts}))
         # Said when it matters and when it changes: a CPU job on machines without GPUs hears nothing.
         if (backend, why) != self._device_said and (self._device_said is not None or backend == "nccl"
                                                     or any(w.gpus for w in workers) or self.config.backend != "auto"):
             self._device_said = (backend, why)
-            which = "CUDA tensors go over NCCL" if backend == "nccl" else "CUDA tensors go over gloo"
-            acts.append(Event(Kind.DEVICE_BACKEND, f"{which} in round {self.round} ({why})", {"backend": backend}))
+            acts.append(Event(Kind.DEVICE_BACKEND, {"round": self.round, "backend": backend, "why": why}))
         return acts
 
 
-def device_backend(requested: str, members: list[tuple[str, int, tuple[str, ...]]]) -> tuple[str | None, str]:
+def device_backend(requested: str, members: list[tuple[str, int, tuple[str, ...]]]) -> tuple[str | None, Reason]:
     """What carries CUDA tensors in a round of ``members`` (host, slot, and the GPUs NCCL could
     use there, as each worker reported: their UUIDs in device order), and why.
 
@@ -936,15 +922,15 @@ def device_backend(requested: str, members: list[tuple[str, int, tuple[str, ...]
     refuses two ranks on one GPU: two "hosts" that are one machine, more workers than GPUs);
     gloo otherwise. (None, why) when ``--backend nccl`` was asked for and cannot run."""
     if requested == "gloo":
-        return "gloo", "--backend gloo"
+        return "gloo", Reason(Cause.GLOO_ASKED)
     users: dict[str, list[str]] = {}
     for host, slot, gpus in members:
         if not gpus:
-            why = f"{host}[{slot}] has no GPU NCCL can use"
+            why = Reason(Cause.NO_GPU, {"place": f"{host}[{slot}]"})
             return (None, why) if requested == "nccl" else ("gloo", why)
         users.setdefault(gpus[slot % len(gpus)], []).append(f"{host}[{slot}]")
     shared = next((names for names in users.values() if len(names) > 1), None)
     if shared is not None:
-        why = f"{' and '.join(shared[:2])} would share one GPU"
+        why = Reason(Cause.SHARED_GPU, {"places": shared[:2]})
         return (None, why) if requested == "nccl" else ("gloo", why)
-    return "nccl", ("--backend nccl" if requested == "nccl" else "one GPU per worker")
+    return "nccl", Reason(Cause.NCCL_ASKED if requested == "nccl" else Cause.GPU_EACH)

@@ -90,11 +90,11 @@ class Straggler:
     steps: int  # the window the medians are over
     others: int  # how many other hosts were compared
 
-    @property
-    def message(self) -> str:
-        against = "the other host" if self.others == 1 else "median of the others"
-        return (f"host {self.host} is a straggler: {self.compute * 1000:.0f} ms of compute per step against "
-                f"{self.reference * 1000:.0f} ms ({against}) over the last {self.steps} steps")
+    def fields(self) -> dict[str, Any]:
+        """Its figures as an event's fields (ms), which ``words.straggler`` words."""
+        return {"host": self.host, "compute_ms": round(self.compute * 1000, 2),
+                "reference_ms": round(self.reference * 1000, 2), "step_ms": round(self.step * 1000, 2),
+                "steps": self.steps, "others": self.others}
 
 
 def median_without(ordered: list[float], i: int) -> float:

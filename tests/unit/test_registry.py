@@ -10,6 +10,7 @@ Bugs these tests found are kept as regression tests.
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from collections import Counter
 
@@ -18,11 +19,14 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from elasticrun.common.events import FIELDS, Cause, Reason
 from elasticrun.discovery.host_manager import HostManager, cooldown_delay
+from elasticrun.driver import words
 from elasticrun.driver.assignment import assign
 from elasticrun.driver.stragglers import Pace
 from elasticrun.driver.registry import (
     EXIT_GRACE,
+    MOVES,
     AbortRound,
     Assign,
     Dismiss,
@@ -35,6 +39,7 @@ from elasticrun.driver.registry import (
     Registry,
     RegistryConfig,
     WorkerState,
+    _move,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,6 +59,28 @@ def control(acts):
 
 def events(acts, kind):
     return [a for a in acts if isinstance(a, Event) and a.kind == kind]
+
+
+def checked(acts):
+    """Every decision can be worded and journaled: each event's fields are in its kind's
+    schema, and every event and reason has words (a missing one raises here)."""
+    for a in acts:
+        if isinstance(a, Event):
+            assert set(a.fields) <= set(FIELDS[a.kind]), (a.kind, sorted(set(a.fields) - set(FIELDS[a.kind])))
+            assert words.event(a) and json.dumps(words.plain(a.fields), default=str)
+        elif isinstance(a, (Finish, Dismiss, Kill, AbortRound)):
+            assert words.reason(a.why)
+    return acts
+
+
+def text(event):
+    """An event's console line (elasticrun/driver/words.py words every decision)."""
+    return words.event(event)
+
+
+def why(action):
+    """The words of a Finish's, a Dismiss's or a Kill's reason."""
+    return words.reason(action.why)
 
 
 class Job:
@@ -79,26 +106,26 @@ class Job:
     def discover(self, hosts, at=None):
         self._at(at)
         self.reg.discovered(dict(hosts), self.now)
-        return self.reg.decide(self.now)
+        return checked(self.reg.decide(self.now))
 
     def rdv(self, wid, at=None, has_state=False, error=None, restored=False, gpus=()):
         self._at(at)
         self.reg.rendezvous(wid, self.now, error=error, restored=restored, has_state=has_state, gpus=gpus)
-        return self.reg.decide(self.now)
+        return checked(self.reg.decide(self.now))
 
     def exit(self, wid, code=1, at=None, detail=""):
         self._at(at)
         self.reg.exited(wid, code, self.now, detail)
-        return self.reg.decide(self.now)
+        return checked(self.reg.decide(self.now))
 
     def failing(self, wid, error="RuntimeError", at=None):
         self._at(at)
         self.reg.failing(wid, error, self.now)
-        return self.reg.decide(self.now)
+        return checked(self.reg.decide(self.now))
 
     def tick(self, at):
         self._at(at)
-        return self.reg.decide(self.now)
+        return checked(self.reg.decide(self.now))
 
     def paces(self, slow=(), compute=0.010, slow_compute=0.200, steps=20, at=None):
         """Every member of the current round sends a heartbeat with the pace of its last
@@ -110,7 +137,7 @@ class Job:
         for w in members:
             c = slow_compute if w.host in slow else compute
             self.reg.heartbeat(w.id, self.now, Pace(self.reg.round, steps, step, step - c, c))
-        return self.reg.decide(self.now)
+        return checked(self.reg.decide(self.now))
 
     # queries
     def state(self, wid):
@@ -164,15 +191,15 @@ class TestInitialLaunch:
         assert acts == [job.reg.finished]
         finish = acts[0]
         assert finish.ok is False
-        assert "timed out after 30 s" in finish.reason
-        assert "--start-timeout" in finish.reason
-        assert "4 slots" in finish.reason and "a:2" in finish.reason
+        assert "timed out after 30 s" in why(finish)
+        assert "--start-timeout" in why(finish)
+        assert "4 slots" in why(finish) and "a:2" in why(finish)
 
     def test_timeout_with_no_hosts_at_all(self):
         job = Job(np=1, start_timeout=5.0)
         job.discover({}, at=0)
         finish = of(job.tick(5), Finish)[0]
-        assert not finish.ok and "usable hosts: none" in finish.reason
+        assert not finish.ok and "usable hosts: none" in why(finish)
 
     def test_enough_hosts_before_the_timeout(self):
         job = Job(np=2, start_timeout=30.0)
@@ -226,7 +253,7 @@ class TestInitialLaunch:
         job.discover({"a": 1, "b": 1}, at=0)
         job.rdv("w0", at=1)
         acts = job.tick(30)
-        assert of(acts, Kill) == [Kill("w1", "start timeout")]
+        assert of(acts, Kill) == [Kill("w1", Reason(Cause.NEVER_CONTACTED, {"limit": 30.0}))]
         assert job.hosts.is_blacklisted("b") and not job.hosts.is_blacklisted("a")
         assert job.state("w1") is WorkerState.FAILED
         assert not of(acts, Finish)  # still waiting (for np=2) under --start-timeout
@@ -237,7 +264,7 @@ class TestStrangers:
     def test_unknown_worker_rendezvous_is_dismissed(self):
         job = Job(np=1)
         job.start({"a": 1})
-        assert job.rdv("intruder") == [Dismiss("intruder", "this process is not part of the job")]
+        assert job.rdv("intruder") == [Dismiss("intruder", Reason(Cause.NOT_IN_JOB))]
         assert "intruder" not in job.reg.workers
 
     def test_unknown_worker_exit_is_ignored(self):
@@ -301,9 +328,9 @@ class TestHostAdded:
         assert job.reg.next_deadline() == 35.0
         assert control(job.tick(34.9)) == []
         acts = job.tick(35.0)
-        assert of(acts, Kill) == [Kill("w1", "start timeout")]
+        assert of(acts, Kill) == [Kill("w1", Reason(Cause.NEVER_CONTACTED, {"limit": 30.0}))]
         failed = events(acts, "worker_failed")
-        assert failed and "--start-timeout 30" in failed[0].message
+        assert failed and "--start-timeout 30" in text(failed[0])
         assert events(acts, "host_blacklisted")
         assert not of(acts, AbortRound)  # it was not a member of the running round
         assert not of(acts, Notify)
@@ -345,7 +372,7 @@ class TestHostAdded:
         assert job.state("w1") is WorkerState.LAUNCHING
         job.reg.heartbeat("w0", 102.0)
         acts = job.tick(103.0)  # w1 silent since 98
-        assert of(acts, Kill) == [Kill("w1", "heartbeat timeout")]
+        assert [(k.worker_id, k.why.cause) for k in of(acts, Kill)] == [("w1", Cause.SILENT)]
         assert job.state("w1") is WorkerState.FAILED and job.state("w0") is WorkerState.RUNNING
         assert not of(acts, AbortRound) and not of(acts, Notify)
 
@@ -363,7 +390,7 @@ class TestHostAdded:
         job.start({"a": 1})
         job.discover({"a": 1, "b": 1}, at=1)
         acts = job.discover({"a": 1}, at=2)
-        assert of(acts, Kill) == [Kill("w1", "b[0] is no longer needed")]
+        assert [(k.worker_id, k.why.cause) for k in of(acts, Kill)] == [("w1", Cause.NOT_NEEDED)]
         assert job.state("w1") is WorkerState.LEFT
         assert not of(acts, Notify)
         # Its exit after the kill is ignored: no blacklisting.
@@ -393,7 +420,7 @@ class TestHostRemoved:
         acts = job.rdv("w0", at=4)
         dismisses = of(acts, Dismiss)
         assert [d.worker_id for d in dismisses] == ["w1"]
-        assert "no place" in dismisses[0].reason
+        assert "no place" in why(dismisses[0])
         assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0), ("c", 0): ("w2", 1)}
         assert acts.index(dismisses[0]) < acts.index(of(acts, Assign)[0])
         assert job.state("w1") is WorkerState.LEFT
@@ -410,7 +437,7 @@ class TestHostRemoved:
         job.discover({"a": 1}, at=1)
         job.rdv_all(["w1", "w0"], at=2)
         acts = job.rdv("w1", at=3)
-        assert acts == [Dismiss("w1", "this process has no place in the job any more")]
+        assert acts == [Dismiss("w1", Reason(Cause.NO_PLACE_ANY_MORE))]
 
     def test_failed_exit_of_left_worker_is_ignored(self):
         job = Job(np=2, min_np=1)
@@ -450,7 +477,7 @@ class TestHostRemoved:
         job.rdv_all(["w1", "w0"], at=3)
         assert job.state("w1") is WorkerState.LEFT and job.reg.round == 1
         acts = job.tick(31)  # c gives up at --start-timeout, as a failed host
-        assert of(acts, Kill) == [Kill("w2", "start timeout")]
+        assert [(k.worker_id, k.why.cause) for k in of(acts, Kill)] == [("w2", Cause.NEVER_CONTACTED)]
         assert job.hosts.is_blacklisted("c") and not of(acts, AbortRound)
         assert job.state("w0") is WorkerState.RUNNING
 
@@ -479,9 +506,9 @@ class TestFailures:
         job = Job(np=3, min_np=1)
         job.start({"a": 1, "b": 1, "c": 1})
         acts = job.exit("w1", 1, at=1, detail="CUDA error")
-        assert of(acts, AbortRound) == [AbortRound(0, "b[0] exited with code 1: CUDA error")]
+        assert [(a.round, why(a)) for a in of(acts, AbortRound)] == [(0, "b[0] exited with code 1: CUDA error")]
         assert events(acts, "worker_failed") and events(acts, "host_blacklisted")
-        assert "permanently" in events(acts, "host_blacklisted")[0].message
+        assert "permanently" in text(events(acts, "host_blacklisted")[0])
         assert job.hosts.is_blacklisted("b")
         assert job.state("w1") is WorkerState.FAILED
         assert job.reg.aborted
@@ -524,7 +551,7 @@ class TestFailures:
         job.rdv_all(["w0", "w1"], at=2)
         assert job.reg.round == 1
         acts = job.exit("w1", 1, at=3)
-        assert of(acts, AbortRound) == [AbortRound(1, "b[0] exited with code 1")]
+        assert [(a.round, why(a)) for a in of(acts, AbortRound)] == [(1, "b[0] exited with code 1")]
 
     def test_member_failure_after_notify_still_aborts(self):
         job = Job(np=2, min_np=1)
@@ -544,8 +571,8 @@ class TestFailures:
         acts = job.exit("w1", 3, at=2)
         finish = of(acts, Finish)
         assert len(finish) == 1 and finish[0].ok is False
-        assert finish[0].reason.startswith("all workers failed")
-        assert "a[0] exited with code 1" in finish[0].reason and "b[0] exited with code 3" in finish[0].reason
+        assert why(finish[0]).startswith("all workers failed")
+        assert "a[0] exited with code 1" in why(finish[0]) and "b[0] exited with code 3" in why(finish[0])
         assert acts[-1] is finish[0]
         assert job.reg.finished == finish[0]
 
@@ -556,7 +583,7 @@ class TestFailures:
         acts = job.rdv("w1", at=2)
         finish = of(acts, Finish)
         assert len(finish) == 1 and not finish[0].ok
-        assert "blacklisted" in finish[0].reason and "a" in finish[0].reason
+        assert "blacklisted" in why(finish[0]) and "a" in why(finish[0])
         assert not of(acts, Assign) and not of(acts, Launch)
 
     def test_failure_after_success_fails_the_job_naming_it(self):
@@ -567,7 +594,7 @@ class TestFailures:
         job.exit("w0", 0, at=1)
         acts = job.exit("w1", 3, at=2)
         [finish] = of(acts, Finish)
-        assert not finish.ok and finish.reason == "rank 1 (b[0]) exited with code 3, after rank 0 finished"
+        assert not finish.ok and why(finish) == "rank 1 (b[0]) exited with code 3, after rank 0 finished"
 
 
 # --- cooldown --------------------------------------------------------------------------------
@@ -578,7 +605,7 @@ class TestCooldown:
         job.start({"a": 1, "b": 1}, at=0)
         acts = job.exit("w1", 1, at=1)
         expected_until = 1 + cooldown_delay(1, low, high, random.Random(seed).random())
-        assert "for " in events(acts, "host_blacklisted")[0].message
+        assert "for " in text(events(acts, "host_blacklisted")[0])
         assert job.hosts.next_expiry() == pytest.approx(expected_until)
         job.rdv("w0", at=2)
         assert job.reg.round == 1 and set(job.reg.members) == {("a", 0)}
@@ -658,7 +685,7 @@ class TestFailingReport:
         job = Job(np=2, min_np=1)
         job.start({"a": 1, "b": 1})
         acts = job.failing("w1", "RuntimeError: NCCL timeout", at=1)
-        assert of(acts, AbortRound) == [AbortRound(0, "b[0] failed: RuntimeError: NCCL timeout")]
+        assert [(a.round, why(a)) for a in of(acts, AbortRound)] == [(0, "b[0] failed: RuntimeError: NCCL timeout")]
         assert job.hosts.is_blacklisted("b")
         assert job.state("w1") is WorkerState.FAILED and not job.reg.workers["w1"].exited
         assert job.failing("w1", "again", at=2) == []
@@ -673,7 +700,7 @@ class TestFailingReport:
         job.start({"a": 1})
         acts = job.failing("w0", "ValueError: bad batch", at=1)
         finish = of(acts, Finish)
-        assert finish and not finish[0].ok and "ValueError: bad batch" in finish[0].reason
+        assert finish and not finish[0].ok and "ValueError: bad batch" in why(finish[0])
 
     def test_failing_of_unknown_or_gone_worker_is_ignored(self):
         job = Job(np=2, min_np=1)
@@ -700,8 +727,8 @@ class TestHeartbeat:
         job.reg.heartbeat("w0", 5.0)
         assert job.reg.next_deadline() == 10.0
         acts = job.tick(10.0)
-        assert of(acts, Kill) == [Kill("w1", "heartbeat timeout")]
-        assert "--heartbeat-timeout 10" in events(acts, "worker_failed")[0].message
+        assert [(k.worker_id, k.why.cause) for k in of(acts, Kill)] == [("w1", Cause.SILENT)]
+        assert "--heartbeat-timeout 10" in text(events(acts, "worker_failed")[0])
         assert len(of(acts, AbortRound)) == 1
         assert job.hosts.is_blacklisted("b") and job.state("w1") is WorkerState.FAILED
         assert job.state("w0") is WorkerState.RUNNING
@@ -753,8 +780,8 @@ class TestGoodbye:
         job.exit("w1", 0, at=2.0)
         assert control(job.tick(1.0 + EXIT_GRACE - 0.1)) == []
         acts = job.tick(1.0 + EXIT_GRACE)
-        assert of(acts, Kill) == [Kill("w0", "exit timeout")]
-        message = events(acts, "worker_failed")[0].message
+        assert [(k.worker_id, k.why.cause) for k in of(acts, Kill)] == [("w0", Cause.STUCK_EXITING)]
+        message = text(events(acts, "worker_failed")[0])
         assert "did not exit within" in message and "teardown" in message
         assert job.state("w0") is WorkerState.FAILED
 
@@ -772,7 +799,7 @@ class TestGoodbye:
         job = Job(np=1, heartbeat_timeout=5.0)
         job.start({"a": 1}, at=0)
         job.reg.heartbeat("w0", 1.0, bye="later")  # not a goodbye this driver knows
-        assert of(job.tick(6.0), Kill) == [Kill("w0", "heartbeat timeout")]
+        assert of(job.tick(6.0), Kill) == [Kill("w0", Reason(Cause.SILENT, {"silent_s": 5.0, "limit": 5.0}))]
 
 
 # --- limits and timeouts ---------------------------------------------------------------------
@@ -796,7 +823,7 @@ class TestResetLimit:
         acts = job.rdv(job.reg.members[("h0", 0)], at=t + 2)
         finish = of(acts, Finish)
         assert len(finish) == 1 and not finish[0].ok
-        assert f"reset limit {limit}" in finish[0].reason and "--reset-limit" in finish[0].reason
+        assert f"reset limit {limit}" in why(finish[0]) and "--reset-limit" in why(finish[0])
         assert not of(acts, Assign)
 
     def test_graceful_host_change_counts_as_reset(self):
@@ -806,7 +833,7 @@ class TestResetLimit:
         job.rdv("w1", at=2)
         acts = job.rdv("w0", at=3)
         finish = of(acts, Finish)
-        assert finish and not finish[0].ok and "reset limit 0" in finish[0].reason
+        assert finish and not finish[0].ok and "reset limit 0" in why(finish[0])
 
     def test_no_limit(self):
         hosts = {f"h{i}": 1 for i in range(6)}
@@ -829,19 +856,19 @@ class TestElasticTimeout:
         acts = job.rdv("w0", at=11)
         assert control(acts) == []
         said = events(acts, "waiting_for_slots")  # what it waits for, and until when
-        assert said and "waiting for 2 ready worker(s) (have 1" in said[0].message
-        assert "giving up in 60 s (--elastic-timeout)" in said[0].message and said[0].level == "warning"
+        assert said and "waiting for 2 ready worker(s) (have 1" in text(said[0])
+        assert "giving up in 60 s (--elastic-timeout)" in text(said[0]) and said[0].level == "warning"
         assert job.reg.next_deadline() == 41.0  # said again every 30 s
         assert not events(job.tick(40.9), "waiting_for_slots")
         acts = job.tick(41)
-        assert control(acts) == [] and "giving up in 30 s" in events(acts, "waiting_for_slots")[0].message
+        assert control(acts) == [] and "giving up in 30 s" in text(events(acts, "waiting_for_slots")[0])
         assert job.reg.next_deadline() == 71.0
         assert control(job.tick(70.9)) == []
         acts = job.tick(71.0)
         finish = of(acts, Finish)
         assert len(finish) == 1 and not finish[0].ok
-        assert finish[0].reason.startswith("timed out after 60 s (--elastic-timeout)")
-        assert "2 slots" in finish[0].reason and "usable hosts: a:1" in finish[0].reason
+        assert why(finish[0]).startswith("timed out after 60 s (--elastic-timeout)")
+        assert "2 slots" in why(finish[0]) and "usable hosts: a:1" in why(finish[0])
 
     def test_recovers_when_a_host_arrives_in_time(self):
         job = Job(np=2, min_np=2, elastic_timeout=60.0)
@@ -876,14 +903,14 @@ class TestSuccess:
 
         acts = job.exit("w0", 0, at=4)
         assert events(acts, "worker_succeeded")
-        assert Dismiss("w2", "the job has finished") in acts
-        assert Kill("w3", "the job has finished") in acts
+        assert Dismiss("w2", Reason(Cause.JOB_FINISHED)) in acts
+        assert Kill("w3", Reason(Cause.JOB_FINISHED)) in acts
         assert not of(acts, Finish)  # w1 still running
         assert job.state("w2") is WorkerState.LEFT and job.state("w3") is WorkerState.LEFT
 
         acts = job.exit("w1", 0, at=5)
         finish = of(acts, Finish)
-        assert finish == [Finish(True, "training finished after 1 round(s), 0 reset(s)")]
+        assert [(f.ok, why(f)) for f in finish] == [(True, "training finished after 1 round(s), 0 reset(s)")]
         assert acts[-1] == finish[0]
 
     def test_member_rendezvous_after_success_is_dismissed(self):
@@ -892,7 +919,7 @@ class TestSuccess:
         job.exit("w0", 0, at=1)
         acts = job.rdv("w1", at=2)
         # w1 was still RUNNING: it is now waiting, and is dismissed because the job finished.
-        assert Dismiss("w1", "the job has finished") in acts
+        assert Dismiss("w1", Reason(Cause.JOB_FINISHED)) in acts
         assert of(acts, Finish) and of(acts, Finish)[0].ok
 
     def test_a_rank_that_succeeds_while_others_train_is_named_and_the_end_is_not_finished(self):
@@ -905,8 +932,8 @@ class TestSuccess:
         job.rdv("w0", at=3)  # its collective failed: it asks for the next round, and is dismissed
         [finish] = of(job.exit("w2", 0, at=4), Finish)
         assert finish.ok and not finish.complete
-        assert finish.reason.startswith("rank 1 exited 0 at step 5 while 2 ranks were training: the job ends there")
-        assert "rank(s) 0 did not finish training" in finish.reason
+        assert why(finish).startswith("rank 1 exited 0 at step 5 while 2 ranks were training: the job ends there")
+        assert "rank(s) 0 did not finish training" in why(finish)
 
     def test_ranks_that_all_finish_a_little_apart_are_a_finished_job(self):
         job = Job(np=2, min_np=1)
@@ -914,15 +941,15 @@ class TestSuccess:
         job.reg.heartbeat("w0", 1.0, steps=40)
         job.exit("w0", 0, at=2)
         [finish] = of(job.exit("w1", 0, at=3), Finish)
-        assert finish == Finish(True, "training finished after 1 round(s), 0 reset(s)")
+        assert (finish.ok, why(finish)) == (True, "training finished after 1 round(s), 0 reset(s)")
 
     def test_after_finish_only_replies(self):
         job = Job(np=1)
         job.start({"a": 1})
         acts = job.exit("w0", 0, at=1)
         assert of(acts, Finish) == [job.reg.finished]
-        assert job.rdv("w0", at=2) == [Dismiss("w0", "the job has finished")]
-        assert job.rdv("ghost", at=2) == [Dismiss("ghost", "this process is not part of the job")]
+        assert job.rdv("w0", at=2) == [Dismiss("w0", Reason(Cause.JOB_FINISHED))]
+        assert job.rdv("ghost", at=2) == [Dismiss("ghost", Reason(Cause.NOT_IN_JOB))]
         assert control(job.discover({"a": 1, "b": 4}, at=3)) == []
         assert control(job.tick(1e9)) == []
         assert job.reg.next_deadline() is None
@@ -933,7 +960,7 @@ class TestSuccess:
         job.exit("w1", 1, at=1)
         job.rdv("w0", at=2)
         finish = of(job.exit("w0", 0, at=3), Finish)
-        assert finish == [Finish(True, "training finished after 2 round(s), 1 reset(s)")]
+        assert [(f.ok, why(f)) for f in finish] == [(True, "training finished after 2 round(s), 1 reset(s)")]
 
 
 # --- next_deadline ---------------------------------------------------------------------------
@@ -1200,7 +1227,7 @@ class RegistryMachine(RuleBasedStateMachine):
         self.job._at(self.job.now + dt)
         self.before = {w for w in self.holders if self.reg.workers[w].state in LIVE_STATES}
         self.reg.leaving(wid, "SIGTERM", self.job.now)
-        self.step(self.reg.decide(self.job.now))
+        self.step(checked(self.reg.decide(self.job.now)))
 
     @precondition(lambda self: bool(self.current_hosts))
     @rule(data=st.data(), dt=st.integers(0, 3))
@@ -1210,7 +1237,7 @@ class RegistryMachine(RuleBasedStateMachine):
         self.job._at(self.job.now + dt)
         self.before = {w for w in self.holders if self.reg.workers[w].state in LIVE_STATES}
         self.reg.discovered(self.current_hosts, self.job.now, draining)
-        self.step(self.reg.decide(self.job.now))
+        self.step(checked(self.reg.decide(self.job.now)))
 
     @precondition(lambda self: any(w.state is WorkerState.RUNNING for w in self.reg.workers.values()))
     @rule(data=st.data(), dt=st.integers(0, 3))
@@ -1239,9 +1266,9 @@ class RegistryMachine(RuleBasedStateMachine):
     @rule(dt=st.integers(0, 5))
     def stranger(self, dt):
         acts = self.job.rdv("stranger", at=self.job.now + dt)
-        assert Dismiss("stranger", "this process is not part of the job") in acts
+        assert Dismiss("stranger", Reason(Cause.NOT_IN_JOB)) in acts
         assert "stranger" not in self.reg.workers
-        self.step([a for a in acts if a != Dismiss("stranger", "this process is not part of the job")])
+        self.step([a for a in acts if a != Dismiss("stranger", Reason(Cause.NOT_IN_JOB))])
 
     # -- checks on every action list ------------------------------------------------------
     def step(self, acts):
@@ -1250,8 +1277,8 @@ class RegistryMachine(RuleBasedStateMachine):
         if self.finished is not None:
             # Only log events and replies to rendezvous calls after the end.
             assert all(isinstance(a, (Event, Dismiss)) for a in acts), acts
-            assert all(d.reason == "the job has finished" or "not part" in d.reason
-                       or "no place" in d.reason for d in of(acts, Dismiss))
+            assert all(why(d) == "the job has finished" or "not part" in why(d)
+                       or "no place" in why(d) for d in of(acts, Dismiss))
             return
         finishes = of(acts, Finish)
         assert len(finishes) <= 1
@@ -1430,7 +1457,7 @@ class TestPoliciesOfTheCore:
         acts = job.discover({}, at=1)
         assert control(acts) == [] and job.hosts.discovered() == {"a": 1, "b": 1}
         said = events(acts, "discovery_empty")
-        assert said and said[0].level == "warning" and "keeping the last known hosts" in said[0].message
+        assert said and said[0].level == "warning" and "keeping the last known hosts" in text(said[0])
         assert not events(job.discover({}, at=2), "discovery_empty")  # said once per streak
         job.discover({"a": 1, "b": 1}, at=3)
         assert events(job.discover({}, at=4), "discovery_empty")
@@ -1442,11 +1469,11 @@ class TestPoliciesOfTheCore:
     def test_the_abort_reason_is_kept_until_the_next_round(self):
         job = Job(np=2, min_np=1)
         job.start({"a": 1, "b": 1})
-        assert job.reg.abort_reason == ""
+        assert job.reg.abort_reason is None
         job.exit("w1", 137, at=1)
-        assert job.reg.aborted and job.reg.abort_reason == "b[0] exited with code 137"
+        assert job.reg.aborted and words.reason(job.reg.abort_reason) == "b[0] exited with code 137"
         job.rdv("w0", at=2)
-        assert job.reg.round == 1 and not job.reg.aborted and job.reg.abort_reason == ""
+        assert job.reg.round == 1 and not job.reg.aborted and job.reg.abort_reason is None
 
     def test_a_formed_round_forgets_the_store_of_the_others(self):
         job = Job(np=2)
@@ -1479,7 +1506,7 @@ class TestGoingAway:
         job.start({"a": 1, "b": 2})
         job.reg.leaving("w1", "SIGTERM", 1.0)
         acts = job.tick(1)
-        assert [e.message for e in events(acts, "host_leaving")] == ["host b leaving (SIGTERM)"]
+        assert [text(e) for e in events(acts, "host_leaving")] == ["host b leaving (SIGTERM)"]
         assert of(acts, Notify) == [Notify(added=False, removed=True)]
         acts = job.rdv_all(["w1", "w2", "w0"], at=2)
         assert sorted(d.worker_id for d in of(acts, Dismiss)) == ["w1", "w2"]
@@ -1514,13 +1541,13 @@ class TestDurableCopies:
         job.reg.durable(7)
         job.failing("w0", "ValueError: bad batch", at=1)
         acts = job.failing("w1", "ValueError: bad batch", at=1)
-        assert of(acts, Finish) and "all workers failed" in of(acts, Finish)[0].reason
+        assert of(acts, Finish) and "all workers failed" in why(of(acts, Finish)[0])
 
     def test_without_a_durable_copy_losing_everything_fails_as_before(self):
         job = Job(np=2, min_np=1)
         job.start({"a": 1, "b": 1}, at=0)
         job.exit("w0", -9, at=1)
-        assert "all workers failed" in of(job.exit("w1", -9, at=1), Finish)[0].reason
+        assert "all workers failed" in why(of(job.exit("w1", -9, at=1), Finish)[0])
 
     def test_a_job_started_with_a_durable_copy_restores_it_in_round_0(self):
         job = Job(np=2)
@@ -1546,7 +1573,7 @@ class TestStragglers:
         job.start({"a": 1, "b": 1, "c": 1, "d": 1})
         acts = job.paces(slow={"c"})
         [said] = events(acts, "straggler")
-        assert said.message == ("host c is a straggler: 200 ms of compute per step against 10 ms (median of the "
+        assert text(said) == ("host c is a straggler: 200 ms of compute per step against 10 ms (median of the "
                                 "others) over the last 20 steps (--evict-stragglers would move it out)")
         assert said.level == "warning" and said.fields["action"] == "named" and said.fields["compute_ms"] == 200.0
         assert control(acts) == [] and not job.hosts.blacklisted()
@@ -1580,10 +1607,10 @@ class TestStragglers:
         job.start({"a": 1, "b": 1, "c": 1, "d": 1})
         acts = job.paces(slow={"c"}, at=5)
         [said] = events(acts, "straggler")
-        assert said.message.endswith("; evicting it (--evict-stragglers): its workers leave at their next step, "
+        assert text(said).endswith("; evicting it (--evict-stragglers): its workers leave at their next step, "
                                      "without a rollback") and said.fields["action"] == "evicted"
         [black] = events(acts, "host_blacklisted")
-        assert black.message.startswith("host c blacklisted for ") and black.message.endswith(" s (a straggler)")
+        assert text(black).startswith("host c blacklisted for ") and text(black).endswith(" s (a straggler)")
         assert of(acts, Notify) == [Notify(added=False, removed=True)] and not of(acts, AbortRound)
         acts = job.rdv_all(["w0", "w1", "w2", "w3"], at=6)  # the interrupt at the next step
         assert [d.worker_id for d in of(acts, Dismiss)] == ["w2"]
@@ -1611,7 +1638,7 @@ class TestStragglers:
         job.start({"a": 1, "b": 1, "c": 1})
         acts = job.paces(slow={"c"})
         [said] = events(acts, "straggler")
-        assert said.message.endswith("; not evicted: without it 2 worker(s) would be left, fewer than --min-np 3")
+        assert text(said).endswith("; not evicted: without it 2 worker(s) would be left, fewer than --min-np 3")
         assert said.fields["action"] == "kept"
         assert control(acts) == [] and not job.hosts.blacklisted()
 
@@ -1635,8 +1662,8 @@ class TestStragglers:
         job.start({"a": 1, "b": 1})
         acts = job.paces(slow={"b"}, compute=0.100, slow_compute=0.160)
         [said] = events(acts, "straggler")
-        assert "against 100 ms (the other host)" in said.message
-        assert said.message.endswith("; not evicted: without it, 1 worker(s) at about 102 ms a step would train "
+        assert "against 100 ms (the other host)" in text(said)
+        assert text(said).endswith("; not evicted: without it, 1 worker(s) at about 102 ms a step would train "
                                      "fewer samples per second than 2 at 162 ms")
         assert control(acts) == []
         job2 = Job(np=2, min_np=1, evict_stragglers=True)
@@ -1653,7 +1680,7 @@ class TestStragglers:
         acts = job.paces(slow={"b"}, compute=0.100, slow_compute=0.400, at=2)
         [said] = events(acts, "straggler")
         assert said.fields["action"] == "evicted" and said.fields["compute_ms"] == 400.0
-        assert "400 ms of compute per step against 100 ms (the other host)" in said.message
+        assert "400 ms of compute per step against 100 ms (the other host)" in text(said)
         assert of(acts, Notify) == [Notify(added=False, removed=True)] and events(acts, "host_blacklisted")
 
     def test_paces_of_unknown_or_idle_workers_are_not_kept(self):
@@ -1671,7 +1698,7 @@ class TestStragglers:
         job = Job(np=3, min_np=1, evict_stragglers=True)
         job.start({"a": 1, "b": 1, "c": 1})
         acts = job.paces(slow={"b"})
-        assert [e.message for e in events(acts, "host_blacklisted")] == ["host b blacklisted permanently (a straggler)"]
+        assert [text(e) for e in events(acts, "host_blacklisted")] == ["host b blacklisted permanently (a straggler)"]
 
 
 # --- what carries CUDA tensors ---------------------------------------------------------------------
@@ -1694,7 +1721,8 @@ class TestDeviceBackend:
     def test_the_rule(self, requested, members, expected):
         from elasticrun.driver.registry import device_backend
 
-        assert device_backend(requested, members) == expected
+        backend, why = device_backend(requested, members)
+        assert (backend, words.reason(why)) == expected
 
     def test_every_member_is_told_the_same_and_the_console_hears_it_once(self):
         job = Job(np=2, min_np=1)
@@ -1702,7 +1730,7 @@ class TestDeviceBackend:
         acts = job.rdv(launches[0].worker_id, gpus=("G0",)) + job.rdv(launches[1].worker_id, gpus=("G1",))
         assert {a.device_backend for a in of(acts, Assign)} == {"nccl"}
         [said] = events(acts, "device_backend")
-        assert said.message == "CUDA tensors go over NCCL in round 0 (one GPU per worker)"
+        assert text(said) == "CUDA tensors go over NCCL in round 0 (one GPU per worker)"
         job.exit(launches[1].worker_id, 1, at=1)  # b fails; a rolls back and re-forms alone
         acts = job.rdv(launches[0].worker_id, at=2, gpus=("G0",))
         assert of(acts, Assign)[0].device_backend == "nccl" and not events(acts, "device_backend")
@@ -1720,7 +1748,7 @@ class TestDeviceBackend:
         for launch in of(job.discover({"a": 2}), Launch):
             acts += job.rdv(launch.worker_id, gpus=("G0",))
         [finish] = of(acts, Finish)
-        assert not finish.ok and "--backend nccl cannot run round 0: a[0] and a[1] would share one GPU" in finish.reason
+        assert not finish.ok and "--backend nccl cannot run round 0: a[0] and a[1] would share one GPU" in why(finish)
         assert not of(acts, Assign)
 
 
@@ -1738,7 +1766,7 @@ class TestPlainCommands:
         assert job.reg.plain and not of(acts, Kill) and not of(acts, Finish)
         acts = job.exit(w1, 3, at=3)
         [finish] = of(acts, Finish)
-        assert not finish.ok and finish.reason == "rank 1 (a[1]) exited with code 3"
+        assert not finish.ok and why(finish) == "rank 1 (a[1]) exited with code 3"
         assert not events(acts, "host_blacklisted")
 
     def test_all_exit_0_is_success(self):
@@ -1746,14 +1774,14 @@ class TestPlainCommands:
         w0, w1 = self.launch(job, {"a": 2})
         job.exit(w0, 0, at=1)
         [finish] = of(job.exit(w1, 0, at=2), Finish)
-        assert finish == Finish(True, "all 2 process(es) exited 0")
+        assert (finish.ok, why(finish)) == (True, "all 2 process(es) exited 0")
 
     def test_a_failure_stops_the_others(self):
         job = Job(np=3)
         w0, w1, w2 = self.launch(job, {"a": 3})
         job.exit(w0, 0, at=1)
         acts = job.exit(w1, 1, at=2)
-        assert Kill(w2, "another process of the job failed") in acts and not of(acts, Finish)[0].ok
+        assert Kill(w2, Reason(Cause.PEER_FAILED)) in acts and not of(acts, Finish)[0].ok
 
     def test_outliving_the_start_timeout_is_no_failure_when_nobody_called_init(self):
         job = Job(np=2, start_timeout=5)
@@ -1779,4 +1807,28 @@ class TestPlainCommands:
         w0, w1 = self.launch(job, {"a": 1, "b": 1})
         job.rdv(w0, at=1)
         acts = job.tick(6)
-        assert not job.reg.plain and Kill(w1, "start timeout") in acts
+        assert not job.reg.plain and Kill(w1, Reason(Cause.NEVER_CONTACTED, {"limit": 5.0})) in acts
+
+
+# --- the lifecycle ---------------------------------------------------------------------------
+class TestLifecycle:
+    def test_a_gone_worker_never_moves_again(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        job.exit("w1", 1, at=1)
+        assert job.state("w1") is WorkerState.FAILED
+        with pytest.raises(AssertionError, match="illegal_move"):
+            _move(job.reg.workers["w1"], WorkerState.WAITING)
+        assert job.state("w1") is WorkerState.FAILED
+
+    def test_a_running_worker_is_not_released(self):
+        job = Job(np=1)
+        job.start({"a": 1})
+        with pytest.raises(AssertionError, match="illegal_move"):
+            _move(job.reg.workers["w0"], WorkerState.LEFT)
+
+    def test_the_table_is_the_documented_lifecycle(self):
+        gone = {WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.LEFT}
+        assert set(MOVES) == set(WorkerState)
+        assert all(not MOVES[s] for s in gone)
+        assert WorkerState.RUNNING in MOVES[WorkerState.WAITING] and WorkerState.RUNNING not in MOVES[WorkerState.LAUNCHING]

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elasticrun.common.settings import STRAGGLER_WINDOW
+from elasticrun.driver import words
 from elasticrun.driver.stragglers import (
     MIN_EXCESS,
     RATIO,
@@ -112,7 +113,7 @@ def test_a_host_at_twice_the_others_is_named_once_with_its_figures():
     det = StragglerDetector()
     newly, recovered = feed(det, {"a": 0.010, "b": 0.011, "c": 0.012, "d": 0.030})
     assert [s.host for s in newly] == ["d"] and recovered == []
-    assert newly[0].message == ("host d is a straggler: 30 ms of compute per step against 11 ms (median of the "
+    assert words.straggler(newly[0].fields()) == ("host d is a straggler: 30 ms of compute per step against 11 ms (median of the "
                                 "others) over the last 20 steps")
     assert feed(det, {"a": 0.010, "b": 0.011, "c": 0.012, "d": 0.031}) == ([], [])  # said once
     assert set(det.named()) == {"d"}
@@ -135,7 +136,7 @@ def test_two_hosts_the_other_is_the_reference_and_only_the_slower_can_be_named()
     det = StragglerDetector()
     newly, _ = feed(det, {"a": 0.020, "b": 0.050})
     assert [s.host for s in newly] == ["b"]
-    assert "against 20 ms (the other host)" in newly[0].message
+    assert "against 20 ms (the other host)" in words.straggler(newly[0].fields())
     assert feed(StragglerDetector(), {"a": 0.020, "b": 0.029}) == ([], [])
 
 

@@ -1,0 +1,192 @@
+"""The console's words for what the registry decided: the one place they are written.
+
+The registry (``registry.py``) returns its decisions as data: an :class:`~registry.Event` is a
+:class:`Kind` with fields, and every reason (a worker's failure, a dismissal, a kill, an
+aborted round, the job's end, what carries CUDA tensors) is a :class:`Reason`: a
+:class:`Cause` with fields. The driver shell words them here, for the console and for the
+event log's ``message``; tests read the same words. Changing a line the user reads is a change
+to this file only, and a kind or cause without words fails ``tests/unit/test_words.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Protocol
+
+from elasticrun.common.events import Cause, Kind, Reason
+
+
+class Said(Protocol):
+    """What carries an event: the registry's ``Event`` (a kind and its fields)."""
+
+    @property
+    def kind(self) -> Kind: ...
+
+    @property
+    def fields(self) -> Mapping[str, Any]: ...
+
+
+def event(e: Said) -> str:
+    """The console line for an event of the registry."""
+    return _EVENTS[e.kind](e.fields)
+
+
+def reason(r: Reason) -> str:
+    """The words for a reason (a clause: "exited with code 3", "the job has finished")."""
+    return _REASONS[r.cause](r.fields)
+
+
+def plain(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """An event's fields as the event log keeps them: reasons worded, the rest as it is."""
+    return {k: reason(v) if isinstance(v, Reason) else v for k, v in fields.items()}
+
+
+# --- helpers ---------------------------------------------------------------------------------
+def _hosts(hosts: Any) -> str:
+    return ", ".join(hosts)
+
+
+def _usable(available: Any) -> str:
+    """``[(host, slots), ...]`` as "a:2, b:1" ("none" when empty)."""
+    return ", ".join(f"{h}:{s}" for h, s in available) or "none"
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''} {'was' if n == 1 else 'were'}"
+
+
+def _blacklisted(f: Mapping[str, Any]) -> str:
+    seconds = f.get("seconds")
+    when = "permanently" if seconds is None else f"for {seconds:.1f} s"
+    return f"host {f['host']} blacklisted {when}" + (" (a straggler)" if f.get("straggler") else "")
+
+
+def straggler(f: Mapping[str, Any]) -> str:
+    """How a straggler host is named (``stragglers.Straggler.fields()``: figures in ms)."""
+    against = "the other host" if f["others"] == 1 else "median of the others"
+    return (f"host {f['host']} is a straggler: {f['compute_ms']:.0f} ms of compute per step against "
+            f"{f['reference_ms']:.0f} ms ({against}) over the last {f['steps']} steps")
+
+
+def _straggler_event(f: Mapping[str, Any]) -> str:
+    action = f["action"]
+    if action == "recovered":
+        return f"host {f['host']} is no longer a straggler"
+    if action == "evicted":
+        return (f"{straggler(f)}; evicting it (--evict-stragglers): its workers leave at their next step, "
+                f"without a rollback")
+    if action == "kept":
+        return f"{straggler(f)}; {reason(f['kept'])}"
+    return straggler(f) + (" (--evict-stragglers would move it out)" if f.get("hint") else "")
+
+
+def _whitelisted(f: Mapping[str, Any]) -> str:
+    if f.get("because") == "collapse":
+        return (f"host {f['host']} is not blacklisted after all: every worker was lost at once, which is no one "
+                f"host's fault")
+    return f"host {f['host']} is back after its blacklist cooldown"
+
+
+_EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
+    Kind.DISCOVERY_EMPTY: lambda f: "discovery listed no usable hosts; keeping the last known hosts",
+    Kind.HOST_DRAINING: lambda f: (f"host {f['host']} is about to go (discovery lists it draining): its workers "
+                                   f"leave at their next step"),
+    Kind.HOST_WHITELISTED: _whitelisted,
+    Kind.HOST_ADDED: lambda f: f"host {f['host']} added ({f['slots']} slots)",
+    Kind.HOST_REMOVED: lambda f: f"host {f['host']} removed",
+    Kind.HOST_RESIZED: lambda f: f"host {f['host']} now has {f['slots']} slots",
+    Kind.HOST_LEAVING: lambda f: f"host {f['host']} leaving ({f['why']})",
+    Kind.HOST_BLACKLISTED: _blacklisted,
+    Kind.STRAGGLER: _straggler_event,
+    Kind.WORKER_SUCCEEDED: lambda f: f"{f['label']} (rank {f['rank']}) {'exited 0' if f.get('plain') else 'finished'}",
+    Kind.WORKER_FAILED: lambda f: f"{f['label']} (rank {f['rank']}) {reason(f['why'])}",
+    Kind.PLAIN_COMMAND: lambda f: (f"no worker called hvd.init() within --start-timeout {f['limit']:g} s: running "
+                                   f"them as plain processes (each runs to its end; the job fails if one fails)"),
+    Kind.HANDOVER_PENDING: lambda f: (f"the workers holding the job's state are on host(s) {_hosts(f['hosts'])}, "
+                                      f"which left discovery or were blacklisted: "
+                                      f"they keep training until new workers are ready to take the state over"),
+    Kind.REMOVAL_HELD: lambda f: (f"host(s) {_hosts(f['hosts'])} left discovery or were blacklisted, but without "
+                                  f"them fewer than --min-np {f['min_np']} workers are ready: they keep training "
+                                  f"until enough are"),
+    Kind.HOSTS_UPDATED: lambda f: (f"{'handing the state over' if f['handover'] else 'membership changing'} from "
+                                   f"{f['from_size']} to {f['to_size']} worker(s)"),
+    Kind.WORKERS_LOST: lambda f: (f"every worker is gone; waiting up to --elastic-timeout {f['limit']:g} s for "
+                                  f"--min-np {f['min_np']} slots to resume from the durable copy of commit "
+                                  f"{f['commit']}"),
+    Kind.WAITING_FOR_SLOTS: lambda f: (f"waiting for {f['need']} ready worker(s) (have {f['ready']}; usable hosts: "
+                                       f"{_usable(f['usable'])}); giving up in {f['left_s']:.0f} s ({f['flag']})"),
+    Kind.STATE_LOST: lambda f: (f"round {f['round']} starts without any worker that held the job's state: every "
+                                f"holder is gone. The new workers start from what the script loads (its initial "
+                                f"state or its own checkpoint); training since then is redone"),
+    Kind.ROUND_FORMED: lambda f: (f"round {f['round']}: {f['size']} worker(s) on {len(f['hosts'])} host(s)"),
+    Kind.DEVICE_BACKEND: lambda f: (("CUDA tensors go over NCCL" if f["backend"] == "nccl" else "CUDA tensors go over gloo")
+                                    + f" in round {f['round']} ({reason(f['why'])})"),
+}
+
+
+def _failures(failed: Any, ranked: bool) -> str:
+    def how(why: Reason | None) -> str:
+        return reason(why) if why is not None else "failed"
+
+    if ranked:
+        return "; ".join(f"rank {rank} ({label}) {how(why)}" for rank, label, why in failed)
+    return "; ".join(f"{label} {how(why)}" for label, why in failed)
+
+
+def _ended_early(f: Mapping[str, Any]) -> str:
+    ended = f"exited 0 at step {f['steps']}" if f["steps"] >= 0 else "exited 0"
+    ranks = ", ".join(map(str, f["unfinished"]))
+    return (f"rank {f['rank']} {ended} while {_ranks(f['training'])} training: the job ends there, as "
+            f"Horovod's does when one worker succeeds; rank(s) {ranks} did not finish training")
+
+
+def _keep_slower(f: Mapping[str, Any]) -> str:
+    it = "it" if f["count"] == 1 else "them"
+    return (f"not evicted: without {it}, {f['left']} worker(s) at about {f['after'] * 1000:.0f} ms a step would "
+            f"train fewer samples per second than {f['workers']} at {f['step'] * 1000:.0f} ms")
+
+
+_REASONS: dict[Cause, Callable[[Mapping[str, Any]], str]] = {
+    Cause.EXITED: lambda f: f"exited with code {f['code']}" + (f": {f['detail']}" if f.get("detail") else ""),
+    Cause.SCRIPT_ERROR: lambda f: f"failed: {f['error']}",
+    Cause.NEVER_CONTACTED: lambda f: f"did not contact the driver within --start-timeout {f['limit']:g} s",
+    Cause.STUCK_EXITING: lambda f: (f"ended its script but its process did not exit within {f['grace']:g} s "
+                                    f"(stuck in the interpreter's teardown); killed"),
+    Cause.SILENT: lambda f: (f"sent no heartbeat for {f['silent_s']:.1f} s (--heartbeat-timeout {f['limit']:g} s); "
+                             f"it is hung or unreachable"),
+    Cause.NOT_IN_JOB: lambda f: "this process is not part of the job",
+    Cause.JOB_FINISHED: lambda f: "the job has finished",
+    Cause.NO_PLACE_ANY_MORE: lambda f: "this process has no place in the job any more",
+    Cause.NO_PLACE: lambda f: f"no place for {f['label']} in the next round",
+    Cause.NOT_NEEDED: lambda f: f"{f['label']} is no longer needed",
+    Cause.PEER_FAILED: lambda f: "another process of the job failed",
+    Cause.LEFT_AFTER_ERROR: lambda f: f"{f['label']} left round {f['round']} after an error: {f['error']}",
+    Cause.MEMBER_FAILED: lambda f: f"{f['label']} {reason(f['why'])}",
+    Cause.FINISHED: lambda f: f"training finished after {f['rounds']} round(s), {f['resets']} reset(s)",
+    Cause.ENDED_EARLY: _ended_early,
+    Cause.ALL_EXITED_0: lambda f: f"all {f['n']} process(es) exited 0",
+    Cause.PROCESSES_FAILED: lambda f: _failures(f["failed"], ranked=True),
+    Cause.FAILED_AFTER_SUCCESS: lambda f: f"{_failures(f['failed'], ranked=True)}, after rank {f['first']} finished",
+    Cause.ALL_FAILED: lambda f: f"all workers failed ({_failures(f['failed'], ranked=False)})",
+    Cause.ALL_BLACKLISTED: lambda f: f"every host is blacklisted after failures: {_hosts(f['hosts'])}",
+    Cause.RESET_LIMIT: lambda f: (f"reset limit {f['limit']} exceeded: the job needed another reset after "
+                                  f"{f['resets']} (raise --reset-limit to allow more)"),
+    Cause.TIMED_OUT: lambda f: (f"timed out after {f['limit']:g} s ({f['flag']}) waiting for {f['need']} "
+                                f"slots; usable hosts: {_usable(f['usable'])}"),
+    Cause.NEVER_ENOUGH: lambda f: (f"{f['flag']} {f['need']} can never be met again: usable hosts "
+                                   f"{_usable(f['usable'])} (blacklisted: {_hosts(f['blacklisted']) or 'none'}); "
+                                   f"with a fixed host list and permanent blacklisting no host can come back "
+                                   f"(--blacklist-cooldown-range lets failed hosts return, a lower {f['flag']} lets "
+                                   f"the job go on with fewer)"),
+    Cause.NCCL_CANNOT_RUN: lambda f: (f"--backend nccl cannot run round {f['round']}: {reason(f['why'])} (NCCL needs "
+                                      f"a GPU of its own per worker; use --backend auto or gloo)"),
+    Cause.CANNOT_RESUME: lambda f: (f"cannot resume: {f['error']} (start over with --fresh, or point "
+                                    f"--checkpoint-dir elsewhere)"),
+    Cause.KEEP_MIN_NP: lambda f: (f"not evicted: without {'it' if f['count'] == 1 else 'them'} {f['left']} "
+                                  f"worker(s) would be left, fewer than --min-np {f['min_np']}"),
+    Cause.KEEP_SLOWER: _keep_slower,
+    Cause.GLOO_ASKED: lambda f: "--backend gloo",
+    Cause.NCCL_ASKED: lambda f: "--backend nccl",
+    Cause.GPU_EACH: lambda f: "one GPU per worker",
+    Cause.NO_GPU: lambda f: f"{f['place']} has no GPU NCCL can use",
+    Cause.SHARED_GPU: lambda f: f"{' and '.join(f['places'][:2])} would share one GPU",
+}

@@ -1,0 +1,59 @@
+"""The registry decides in data and ``driver/words.py`` words it: every kind the registry emits
+and every cause has words, and the registry itself writes no sentence."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from elasticrun.common.events import FIELDS, Cause, Kind, Reason
+from elasticrun.driver import words
+from elasticrun.driver.registry import Event
+
+pytestmark = pytest.mark.timeout(30)
+
+REGISTRY = Path(words.__file__).with_name("registry.py")
+
+
+def _strings(tree: ast.AST) -> list[tuple[int, str]]:
+    """The string literals of a module outside docstrings (f-strings' literal parts included)."""
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and n.body
+                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings]
+
+
+def test_every_cause_has_words():
+    assert set(words._REASONS) == set(Cause)
+
+
+def test_every_kind_the_registry_emits_has_words():
+    emitted = set(re.findall(r"Event\(\s*Kind\.(\w+)", REGISTRY.read_text()))
+    assert emitted, "the scan found no event: it no longer matches how the registry writes them"
+    assert {Kind[k] for k in emitted} <= set(words._EVENTS)
+    assert set(words._EVENTS) <= set(FIELDS)
+
+
+def test_the_registry_writes_no_sentence():
+    """A literal with a space in the registry is a sentence in the wrong place: words.py writes them."""
+    sentences = [(line, s) for line, s in _strings(ast.parse(REGISTRY.read_text())) if " " in s.strip()]
+    assert not sentences, sentences
+
+
+def test_reasons_nest_and_a_failure_without_a_reason_still_reads():
+    failed = Reason(Cause.EXITED, {"code": 3, "detail": ""})
+    member = Reason(Cause.MEMBER_FAILED, {"label": "b[0]", "why": failed})
+    assert words.reason(member) == "b[0] exited with code 3"
+    both = Reason(Cause.ALL_FAILED, {"failed": [("a[0]", Reason(Cause.SCRIPT_ERROR, {"error": "ValueError: x"})),
+                                                ("b[0]", None)]})
+    assert words.reason(both) == "all workers failed (a[0] failed: ValueError: x; b[0] failed)"
+
+
+def test_the_event_log_gets_reasons_as_words():
+    e = Event(Kind.WORKER_FAILED, {"host": "b", "label": "b[0]", "rank": 1,
+                                   "why": Reason(Cause.SILENT, {"silent_s": 12.04, "limit": 10.0})})
+    assert words.event(e) == ("b[0] (rank 1) sent no heartbeat for 12.0 s (--heartbeat-timeout 10 s); it is hung or "
+                              "unreachable")
+    assert words.plain(e.fields)["why"] == "sent no heartbeat for 12.0 s (--heartbeat-timeout 10 s); it is hung or unreachable"
