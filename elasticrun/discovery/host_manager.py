@@ -81,9 +81,8 @@ class HostManager:
             if host in self._discovered:
                 self._draining.setdefault(host, NOTICE)
         self._order = [h for h in self._order if h in self._discovered and self._usable(h)]
-        for host in self._discovered:
-            if host not in self._order and self._usable(host):
-                self._order.append(host)
+        ordered = set(self._order)  # (a list's `in` made this O(hosts^2): every decision refreshes)
+        self._order += [h for h in self._discovered if h not in ordered and self._usable(h)]
         return self._diff(before)
 
     def drain(self, host: str, now: float) -> HostChange:

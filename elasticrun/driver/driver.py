@@ -48,6 +48,10 @@ from elasticrun.driver.resets import ResetTracker
 log = logging.getLogger("elasticrun")
 
 
+#: How far behind its inbox the driver may fall before it says so (seconds).
+_BEHIND_WARNING = 2.0
+
+
 class Source(Protocol):
     def describe(self) -> str: ...
     def discover(self) -> HostList: ...
@@ -370,6 +374,9 @@ class ElasticDriver:
         # workers t is ~0.1 ms, so recovery loses nothing measurable.
         next_tick = time.monotonic()
         hold_until = next_tick
+        # When the inbox was last found empty: every request that arrived before then has been
+        # handled. Silence is judged up to then only (Registry.decide's heard_until).
+        heard_until = next_tick
         while True:
             now = time.monotonic()
             store_deadline = self._store.next_deadline()
@@ -381,11 +388,15 @@ class ElasticDriver:
             events = dict(poller.poll(int(max(0.0, min(0.5, due - now)) * 1000) + 1))
             # Workers' messages first: what a worker sent before it died (its last heartbeat, its
             # failure report) is read before the death its launcher posts.
-            if self._router in events:
+            polled = time.monotonic()
+            if self._router not in events:
+                heard_until = polled
+            else:
                 for _ in range(1000):  # drain what is there, then look at the other sources again
                     try:
                         parts, n = _receive(self._router)
                     except zmq.Again:
+                        heard_until = polled
                         break
                     if n == 2:
                         self.handle_frame(*parts)
@@ -402,8 +413,12 @@ class ElasticDriver:
                     break
                 self._on_event(kind, payload)
             now = time.monotonic()
+            if now - heard_until > _BEHIND_WARNING:
+                self._limited.warn("driver behind", f"the driver is {now - heard_until:.1f} "
+                                   f"s behind its workers' messages (too few cores for this many workers?): it "
+                                   f"judges no worker hung until it has read them", "behind")
             if now >= next_tick or (self.registry.dirty and now >= hold_until):
-                self._execute(self.registry.decide(now))
+                self._execute(self.registry.decide(now, heard_until))
                 deadline = self.registry.next_deadline()
                 next_tick = min(deadline, now + 1.0) if deadline is not None else now + 1.0
                 took = time.monotonic() - now

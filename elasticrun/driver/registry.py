@@ -255,6 +255,7 @@ class Registry:
         self.reset_count = 0
         self.finished: Finish | None = None
         self._outbox: list[Action] = []  # what events produced, returned by the next decide()
+        self._behind = 0.0  # now - heard_until at the last decision: how far behind its inbox the driver was
         self._dirty = True
         self._notified_target: frozenset[tuple[str, int]] | None = None
         self._wait_started: float | None = None
@@ -427,15 +428,22 @@ class Registry:
         return self._dirty
 
     # --- the decision ------------------------------------------------------------------------
-    def decide(self, now: float) -> list[Action]:
-        """Everything the recorded events and the passing of time call for, as actions."""
+    def decide(self, now: float, heard_until: float | None = None) -> list[Action]:
+        """Everything the recorded events and the passing of time call for, as actions.
+
+        ``heard_until``: every message that reached the driver before then has been recorded
+        (default ``now``). A driver behind its inbox passes when it last found the inbox empty:
+        silence is judged up to then only, so that heartbeats still waiting in the queue never
+        make a healthy worker look hung (and its host blacklisted)."""
         acts, self._outbox = self._outbox, []
+        heard = now if heard_until is None else min(now, heard_until)
+        self._behind = now - heard
         self._dirty = False
         if self.finished is not None:
             return acts
         for h in self.hosts.refresh(now).added:
             acts.append(Event(Kind.HOST_WHITELISTED, {"host": h, "because": "cooldown"}))
-        self._timeouts(now)
+        self._timeouts(now, heard)
         acts += self._outbox
         self._outbox = []
         if self.plain:
@@ -469,10 +477,13 @@ class Registry:
 
     def next_deadline(self) -> float | None:
         """When ``decide`` should next be called at the latest (None: only on events)."""
-        times = [] if self.plain else [w.started_at + self.config.start_timeout for w in self.workers.values()
+        # Silence is judged on what was heard: as far behind as the driver was at the last decision.
+        behind = self._behind
+        times = [] if self.plain else [w.started_at + self.config.start_timeout + behind
+                                       for w in self.workers.values()
                                        if w.state is WorkerState.LAUNCHING and w.last_seen is None]
         if self.config.heartbeat_timeout is not None:
-            times += [w.last_seen + self.config.heartbeat_timeout for w in self.workers.values()
+            times += [w.last_seen + self.config.heartbeat_timeout + behind for w in self.workers.values()
                       if w.last_seen is not None and w.state in _BEATING and w.bye is None]
         times += [w.bye_at + EXIT_GRACE for w in self.workers.values()
                   if w.bye == "exit" and w.state in _LIVE and not w.exited]
@@ -527,12 +538,12 @@ class Registry:
                 if w.state is WorkerState.LAUNCHING:
                     w.started_at = now
 
-    def _timeouts(self, now: float) -> None:
+    def _timeouts(self, now: float, heard: float) -> None:
         for w in list(self.workers.values()):
             # A process that never reached the driver within start_timeout is a failed launch,
             # unless no worker ever did: then they are plain processes, which run to their end.
             if (w.state is WorkerState.LAUNCHING and w.last_seen is None
-                    and now - w.started_at >= self.config.start_timeout):
+                    and heard - w.started_at >= self.config.start_timeout):
                 if not self._contacted and self.round < 0:
                     if not self.plain:
                         self.plain = True
@@ -553,9 +564,9 @@ class Registry:
                     self._fail(w, why, now)
                 continue
             limit = self.config.heartbeat_timeout
-            if (limit is not None and w.last_seen is not None and now - w.last_seen >= limit
+            if (limit is not None and w.last_seen is not None and heard - w.last_seen >= limit
                     and w.state in _BEATING):
-                why = Reason(Cause.SILENT, {"silent_s": now - w.last_seen, "limit": limit})
+                why = Reason(Cause.SILENT, {"silent_s": heard - w.last_seen, "limit": limit})
                 self._outbox.append(Kill(w.id, why))
                 self._fail(w, why, now)
 

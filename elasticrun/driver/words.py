@@ -41,13 +41,23 @@ def plain(fields: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # --- helpers ---------------------------------------------------------------------------------
+#: How many hosts a line names before it counts the rest: a job of a thousand hosts must not
+#: write lines of ten thousand characters.
+MAX_NAMED = 8
+
+
+def _some(names: list[str]) -> str:
+    shown = ", ".join(names[:MAX_NAMED])
+    return shown + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
+
+
 def _hosts(hosts: Any) -> str:
-    return ", ".join(hosts)
+    return _some(list(hosts))
 
 
 def _usable(available: Any) -> str:
     """``[(host, slots), ...]`` as "a:2, b:1" ("none" when empty)."""
-    return ", ".join(f"{h}:{s}" for h, s in available) or "none"
+    return _some([f"{h}:{s}" for h, s in available]) or "none"
 
 
 def _ranks(n: int) -> str:

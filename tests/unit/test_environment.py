@@ -10,7 +10,7 @@ from elasticrun.common import env
 from elasticrun.common.auth import JobKeys
 from elasticrun.common.settings import JobSettings
 from elasticrun.driver.assignment import SlotInfo
-from elasticrun.driver.environment import forwarded_environment, worker_environment
+from elasticrun.driver.environment import forwarded_environment, heartbeat_interval, worker_environment
 
 INFO = SlotInfo(host="node2", slot=1, rank=3, size=4, local_rank=1, local_size=2, cross_rank=1, cross_size=2)
 DRIVER_ENV = {"PATH": "/bin", "HOME": "/root", "PWD": "/here", "OLDPWD": "/", "SHLVL": "2", "_": "/usr/bin/x",
@@ -91,3 +91,23 @@ def test_the_environment_holds_no_key_material():
         assert env.SECRET_FD not in worker
         text = "\n".join(f"{k}={v}" for k, v in worker.items())
         assert not any(s in text for s in secrets)
+
+
+def test_heartbeats_slow_down_past_a_thousand_workers_but_stay_well_inside_the_timeouts():
+    assert heartbeat_interval(0.5, 8, 5.0, 5.0) == 0.5
+    assert heartbeat_interval(0.5, 1000, 5.0, 5.0) == 0.5
+    assert heartbeat_interval(0.5, 2000, 5.0, 5.0) == 1.0  # the driver hears 2,000 a second
+    assert heartbeat_interval(0.5, 4096, 5.0, 5.0) == 1.25  # a quarter of the 5 s timeouts
+    assert heartbeat_interval(0.5, 4096, 60.0, 60.0) == 2.048
+    assert heartbeat_interval(0.5, 4096, None, 8.0) == 2.0  # --heartbeat-timeout off: the worker's own bounds it
+    assert heartbeat_interval(0.5, 4096, 1.0, 1.0) == 0.5  # never below the base
+
+
+def test_the_launch_environment_carries_the_interval_for_the_jobs_size():
+    def interval(size: int) -> float:
+        info = dataclasses.replace(INFO, size=size)
+        environ = worker_environment(SETTINGS, info, job_id="j", worker_id="w", control_addr="tcp://x:1",
+                                     notify_addr="tcp://x:2", base_env={}, remote=False)
+        return float(environ[env.HEARTBEAT_INTERVAL])
+
+    assert interval(4) == 0.5 and interval(4096) == 1.25

@@ -1832,3 +1832,35 @@ class TestLifecycle:
         assert set(MOVES) == set(WorkerState)
         assert all(not MOVES[s] for s in gone)
         assert WorkerState.RUNNING in MOVES[WorkerState.WAITING] and WorkerState.RUNNING not in MOVES[WorkerState.LAUNCHING]
+
+
+# --- a driver behind its inbox -----------------------------------------------------------------
+class TestBehindItsInbox:
+    """Silence is judged on what the driver has read: heartbeats still queued are no hang."""
+
+    def test_no_worker_is_hung_while_its_heartbeats_may_wait_in_the_queue(self):
+        job = Job(np=2, min_np=1, heartbeat_timeout=5.0)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.reg.heartbeat("w0", 1.0)
+        job.reg.heartbeat("w1", 1.0)
+        # 7 s later, but the driver last found its inbox empty at 2.0: nothing is known past it.
+        acts = checked(job.reg.decide(8.0, heard_until=2.0))
+        assert not of(acts, Kill) and job.state("w1") is WorkerState.RUNNING
+        # The deadline moves by as much as the driver is behind, so it does not spin on it.
+        assert job.reg.next_deadline() == 1.0 + 5.0 + 6.0
+        # Caught up: the silence was real.
+        acts = checked(job.reg.decide(8.0, heard_until=8.0))
+        assert sorted(k.worker_id for k in of(acts, Kill)) == ["w0", "w1"]
+        assert said_silent(acts) == 7.0
+
+    def test_a_first_contact_waiting_in_the_queue_is_no_start_timeout(self):
+        job = Job(np=2, start_timeout=30.0)
+        job.discover({"a": 1, "b": 1}, at=0)
+        job.rdv("w0", at=1)
+        assert not of(checked(job.reg.decide(31.0, heard_until=29.0)), Kill)
+        acts = checked(job.reg.decide(31.0, heard_until=31.0))
+        assert [(k.worker_id, k.why.cause) for k in of(acts, Kill)] == [("w1", Cause.NEVER_CONTACTED)]
+
+
+def said_silent(acts):
+    return {k.why.fields["silent_s"] for k in of(acts, Kill)}.pop()

@@ -57,3 +57,13 @@ def test_the_event_log_gets_reasons_as_words():
     assert words.event(e) == ("b[0] (rank 1) sent no heartbeat for 12.0 s (--heartbeat-timeout 10 s); it is hung or "
                               "unreachable")
     assert words.plain(e.fields)["why"] == "sent no heartbeat for 12.0 s (--heartbeat-timeout 10 s); it is hung or unreachable"
+
+
+def test_a_thousand_hosts_make_one_short_line():
+    usable = [(f"h{i}", 4) for i in range(1024)]
+    line = words.event(Event(Kind.WAITING_FOR_SLOTS, {"need": 4096, "ready": 3742, "usable": usable, "left_s": 12.0,
+                                                      "flag": "--start-timeout"}))
+    assert line == ("waiting for 4096 ready worker(s) (have 3742; usable hosts: h0:4, h1:4, h2:4, h3:4, h4:4, h5:4, "
+                    "h6:4, h7:4 and 1016 more); giving up in 12 s (--start-timeout)")
+    black = words.reason(Reason(Cause.ALL_BLACKLISTED, {"hosts": [f"h{i}" for i in range(9)]}))
+    assert black == "every host is blacklisted after failures: h0, h1, h2, h3, h4, h5, h6, h7 and 1 more"
