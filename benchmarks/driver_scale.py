@@ -5,7 +5,9 @@
         [--heartbeat-timeout 5] [--backlog N] [--profile DIR]
 
 For every size N (hosts h0..h{N/4-1} with 4 slots each) two jobs run one after the other, each
-with its server in a separate process (the other core) and all N simulated workers in this one:
+with its server in a separate process (the other core) and all N simulated workers in this one
+(or, past what one process may open, 6 descriptors per worker, or with --sim-procs K, in K
+processes that this one coordinates: ``ShardedSim``):
 
   bare    the floor: a minimal ZeroMQ server with the same sockets, socket options (CURVE
           servers behind the same ZAP handler, elasticrun.common.auth) and
@@ -53,7 +55,9 @@ import heapq
 import itertools
 import logging
 import multiprocessing as mp
+import multiprocessing.connection  # noqa: F401 - mp.connection.wait
 import os
+import queue
 import resource
 import select
 import shutil
@@ -345,7 +349,13 @@ class SimWorker:
 
 
 class Sim:
-    def __init__(self, conn_in, conn_out, max_workers: int):
+    """N simulated workers in one thread. As a shard of a :class:`ShardedSim` (``shard``), its
+    pipes lead to the coordinator, which forwards the server's messages to it and its exits to
+    the server, and it reports what the measurements read (``obs`` messages)."""
+
+    def __init__(self, conn_in, conn_out, max_workers: int, shard: bool = False):
+        self.shard = shard
+        self.closing = False
         self.ctx = zmq.Context()
         self.ctx.set(zmq.MAX_SOCKETS, 3 * max_workers + 64)
         self.conn_in, self.conn_out = conn_in, conn_out
@@ -369,6 +379,11 @@ class Sim:
         self.frames = 0
 
     # --- plumbing -------------------------------------------------------------------------
+    def observe(self, *obs) -> None:
+        """What the coordinator's measurements read (only as a shard)."""
+        if self.shard:
+            self.to_server(("obs", *obs))
+
     def to_server(self, msg) -> None:
         try:
             self.conn_out.send(msg)
@@ -472,9 +487,23 @@ class Sim:
                 self.final = (msg[1], msg[2])
             elif kind == "error":
                 raise BenchError(f"the server failed: {msg[1]}")
+            elif kind == "exit_worker":  # (shard) the coordinator ends one
+                w = self.workers.get(msg[1])
+                if w is not None and w.alive:
+                    self.exit(w, msg[2])
+            elif kind == "report":  # (shard) what only this process knows, at the end
+                now = time.monotonic()
+                gaps = {w.wid: max(w.max_gap, now - w.last_ack if w.alive else 0.0) for w in self.workers.values()}
+                self.to_server(("report", time.process_time(), gaps, self.protocol_errors[:10],
+                                len(self.protocol_errors), self.sweep_found))
+            elif kind == "close":
+                self.closing = True
+                return
 
     def launch(self, wid: str, env: dict, launch_wall: float, blob: bytes) -> None:
         self.launch_walls.append(launch_wall)
+        if wid in self.workers:
+            raise BenchError(f"{wid} launched twice")
         w = SimWorker(wid, env[E.HOSTNAME], int(env[E.SLOT]), time.time(), float(env[E.HEARTBEAT_INTERVAL]))
         keys, job_id = auth.WorkerKeys.decode(blob), env[E.JOB_ID]
         secret = keys.secret
@@ -510,12 +539,14 @@ class Sim:
     def rendezvous(self, w: SimWorker) -> None:
         w.pending = next(w.req_ids)
         w.rdzv_sent[w.round] = time.time()
+        self.observe("rdzv", w.wid, w.round, w.rdzv_sent[w.round])
         self.send(w, REQ, "rendezvous", {"worker": w.wid, "after_round": w.round, "req": w.pending})
 
     def learn(self, w: SimWorker, ts: float, kind: int, received: float) -> None:
         if ts in w.known:
             return
         w.known[ts] = (received, kind)
+        self.observe("learned", w.wid, ts, received, kind)
         if ts not in self.update_ts:
             self.update_ts.append(ts)
         # As after HostsUpdatedInterrupt: ask for the next round (unless a request is in flight;
@@ -547,11 +578,13 @@ class Sim:
             if msg.type == "assignment":
                 w.round, w.rank = int(body["round"]), int(body["rank"])
                 w.assigned[w.round] = received
+                self.observe("assigned", w.wid, w.round, received)
                 w.handled_ts = max(w.handled_ts, float(body.get("notify_ts", 0.0)))
                 if any(ts > w.handled_ts for ts in w.known):
                     self.rendezvous(w)
             elif msg.type == "dismiss":
                 w.dismissed = time.time()
+                self.observe("dismissed", w.wid, w.dismissed)
                 self.exit(w, 0)
         elif kind == HB:
             now = time.monotonic()
@@ -561,11 +594,13 @@ class Sim:
                 self.learn(w, float(ts), HB, received)
             if body.get("aborted"):
                 w.aborts.append(str(body.get("reason")))
+                self.observe("abort", w.wid)
         else:
             if msg.type == "hosts_updated":
                 self.learn(w, float(body["ts"]), SUB, received)
             elif msg.type == "round_aborted":
                 w.aborts.append(str(body.get("reason")))
+                self.observe("abort", w.wid)
 
     def exit(self, w: SimWorker, code: int) -> None:
         """The simulated process ends: its sockets close, then the server hears of its exit."""
@@ -594,10 +629,231 @@ class Sim:
         self.conn_out.close()
 
 
+class _Sender:
+    """Sends on a pipe from a thread of its own: the coordinator must never block on a full
+    pipe (a shard blocked on its own full pipe back would never read: a deadlock)."""
+
+    def __init__(self, conn, name: str):
+        self.conn, self.name = conn, name
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name=f"send-{name}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (msg := self.queue.get()) is not None:
+            try:
+                self.conn.send(msg)
+            except OSError as exc:
+                self.error = f"{self.name} is gone ({exc})"
+                return
+
+    def send(self, msg) -> None:
+        if self.error:
+            raise BenchError(self.error)
+        self.queue.put(msg)
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join(10)
+
+
+def _shard_main(conn_in, conn_out, max_workers: int) -> None:
+    """Entry point of a simulator shard (spawned): its workers until the coordinator says close."""
+    sim = Sim(conn_in, conn_out, max_workers, shard=True)
+    try:
+        sim.to_server(("ready", time.process_time()))
+        while not sim.closing:
+            sim.step(0.05)
+    except BenchError as exc:
+        try:
+            sim.to_server(("shard_error", str(exc)))
+        except BenchError:
+            pass
+    finally:
+        sim.close()
+
+
+class ShardedSim:
+    """The simulated workers spread over ``shards`` processes (each a :class:`Sim`), for more
+    workers than one process may open descriptors for (6 per worker: 3 sockets, each a mailbox
+    and a connection) and so that on a many-core machine the simulator is not one core.
+
+    This process stands between the server and the shards: launches go to the shards in turn,
+    signals to the worker's shard, exits and ``stopped`` back to the server; the shards report
+    each worker's rendezvous, assignments, updates learned and dismissals, which this process
+    keeps in :class:`SimWorker` records without sockets, so that ``run_job`` reads ``workers``,
+    ``update_ts``, ``kills`` and ``launch_walls`` exactly as of a single :class:`Sim`.
+    """
+
+    def __init__(self, conn_in, conn_out, max_workers: int, shards: int):
+        self.conn_in, self.conn_out = conn_in, conn_out
+        self.workers: dict[str, SimWorker] = {}
+        self.owner: dict[str, int] = {}
+        self.update_ts: list[float] = []
+        self.kills: list[tuple[str, int]] = []
+        self.launch_walls: list[float] = []
+        self.protocol_errors: list[str] = []
+        self.sweep_found = 0
+        self.stats: dict[str, dict] = {}
+        self.hello = None
+        self.final = None
+        self.cpu0: list[float | None] = [None] * shards
+        self.reports: dict[int, tuple] = {}
+        self.stopped = 0
+        self.next_shard = 0
+        ctx = mp.get_context("spawn")
+        self.procs, self.to_shard, self.from_shard, self.senders = [], [], [], []
+        per = -(-max_workers // shards)
+        for i in range(shards):
+            down_r, down_w = ctx.Pipe(duplex=False)
+            up_r, up_w = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_shard_main, name=f"bench-sim-{i}", daemon=True, args=(down_r, up_w, per))
+            proc.start()
+            down_r.close()
+            up_w.close()
+            self.procs.append(proc)
+            self.to_shard.append(down_w)
+            self.from_shard.append(up_r)
+            self.senders.append(_Sender(down_w, f"simulator shard {i}"))
+        self.server = _Sender(conn_out, "the server process")
+        self.conns = [conn_in, *self.from_shard]
+        self.until(lambda: None not in self.cpu0, 60, "the simulator's shards to start")
+
+    def to_server(self, msg) -> None:
+        self.server.send(msg)
+
+    def _to(self, i: int, msg) -> None:
+        self.senders[i].send(msg)
+
+    def step(self, timeout: float) -> None:
+        for conn in mp.connection.wait(self.conns, timeout):
+            while True:
+                try:
+                    if not conn.poll():
+                        break
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    who = "the server process" if conn is self.conn_in else "a simulator shard"
+                    raise BenchError(f"{who} died (its pipe closed)") from None
+                if conn is self.conn_in:
+                    self._from_server(msg)
+                else:
+                    self._from_shard(self.from_shard.index(conn), msg)
+
+    def _from_server(self, msg) -> None:
+        kind = msg[0]
+        if kind == "launch":
+            wid, env, launch_wall = msg[1], msg[2], msg[3]
+            i, self.next_shard = self.next_shard, (self.next_shard + 1) % len(self.procs)
+            self.owner[wid] = i
+            self.launch_walls.append(launch_wall)
+            self.workers[wid] = SimWorker(wid, env[E.HOSTNAME], int(env[E.SLOT]), time.time(),
+                                          float(env[E.HEARTBEAT_INTERVAL]))
+            self._to(i, msg)
+        elif kind == "signal":
+            w = self.workers.get(msg[1])
+            if w is not None and w.alive and msg[2] in (signal.SIGKILL, signal.SIGTERM):
+                self.kills.append((msg[1], msg[2]))
+                self._to(self.owner[msg[1]], msg)
+        elif kind == "stop_all":
+            self.stopped = 0
+            for i in range(len(self.procs)):
+                self._to(i, msg)
+        elif kind == "stats":
+            self.stats[msg[1]] = msg[2]
+        elif kind == "hello":
+            self.hello = (msg[1], msg[2])
+        elif kind == "final":
+            self.final = (msg[1], msg[2])
+        elif kind == "error":
+            raise BenchError(f"the server failed: {msg[1]}")
+
+    def _from_shard(self, i: int, msg) -> None:
+        kind = msg[0]
+        if kind == "obs":
+            what, w = msg[1], self.workers[msg[2]]
+            if what == "rdzv":
+                w.rdzv_sent[msg[3]] = msg[4]
+            elif what == "assigned":
+                w.assigned[msg[3]] = msg[4]
+            elif what == "learned":
+                w.known[msg[3]] = (msg[4], msg[5])
+                if msg[3] not in self.update_ts:
+                    self.update_ts.append(msg[3])
+            elif what == "dismissed":
+                w.dismissed = msg[3]
+            elif what == "abort":
+                w.aborts.append("abort")
+        elif kind == "exit":
+            w = self.workers[msg[1]]
+            w.alive, w.exit_code = False, msg[2]
+            self.to_server(msg)
+        elif kind == "stopped":
+            self.stopped += 1
+            if self.stopped == len(self.procs):
+                self.to_server(msg)
+        elif kind == "ready":
+            self.cpu0[i] = msg[1]
+        elif kind == "report":
+            self.reports[i] = msg[1:]
+        elif kind == "shard_error":
+            raise BenchError(f"simulator shard {i}: {msg[1]}")
+
+    until = Sim.until
+    run_for = Sim.run_for
+    ask_stats = Sim.ask_stats
+
+    def exit(self, w: SimWorker, code: int) -> None:
+        self._to(self.owner[w.wid], ("exit_worker", w.wid, code))
+        w.alive = False  # as the shard will say; no second exit is asked for
+
+    def collect(self) -> float:
+        """Each worker's longest heartbeat-reply gap and the shards' protocol errors into the
+        records; the shards' CPU since they started (seconds)."""
+        self.reports.clear()
+        for i in range(len(self.procs)):
+            self._to(i, ("report",))
+        self.until(lambda: len(self.reports) == len(self.procs), 30, "the shards' reports")
+        cpu = 0.0
+        for i, (cpu_now, gaps, errors, n_errors, sweep) in self.reports.items():
+            cpu += cpu_now - (self.cpu0[i] or 0.0)
+            for wid, gap in gaps.items():
+                self.workers[wid].max_gap = gap
+            self.protocol_errors += errors + [""] * (n_errors - len(errors))
+            self.sweep_found += sweep
+        return cpu
+
+    def close(self) -> None:
+        for sender in self.senders:
+            sender.queue.put(("close",))
+            sender.close()
+        self.server.close()
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for conn in (self.conn_in, self.conn_out, *self.to_shard, *self.from_shard):
+            conn.close()
+
+
 # ==============================================================================================
 # One job: a server process, N simulated workers, the three measurements
 # ==============================================================================================
 BUDGET_END = float("inf")
+
+
+#: Descriptors one simulated worker holds: 3 ZeroMQ sockets, each a mailbox and a connection.
+FDS_PER_WORKER = 6
+
+
+def sim_processes(n: int, asked: int | None) -> int:
+    """How many processes simulate ``n`` workers: as asked (--sim-procs), and at least as many
+    as the open-file limit needs (a process may hold its hard limit of descriptors)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    per = max(1, (hard - 512) // FDS_PER_WORKER) if hard != resource.RLIM_INFINITY else n
+    return max(asked or 1, -(-n // per))
 
 
 def run_job(mode: str, n_hosts: int, slots: int, args, tmp: str) -> dict:
@@ -613,9 +869,10 @@ def run_job(mode: str, n_hosts: int, slots: int, args, tmp: str) -> dict:
     proc.start()
     to_sim_w.close()
     to_srv_r.close()
-    sim = Sim(to_sim_r, to_srv_w, n)
+    shards = sim_processes(n, args.sim_procs)
+    sim = Sim(to_sim_r, to_srv_w, n) if shards == 1 else ShardedSim(to_sim_r, to_srv_w, n, shards)
     profiler = None
-    res: dict = {"mode": mode, "n": n}
+    res: dict = {"mode": mode, "n": n, "sim_procs": shards}
     try:
         sim.until(lambda: sim.hello is not None, 60, "the server process to start")
         pid, hello = sim.hello
@@ -686,9 +943,13 @@ def run_job(mode: str, n_hosts: int, slots: int, args, tmp: str) -> dict:
         st_r1 = sim.ask_stats("round1")
         res["cpu_round1"] = st_r1["cpu"] - st_b["cpu"]
         res["rss_round1_mib"] = st_r1["rss_kib"] / 1024
-        now = time.monotonic()
-        res["max_ack_gap"] = max(max(w.max_gap, now - w.last_ack if w.alive else 0.0) for w in ws.values())
-        res["sim_cpu"] = time.process_time() - sim_cpu0
+        if isinstance(sim, ShardedSim):
+            res["sim_cpu"] = sim.collect() + time.process_time() - sim_cpu0
+            res["max_ack_gap"] = max(w.max_gap for w in ws.values())
+        else:
+            now = time.monotonic()
+            res["max_ack_gap"] = max(max(w.max_gap, now - w.last_ack if w.alive else 0.0) for w in ws.values())
+            res["sim_cpu"] = time.process_time() - sim_cpu0
         res["rss_start_mib"] = hello["rss_kib"] / 1024
         res["peak_rss_mib"] = st_r1["maxrss_kib"] / 1024
 
@@ -722,8 +983,8 @@ def run_job(mode: str, n_hosts: int, slots: int, args, tmp: str) -> dict:
     finally:
         if proc.is_alive():
             try:  # nothing of ours is left to stop: let its launcher's stop_all return at once
-                sim.conn_out.send(("stopped",))
-            except OSError:
+                (sim.to_server if isinstance(sim, ShardedSim) else sim.conn_out.send)(("stopped",))
+            except (OSError, BenchError):
                 pass
             proc.terminate()  # the driver stops on SIGTERM like on Ctrl-C
             proc.join(10)
@@ -773,12 +1034,19 @@ ROWS = [
     ("rss_round1_mib", "server RSS after round 1", "MiB", 1, None, None),
     ("peak_rss_mib", "server peak RSS", "MiB", 1, None, None),
     ("max_ack_gap", "longest heartbeat-reply gap at a worker", "s", 1, None, None),
-    ("sim_cpu", "simulator CPU (this process), whole job", "s", 1, None, None),
+    ("sim_cpu", "simulator CPU (its processes), whole job", "s", 1, None, None),
 ]
 
 
 def print_table(n: int, bare: dict, drv: dict, args) -> list[str]:
-    notes = [f"heartbeats every 0.5 s, --heartbeat-timeout {args.heartbeat_timeout:g} s"]
+    from elasticrun.common.settings import DEFAULT_DRIVER_TIMEOUT, DEFAULT_HEARTBEAT_INTERVAL
+    from elasticrun.driver.environment import heartbeat_interval
+
+    every = heartbeat_interval(DEFAULT_HEARTBEAT_INTERVAL, n, args.heartbeat_timeout, DEFAULT_DRIVER_TIMEOUT)
+    notes = [f"heartbeats every {every:g} s, --heartbeat-timeout {args.heartbeat_timeout:g} s"]
+    procs = max(bare.get("sim_procs", 1), drv.get("sim_procs", 1))
+    if procs > 1:
+        notes.append(f"workers simulated in {procs} processes")
     if args.backlog:
         notes.append(f"what-if: ZMQ_BACKLOG {args.backlog} on the server's sockets")
     out = [f"N = {n} workers ({n // args.slots} hosts x {args.slots} slots), " + ", ".join(notes), "",
@@ -822,6 +1090,9 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=280.0, help="limit for the whole run, in seconds")
     p.add_argument("--modes", nargs="+", default=["bare", "driver"], choices=["bare", "driver"])
     p.add_argument("--profile", metavar="DIR", help="record the driver process with py-spy into DIR")
+    p.add_argument("--sim-procs", type=int, default=None, metavar="K",
+                   help="simulate the workers in K processes (default: one, or as many as the open-file "
+                        "limit needs: about 3,200 workers per process under a hard limit of 20,000)")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="the driver's --heartbeat-timeout (default 5, the CLI's default)")
     p.add_argument("--backlog", type=int, default=None,
@@ -830,7 +1101,9 @@ def main() -> int:
     if args.profile and not shutil.which("py-spy"):
         p.error("--profile needs py-spy on PATH")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 4 * max(args.workers) * 3 + 256  # per socket: a mailbox fd and a TCP fd on each side
+    # Per socket a mailbox fd and a TCP fd on each side; the server's side is one process, the
+    # simulator's may be several (--sim-procs, sim_processes). Every process of the run inherits it.
+    need = 4 * max(args.workers) * 3 + 256
     if soft < need:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(need, soft)), hard))
     BUDGET_END = time.monotonic() + args.budget
