@@ -10,7 +10,12 @@ from elasticrun.common import env
 from elasticrun.common.auth import JobKeys
 from elasticrun.common.settings import JobSettings
 from elasticrun.driver.assignment import SlotInfo
-from elasticrun.driver.environment import forwarded_environment, heartbeat_interval, worker_environment
+from elasticrun.driver.environment import (
+    driver_timeout,
+    forwarded_environment,
+    heartbeat_interval,
+    worker_environment,
+)
 
 INFO = SlotInfo(host="node2", slot=1, rank=3, size=4, local_rank=1, local_size=2, cross_rank=1, cross_size=2)
 DRIVER_ENV = {"PATH": "/bin", "HOME": "/root", "PWD": "/here", "OLDPWD": "/", "SHLVL": "2", "_": "/usr/bin/x",
@@ -104,10 +109,17 @@ def test_heartbeats_slow_down_past_a_thousand_workers_but_stay_well_inside_the_t
 
 
 def test_the_launch_environment_carries_the_interval_for_the_jobs_size():
-    def interval(size: int) -> float:
+    def interval(size: int) -> tuple[float, float]:
         info = dataclasses.replace(INFO, size=size)
         environ = worker_environment(SETTINGS, info, job_id="j", worker_id="w", control_addr="tcp://x:1",
                                      notify_addr="tcp://x:2", base_env={}, remote=False)
-        return float(environ[env.HEARTBEAT_INTERVAL])
+        return float(environ[env.HEARTBEAT_INTERVAL]), float(environ[env.DRIVER_TIMEOUT])
 
-    assert interval(4) == 0.5 and interval(4096) == 1.25
+    assert interval(4) == (0.5, 5.0) and interval(4096) == (1.25, 10.24)
+
+
+def test_workers_wait_longer_for_a_driver_busy_with_thousands():
+    assert driver_timeout(5.0, 2) == 5.0
+    assert driver_timeout(5.0, 2000) == 5.0
+    assert driver_timeout(5.0, 4096) == 10.24
+    assert driver_timeout(30.0, 4096) == 30.0
