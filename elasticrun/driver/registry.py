@@ -5,7 +5,15 @@ what happened, with the current time (``now``, monotonic seconds). One method, :
 looks at everything recorded and returns the actions for the driver shell to carry out
 (launch, reply with an assignment, dismiss, kill, notify, abort a round, finish). The driver
 calls it once per batch of events and whenever :meth:`next_deadline` passes; the unit tests
-call it the same way, so they run the path production runs. This keeps all decisions in one
+call it the same way, so they run the path production runs.
+
+A decision only reads: it is a generator that yields *steps*, the actions for the shell and
+the *changes* for the registry itself (a worker's move along its lifecycle, a record for a
+launch, a blacklisting, a new round's bookkeeping, a timer). ``_drive`` applies each step
+through :meth:`Registry._apply`, the one place the registry changes as it decides, before the
+decision reads on, so later steps see the earlier ones' effects; what the driver gets are the
+actions. Event recorders apply their changes through ``_apply`` too. The console's words are
+not here: events and reasons are data, worded by ``words.py``. This keeps all decisions in one
 place that tests can drive exhaustively, in the style of torch.distributed.elastic's dynamic
 rendezvous.
 
@@ -60,7 +68,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Mapping, Union
+from typing import Any, Callable, Collection, Generator, Mapping, Union
 
 from elasticrun.common.events import Cause, Kind, Reason
 from elasticrun.discovery.host_manager import HostManager
@@ -145,6 +153,11 @@ def _move(w: WorkerRecord, to: WorkerState) -> None:
     w.state = to
 
 
+def _just(*steps: Any) -> Generator[Any, Any, None]:
+    """A decision of a few fixed steps (an event recorder's abort or finish)."""
+    yield from steps
+
+
 # --- actions -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Launch:
@@ -224,6 +237,85 @@ class Finish:
 
 
 Action = Union[Launch, Assign, Dismiss, Kill, Notify, AbortRound, ForgetRounds, Event, Finish]
+
+
+# --- changes: what a decision does to the registry itself -----------------------------------
+# A decision reads the registry and yields actions for the shell and these changes for the
+# registry; :meth:`Registry._apply` is the one place either changes its state (the actions
+# that carry a change, AbortRound, Assign and Finish, are applied there too). Some changes
+# answer the decision (a blacklisting's end, a straggler verdict), sent back into it.
+@dataclass(frozen=True)
+class Move:
+    """A worker moves along its lifecycle (``why``: how it failed)."""
+
+    worker_id: str
+    to: WorkerState
+    why: Reason | None = None
+
+
+@dataclass(frozen=True)
+class Record:
+    """A worker to be launched: its record, LAUNCHING from ``now``."""
+
+    worker_id: str
+    info: SlotInfo
+    now: float
+
+
+@dataclass(frozen=True)
+class Blacklist:
+    """Blacklist a host; answers when it may come back (None: never)."""
+
+    host: str
+    now: float
+
+
+@dataclass(frozen=True)
+class Pardon:
+    """Forget a host's blacklisting (every worker was lost at once)."""
+
+    host: str
+    now: float
+
+
+@dataclass(frozen=True)
+class Refresh:
+    """Let hosts whose cooldown ended back in; answers the HostChange."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class JudgeStragglers:
+    """Let the straggler detector judge this round's members; answers (newly named, recovered)."""
+
+    round: int
+    members: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class NewRound:
+    """Round ``round`` forms: the previous round's bookkeeping is cleared; ``holders``: the
+    members that start holding the state (a round that no holder joined)."""
+
+    round: int
+    holders: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One of the registry's own notes: ``plain``, the wait's timers, the target notified, a
+    line said once this round, the device backend told (see ``Registry._MARKS``)."""
+
+    name: str
+    value: Any
+
+
+Change = Union[Move, Record, Blacklist, Pardon, Refresh, JudgeStragglers, NewRound, Mark]
+Step = Union[Action, Change]
+#: A decision: yields actions and changes, is sent the answers of the changes that have one.
+Decision = Generator[Step, Any, None]
+_ACTIONS = (Launch, Assign, Dismiss, Kill, Notify, AbortRound, ForgetRounds, Event, Finish)
 
 
 @dataclass(frozen=True)
@@ -325,8 +417,9 @@ class Registry:
         if error and w.state is WorkerState.RUNNING and w.round == self.round and not self.aborted:
             # Its peers may be blocked in a collective with it (e.g. it gave up on its own
             # collective timeout): without an abort they would wait out theirs.
-            self._abort(Reason(Cause.LEFT_AFTER_ERROR, {"label": w.label, "round": self.round, "error": error}))
-        _move(w, WorkerState.WAITING)
+            self._outbox += self._drive(_just(AbortRound(self.round, Reason(Cause.LEFT_AFTER_ERROR, {
+                "label": w.label, "round": self.round, "error": error}))))
+        self._apply(Move(w.id, WorkerState.WAITING))
         w.last_seen, w.restored = now, restored
         w.holds = w.holds or has_state
         w.gpus = tuple(gpus)[:1024]
@@ -347,7 +440,7 @@ class Registry:
         """The durable copy does not fit the script's state (a changed model): the job stops,
         rather than start over from scratch behind the user's back."""
         if self.finished is None:
-            self._outbox += self._finish(False, Reason(Cause.CANNOT_RESUME, {"error": error}))
+            self._outbox += self._drive(_just(Finish(False, Reason(Cause.CANNOT_RESUME, {"error": error}))))
         self._dirty = True
 
     def durable(self, commit: int) -> None:
@@ -388,8 +481,8 @@ class Registry:
             # horovodrun runs one: every process to its end, the job failing if any fails.
             self.plain = True
         if self.plain:
-            _move(w, WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED)
-            w.why = Reason(Cause.EXITED, {"code": code, "detail": detail})
+            self._apply(Move(w.id, WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED,
+                             Reason(Cause.EXITED, {"code": code, "detail": detail})))
             if code == 0:
                 self._outbox.append(Event(Kind.WORKER_SUCCEEDED, {"host": w.host, "label": w.label, "rank": w.rank,
                                                                   "plain": True}))
@@ -406,12 +499,12 @@ class Registry:
                 # must not read as if everyone finished.
                 n = sum(1 for m in self._live_members() if m is not w)
                 self._ended_early = {"rank": w.rank, "steps": w.steps, "training": n}
-            _move(w, WorkerState.SUCCEEDED)
+            self._apply(Move(w.id, WorkerState.SUCCEEDED))
             if self._first_success is None:
                 self._first_success = w.rank
             self._outbox.append(Event(Kind.WORKER_SUCCEEDED, {"host": w.host, "label": w.label, "rank": w.rank}))
             return
-        self._fail(w, Reason(Cause.EXITED, {"code": code, "detail": detail}), now)
+        self._outbox += self._drive(self._failure(w, Reason(Cause.EXITED, {"code": code, "detail": detail}), now))
 
     def failing(self, worker_id: str, error: str, now: float) -> None:
         """A worker reports it is failing (before its exit, which is then only recorded)."""
@@ -420,7 +513,7 @@ class Registry:
             return
         self._dirty = True
         w.script_error = True
-        self._fail(w, Reason(Cause.SCRIPT_ERROR, {"error": error}), now)
+        self._outbox += self._drive(self._failure(w, Reason(Cause.SCRIPT_ERROR, {"error": error}), now))
 
     @property
     def dirty(self) -> bool:
@@ -441,22 +534,92 @@ class Registry:
         self._dirty = False
         if self.finished is not None:
             return acts
-        for h in self.hosts.refresh(now).added:
-            acts.append(Event(Kind.HOST_WHITELISTED, {"host": h, "because": "cooldown"}))
-        self._timeouts(now, heard)
-        acts += self._outbox
-        self._outbox = []
+        return acts + self._drive(self._decision(now, heard))
+
+    def _decision(self, now: float, heard: float) -> Decision:
+        """The decision itself: it reads the registry and yields what to do (``_drive`` applies
+        each step before the decision reads on, so later steps see earlier ones' effects)."""
+        for h in (yield Refresh(now)).added:
+            yield Event(Kind.HOST_WHITELISTED, {"host": h, "because": "cooldown"})
+        yield from self._timeouts(now, heard)
         if self.plain:
-            return acts + self._plain_end()
+            yield from self._plain_end()
+            return
         if self._succeeded():
-            return acts + self._finishing()
+            yield from self._finishing()
+            return
         running = any(w.state is WorkerState.RUNNING for w in self.workers.values())
         if running and not self.aborted:
-            acts += self._stragglers(now)  # first: an eviction changes the target
+            yield from self._stragglers(now)  # first: an eviction changes the target
         target = self._target()
         if running:
-            return acts + self._during_round(target, now)
-        return acts + self._between_rounds(target, now)
+            yield from self._during_round(target, now)
+        else:
+            yield from self._between_rounds(target, now)
+
+    # --- applying: the one place the registry changes as it decides ---------------------------
+    #: The notes a Mark may set (and ``said``, which adds to the lines said this round).
+    _MARKS = frozenset({"plain", "_wait_started", "_wait_reminder", "_notified_target", "_device_said", "said"})
+
+    def _drive(self, decision: Decision) -> list[Action]:
+        """Run a decision: apply each step it yields, send back the answer, collect the actions."""
+        acts: list[Action] = []
+        try:
+            step = next(decision)
+            while True:
+                answer = self._apply(step)
+                if isinstance(step, _ACTIONS):
+                    acts.append(step)
+                step = decision.send(answer)
+        except StopIteration:
+            return acts
+
+    def _apply(self, step: Step) -> Any:
+        """Apply one step of a decision to the registry; the answer of a change that has one."""
+        if isinstance(step, Move):
+            w = self.workers[step.worker_id]
+            _move(w, step.to)
+            if step.why is not None:
+                w.why = step.why
+        elif isinstance(step, Record):
+            self.workers[step.worker_id] = WorkerRecord(step.worker_id, step.info.host, step.info.slot,
+                                                        WorkerState.LAUNCHING, step.now, rank=step.info.rank)
+        elif isinstance(step, Blacklist):
+            return self.hosts.blacklist(step.host, step.now)
+        elif isinstance(step, Pardon):
+            self.hosts.pardon(step.host, step.now)
+        elif isinstance(step, Refresh):
+            return self.hosts.refresh(step.now)
+        elif isinstance(step, JudgeStragglers):
+            return self.stragglers.evaluate(step.round, dict(step.members))
+        elif isinstance(step, NewRound):
+            for wid in step.holders:
+                self.workers[wid].holds = True  # they all start from the same state
+            self.round = step.round
+            if self.round > 0:
+                self.reset_count += 1
+            self.members = {}
+            self.aborted, self.abort_reason = False, None
+            self._notified_target = None
+            self._wait_started = self._wait_reminder = None
+            self._said.clear()
+        elif isinstance(step, Mark):
+            if step.name not in self._MARKS:
+                raise AssertionError("unknown_mark", step.name)
+            if step.name == "said":
+                self._said.add(step.value)
+            else:
+                setattr(self, step.name, step.value)
+        elif isinstance(step, Assign):
+            w = self.workers[step.worker_id]
+            _move(w, WorkerState.RUNNING)
+            w.round, w.rank = step.round, step.info.rank
+            self.members[step.info.key] = w.id
+        elif isinstance(step, AbortRound):
+            self.aborted, self.abort_reason = True, step.why
+        elif isinstance(step, Finish):
+            self.finished = step
+        return None
 
     # --- queries -------------------------------------------------------------------------
     def live(self) -> list[WorkerRecord]:
@@ -503,29 +666,25 @@ class Registry:
     def _wait_limit(self) -> float:
         return self.config.start_timeout if self.round < 0 else self.config.elastic_timeout
 
-    def _fail(self, w: WorkerRecord, why: Reason, now: float) -> None:
+    def _failure(self, w: WorkerRecord, why: Reason, now: float) -> Decision:
+        """A worker failed: its host is blacklisted, and a round it was in is aborted."""
         was_member = w.state is WorkerState.RUNNING and w.round == self.round
-        _move(w, WorkerState.FAILED)
-        w.why = why
-        self._outbox.append(Event(Kind.WORKER_FAILED, {"host": w.host, "label": w.label, "rank": w.rank, "why": why}))
+        yield Move(w.id, WorkerState.FAILED, why)
+        yield Event(Kind.WORKER_FAILED, {"host": w.host, "label": w.label, "rank": w.rank, "why": why})
         if not self.hosts.is_blacklisted(w.host):  # once per host: its other workers fail with it
-            self._outbox.append(self._blacklist(w.host, now))
+            yield from self._blacklist(w.host, now)
         if was_member and not self.aborted:
-            self._abort(Reason(Cause.MEMBER_FAILED, {"label": w.label, "why": why}))
+            yield AbortRound(self.round, Reason(Cause.MEMBER_FAILED, {"label": w.label, "why": why}))
 
-    def _blacklist(self, host: str, now: float, straggler: bool = False) -> Event:
-        until = self.hosts.blacklist(host, now)
-        return Event(Kind.HOST_BLACKLISTED, {"host": host, "seconds": None if until is None else until - now,
-                                             "straggler": straggler})
+    def _blacklist(self, host: str, now: float, straggler: bool = False) -> Decision:
+        until = yield Blacklist(host, now)
+        yield Event(Kind.HOST_BLACKLISTED, {"host": host, "seconds": None if until is None else until - now,
+                                            "straggler": straggler})
 
     @staticmethod
     def _failures(failed: list[WorkerRecord]) -> list[tuple[int, str, Reason | None]]:
         """(rank, label, why) of failed workers, by rank (for the job's failure reason)."""
         return [(w.rank, w.label, w.why) for w in sorted(failed, key=lambda w: w.rank)]
-
-    def _abort(self, reason: Reason) -> None:
-        self.aborted, self.abort_reason = True, reason
-        self._outbox.append(AbortRound(self.round, reason))
 
     def _contact(self, now: float) -> None:
         """A worker reached the driver: the job is elastic. If it had been taken for a job of
@@ -538,7 +697,7 @@ class Registry:
                 if w.state is WorkerState.LAUNCHING:
                     w.started_at = now
 
-    def _timeouts(self, now: float, heard: float) -> None:
+    def _timeouts(self, now: float, heard: float) -> Decision:
         for w in list(self.workers.values()):
             # A process that never reached the driver within start_timeout is a failed launch,
             # unless no worker ever did: then they are plain processes, which run to their end.
@@ -546,12 +705,12 @@ class Registry:
                     and heard - w.started_at >= self.config.start_timeout):
                 if not self._contacted and self.round < 0:
                     if not self.plain:
-                        self.plain = True
-                        self._outbox.append(Event(Kind.PLAIN_COMMAND, {"limit": self.config.start_timeout}))
+                        yield Mark("plain", True)
+                        yield Event(Kind.PLAIN_COMMAND, {"limit": self.config.start_timeout})
                     continue
                 why = Reason(Cause.NEVER_CONTACTED, {"limit": self.config.start_timeout})
-                self._outbox.append(Kill(w.id, why))
-                self._fail(w, why, now)
+                yield Kill(w.id, why)
+                yield from self._failure(w, why, now)
             # A worker that went silent (SIGSTOP, deadlock, host off the network) is killed so
             # that its peers' collectives fail fast instead of waiting for their timeout.
             if w.bye is not None:
@@ -560,26 +719,21 @@ class Registry:
                 # job with hvd.shutdown() runs on as the user's program, as under horovodrun.
                 if w.bye == "exit" and w.state in _LIVE and not w.exited and now - w.bye_at >= EXIT_GRACE:
                     why = Reason(Cause.STUCK_EXITING, {"grace": EXIT_GRACE})
-                    self._outbox.append(Kill(w.id, why))
-                    self._fail(w, why, now)
+                    yield Kill(w.id, why)
+                    yield from self._failure(w, why, now)
                 continue
             limit = self.config.heartbeat_timeout
             if (limit is not None and w.last_seen is not None and heard - w.last_seen >= limit
                     and w.state in _BEATING):
                 why = Reason(Cause.SILENT, {"silent_s": heard - w.last_seen, "limit": limit})
-                self._outbox.append(Kill(w.id, why))
-                self._fail(w, why, now)
+                yield Kill(w.id, why)
+                yield from self._failure(w, why, now)
 
-    def _finish(self, ok: bool, reason: Reason, complete: bool = True) -> list[Action]:
-        self.finished = Finish(ok, reason, complete)
-        return [self.finished]
-
-    def _say_once(self, key: str, event: Event) -> list[Action]:
+    def _say_once(self, key: str, event: Event) -> Decision:
         """An event said once per round (decisions run often; the console hears it once)."""
-        if key in self._said:
-            return []
-        self._said.add(key)
-        return [event]
+        if key not in self._said:
+            yield Mark("said", key)
+            yield event
 
     # --- planning ------------------------------------------------------------------------
     def _assignment_order(self) -> list[tuple[str, int]]:
@@ -644,83 +798,76 @@ class Registry:
         """Members of the current round first, by rank: the usual rank 0 leads."""
         return (self.members.get(w.key) != w.id, w.rank, w.id)
 
-    def _release_unneeded(self, keep: set[tuple[str, int]]) -> list[Action]:
+    def _release_unneeded(self, keep: set[tuple[str, int]]) -> Decision:
         """Dismiss waiting and kill launching workers whose slot is not in ``keep``."""
-        acts: list[Action] = []
-        for w in self.workers.values():
+        for w in list(self.workers.values()):
             if w.key in keep:
                 continue
             if w.state is WorkerState.WAITING:
-                _move(w, WorkerState.LEFT)
-                acts.append(Dismiss(w.id, Reason(Cause.NO_PLACE, {"label": w.label})))
+                yield Move(w.id, WorkerState.LEFT)
+                yield Dismiss(w.id, Reason(Cause.NO_PLACE, {"label": w.label}))
             elif w.state is WorkerState.LAUNCHING:
-                _move(w, WorkerState.LEFT)
-                acts.append(Kill(w.id, Reason(Cause.NOT_NEEDED, {"label": w.label})))
-        return acts
+                yield Move(w.id, WorkerState.LEFT)
+                yield Kill(w.id, Reason(Cause.NOT_NEEDED, {"label": w.label}))
 
-    def _launch_missing(self, target: list[SlotInfo], now: float) -> list[Action]:
+    def _launch_missing(self, target: list[SlotInfo], now: float) -> Decision:
         # A slot is busy until its last process has exited, even a failed or dismissed one:
         # two processes on one slot would share its GPU.
         busy = {w.key for w in self.workers.values() if not w.exited}
-        acts: list[Action] = []
         for info in target:
             if info.key not in busy:
                 wid = self._new_id()
-                self.workers[wid] = WorkerRecord(wid, info.host, info.slot, WorkerState.LAUNCHING, now,
-                                                 rank=info.rank)
-                acts.append(Launch(wid, info, joining=self.round >= 0))
-        return acts
+                yield Record(wid, info, now)
+                yield Launch(wid, info, joining=self.round >= 0)
 
     # --- decisions -----------------------------------------------------------------------
-    def _plain_end(self) -> list[Action]:
+    def _plain_end(self) -> Decision:
         """A job of plain processes ends as horovodrun's: when every one has exited 0 (success),
         or at the first that fails (the others are stopped; the failure is the job's)."""
         failed = [w for w in self.workers.values() if w.state is WorkerState.FAILED]
         if failed:
-            acts: list[Action] = [Kill(w.id, Reason(Cause.PEER_FAILED)) for w in self.workers.values()
-                                  if not w.exited]
-            return acts + self._finish(False, Reason(Cause.PROCESSES_FAILED, {"failed": self._failures(failed)}))
-        if all(w.exited for w in self.workers.values()):
-            return self._finish(True, Reason(Cause.ALL_EXITED_0, {"n": len(self.workers)}))
-        return []
+            for w in self.workers.values():
+                if not w.exited:
+                    yield Kill(w.id, Reason(Cause.PEER_FAILED))
+            yield Finish(False, Reason(Cause.PROCESSES_FAILED, {"failed": self._failures(failed)}))
+        elif all(w.exited for w in self.workers.values()):
+            yield Finish(True, Reason(Cause.ALL_EXITED_0, {"n": len(self.workers)}))
 
-    def _finishing(self) -> list[Action]:
-        acts: list[Action] = []
-        for w in self.workers.values():
+    def _finishing(self) -> Decision:
+        for w in list(self.workers.values()):
             if w.state is WorkerState.WAITING:
-                _move(w, WorkerState.LEFT)
-                acts.append(Dismiss(w.id, Reason(Cause.JOB_FINISHED)))
+                yield Move(w.id, WorkerState.LEFT)
+                yield Dismiss(w.id, Reason(Cause.JOB_FINISHED))
             elif w.state is WorkerState.LAUNCHING:
-                _move(w, WorkerState.LEFT)
-                acts.append(Kill(w.id, Reason(Cause.JOB_FINISHED)))
-        if not any(w.state is WorkerState.RUNNING for w in self.workers.values()):
-            failed = [w for w in self.final_round() if w.state is WorkerState.FAILED]
-            if failed:  # a rank of the last round failed after another finished: the job failed
-                return acts + self._finish(False, Reason(Cause.FAILED_AFTER_SUCCESS, {
-                    "failed": self._failures(failed), "first": self._first_success}))
-            unfinished = sorted(w.rank for w in self.final_round() if w.state is not WorkerState.SUCCEEDED)
-            if unfinished and self._ended_early is not None:
-                acts += self._finish(True, Reason(Cause.ENDED_EARLY, dict(self._ended_early, unfinished=unfinished)),
-                                     complete=False)
-            else:
-                acts += self._finish(True, Reason(Cause.FINISHED, {"rounds": self.round + 1,
-                                                                   "resets": self.reset_count}))
-        return acts
+                yield Move(w.id, WorkerState.LEFT)
+                yield Kill(w.id, Reason(Cause.JOB_FINISHED))
+        if any(w.state is WorkerState.RUNNING for w in self.workers.values()):
+            return
+        failed = [w for w in self.final_round() if w.state is WorkerState.FAILED]
+        unfinished = sorted(w.rank for w in self.final_round() if w.state is not WorkerState.SUCCEEDED)
+        if failed:  # a rank of the last round failed after another finished: the job failed
+            yield Finish(False, Reason(Cause.FAILED_AFTER_SUCCESS, {"failed": self._failures(failed),
+                                                                    "first": self._first_success}))
+        elif unfinished and self._ended_early is not None:
+            yield Finish(True, Reason(Cause.ENDED_EARLY, dict(self._ended_early, unfinished=unfinished)),
+                         complete=False)
+        else:
+            yield Finish(True, Reason(Cause.FINISHED, {"rounds": self.round + 1, "resets": self.reset_count}))
 
     def _live_members(self) -> list[WorkerRecord]:
         """Members of the current round still in it (training, or asking for the next round)."""
         return [self.workers[wid] for wid in self.members.values() if self.workers[wid].state in _LIVE]
 
-    def _during_round(self, target: list[SlotInfo], now: float) -> list[Action]:
+    def _during_round(self, target: list[SlotInfo], now: float) -> Decision:
         if self.aborted:
-            return []  # wait for every member to report; the next round is decided then
+            return  # wait for every member to report; the next round is decided then
         current = set(self.members)
         target_keys = {i.key for i in target}
-        acts = self._release_unneeded(target_keys | current)
+        yield from self._release_unneeded(target_keys | current)
         if target_keys == current:
-            return acts
-        self._wait_started = self._wait_reminder = None
-        acts += self._launch_missing(target, now)
+            return
+        yield from self._stop_waiting()
+        yield from self._launch_missing(target, now)
         # Members are in a round that held the state, so each holds it once synced; and a
         # notification takes effect only after the sync (at a check in the training loop).
         holders = [w for w in self.workers.values() if w.state in _LIVE and (w.holds or self.members.get(w.key) == w.id)]
@@ -729,30 +876,35 @@ class Registry:
         gone = sorted({h for h, _ in current - target_keys})
         if not plan:  # every holder is leaving and no newcomer is ready to take the state over
             if gone:
-                acts += self._say_once("handover", Event(Kind.HANDOVER_PENDING, {"hosts": gone}))
-            return acts
+                yield from self._say_once("handover", Event(Kind.HANDOVER_PENDING, {"hosts": gone}))
+            return
         if keys == current:
-            return acts
+            return
         if len(plan) < self.config.min_np:
             if gone:
-                acts += self._say_once("below_min_np", Event(Kind.REMOVAL_HELD, {
+                yield from self._say_once("below_min_np", Event(Kind.REMOVAL_HELD, {
                     "hosts": gone, "min_np": self.config.min_np}, level="warning"))
-            return acts
+            return
         by_key = self._by_key()
         starting = any(i.key not in by_key or by_key[i.key].state is WorkerState.LAUNCHING for i in target)
         handover = not any(w.id in {h.id for h in holders} for k, w in plan if k in target_keys)
         removal = bool(current - keys)
         if starting and (handover or not removal):
-            return acts  # newcomers first: one reset for all of them (the survivors train meanwhile)
+            return  # newcomers first: one reset for all of them (the survivors train meanwhile)
         if self._notified_target != keys:
-            self._notified_target = keys
+            yield Mark("_notified_target", keys)
             added, removed = bool(keys - current), removal
-            acts.append(Notify(added=added, removed=removed))
-            acts.append(Event(Kind.HOSTS_UPDATED, {"added": added, "removed": removed, "handover": handover,
-                                                   "from_size": len(current), "to_size": len(keys)}))
-        return acts
+            yield Notify(added=added, removed=removed)
+            yield Event(Kind.HOSTS_UPDATED, {"added": added, "removed": removed, "handover": handover,
+                                             "from_size": len(current), "to_size": len(keys)})
 
-    def _stragglers(self, now: float) -> list[Action]:
+    def _stop_waiting(self) -> Decision:
+        """Enough slots: the wait for them (and its reminders) is over."""
+        if self._wait_started is not None or self._wait_reminder is not None:
+            yield Mark("_wait_started", None)
+            yield Mark("_wait_reminder", None)
+
+    def _stragglers(self, now: float) -> Decision:
         """Name the hosts that drag the round (``stragglers.py`` says which); with
         --evict-stragglers, move them out like a discovery removal (the next step, no rollback:
         ``_during_round`` notifies it) and blacklist them with the cooldown, unless that leaves
@@ -760,8 +912,9 @@ class Registry:
         every member of the round holds the state, and ``_plan`` keeps one as rank 0."""
         members = {w.id: w.host for w in (self.workers[wid] for wid in self.members.values())
                    if w.state is WorkerState.RUNNING}
-        newly, recovered = self.stragglers.evaluate(self.round, members)
-        acts: list[Action] = [Event(Kind.STRAGGLER, {"host": h, "action": "recovered"}) for h in recovered]
+        newly, recovered = yield JudgeStragglers(self.round, members)
+        for h in recovered:
+            yield Event(Kind.STRAGGLER, {"host": h, "action": "recovered"})
         usable = dict(self.hosts.available())
         going = [s for h, s in sorted(self.stragglers.named().items()) if h in usable]  # not leaving already
         why = self._keep_stragglers(going, members) if self.config.evict_stragglers and going else None
@@ -772,12 +925,11 @@ class Registry:
                     fields = dict(s.fields(), action="kept", kept=why)
                 else:
                     fields = dict(s.fields(), action="named", hint=not self.config.evict_stragglers)
-                acts.append(Event(Kind.STRAGGLER, fields, level="warning"))
+                yield Event(Kind.STRAGGLER, fields, level="warning")
         if evict:
             for s in going:
-                acts.append(Event(Kind.STRAGGLER, dict(s.fields(), action="evicted"), level="warning"))
-                acts.append(self._blacklist(s.host, now, straggler=True))
-        return acts
+                yield Event(Kind.STRAGGLER, dict(s.fields(), action="evicted"), level="warning")
+                yield from self._blacklist(s.host, now, straggler=True)
 
     def _keep_stragglers(self, going: list[Straggler], members: Mapping[str, str]) -> Reason | None:
         """Why the stragglers ``going`` must stay (None when they may go): --min-np, or the job
@@ -796,51 +948,54 @@ class Registry:
                                               "step": step})
         return None
 
-    def _between_rounds(self, target: list[SlotInfo], now: float) -> list[Action]:
+    def _between_rounds(self, target: list[SlotInfo], now: float) -> Decision:
         holders = self.holders()
         target_keys = {i.key for i in target}
         handing_over = bool(holders) and not any(w.key in target_keys for w in holders)
         keep = target_keys | ({w.key for w in holders} if handing_over else set())
-        acts = self._release_unneeded(keep)  # first: who is left decides what comes next
+        yield from self._release_unneeded(keep)  # first: who is left decides what comes next
         live = [w for w in self.workers.values() if w.state not in _GONE]
         failed = [w for w in self.workers.values() if w.state is WorkerState.FAILED]
         if not live and failed:
             if not self._resumable(failed):
-                return acts + self._finish(False, Reason(Cause.ALL_FAILED, {
-                    "failed": [(w.label, w.why) for w in failed[-8:]]}))
+                yield Finish(False, Reason(Cause.ALL_FAILED, {"failed": [(w.label, w.why) for w in failed[-8:]]}))
+                return
             if "collapse" not in self._said:
                 # Losing everything at once says nothing about any one host: let them all back.
                 for h in sorted({w.host for w in failed if w.round == self.round}):
                     if self.hosts.is_blacklisted(h):
-                        acts.append(Event(Kind.HOST_WHITELISTED, {"host": h, "because": "collapse"}))
-                    self.hosts.pardon(h, now)
+                        yield Event(Kind.HOST_WHITELISTED, {"host": h, "because": "collapse"})
+                    yield Pardon(h, now)
                 target = self._target()
-            acts += self._say_once("collapse", Event(Kind.WORKERS_LOST, {
+            yield from self._say_once("collapse", Event(Kind.WORKERS_LOST, {
                 "limit": self.config.elastic_timeout, "min_np": self.config.min_np, "commit": self.durable_commit},
                 level="warning"))
         if self.hosts.all_blacklisted() and self.hosts.is_permanent():
-            return acts + self._finish(False, Reason(Cause.ALL_BLACKLISTED, {"hosts": list(self.hosts.blacklisted())}))
+            yield Finish(False, Reason(Cause.ALL_BLACKLISTED, {"hosts": list(self.hosts.blacklisted())}))
+            return
         limit = self.config.reset_limit
         if self.round >= 0 and limit is not None and self.reset_count >= limit:
-            return acts + self._finish(False, Reason(Cause.RESET_LIMIT, {"limit": limit, "resets": self.reset_count}))
+            yield Finish(False, Reason(Cause.RESET_LIMIT, {"limit": limit, "resets": self.reset_count}))
+            return
         need = self.config.np if self.round < 0 else self.config.min_np
         reachable = len(target) + (1 if handing_over and target else 0)
         if reachable < need:
             if self.config.fixed_hosts and self.hosts.is_permanent():
-                return acts + self._finish(False, self._never_enough(need))
-            return acts + self._wait(need, now)
+                yield Finish(False, self._never_enough(need))
+            else:
+                yield from self._wait(need, now)
+            return
         # Enough slots. Workers still starting are bounded by --start-timeout on their own.
-        self._wait_started = self._wait_reminder = None
-        acts += self._launch_missing(target, now)
+        yield from self._stop_waiting()
+        yield from self._launch_missing(target, now)
         if self.round < 0:  # the first round: everyone planned, so that no reset follows at once
             by_key = self._by_key()
             if all(k in by_key and by_key[k].state is WorkerState.WAITING for k in target_keys):
-                return acts + self._form_round([(i.key, by_key[i.key]) for i in target])
-            return acts
+                yield from self._form_round([(i.key, by_key[i.key]) for i in target])
+            return
         plan = self._plan(target, (WorkerState.WAITING,), holders)
-        if len(plan) < need:
-            return acts  # the rest are starting
-        return acts + self._form_round(plan)
+        if len(plan) >= need:  # else the rest are starting
+            yield from self._form_round(plan)
 
     def _resumable(self, failed: list[WorkerRecord]) -> bool:
         """Every worker is gone, and a durable copy can carry on: some member of the last round
@@ -848,25 +1003,27 @@ class Registry:
         return (self.durable_commit is not None and self.round >= 0
                 and any(not w.script_error for w in failed if w.round == self.round))
 
-    def _wait(self, need: int, now: float) -> list[Action]:
+    def _wait(self, need: int, now: float) -> Decision:
         """Not enough slots: wait up to the limit, saying what for (then every 30 s)."""
         flag = "--start-timeout" if self.round < 0 else "--elastic-timeout"
         usable = list(self.hosts.available())
         if self._wait_started is None:
-            self._wait_started = now
+            yield Mark("_wait_started", now)
+        assert self._wait_started is not None  # (applied above)
         waited = now - self._wait_started
         if waited >= self._wait_limit():
-            self._wait_reminder = None
-            return self._finish(False, Reason(Cause.TIMED_OUT, {"limit": self._wait_limit(), "flag": flag,
-                                                                "need": need, "usable": usable}))
+            yield Mark("_wait_reminder", None)
+            yield Finish(False, Reason(Cause.TIMED_OUT, {"limit": self._wait_limit(), "flag": flag, "need": need,
+                                                         "usable": usable}))
+            return
         if self._wait_reminder is not None and now < self._wait_reminder:
-            return []
-        self._wait_reminder = now + WAIT_REMINDER
+            return
+        yield Mark("_wait_reminder", now + WAIT_REMINDER)
         left = self._wait_limit() - waited
         ready = sum(1 for w in self.workers.values() if w.state is WorkerState.WAITING)
-        return [Event(Kind.WAITING_FOR_SLOTS, {"need": need, "ready": ready, "usable": usable, "left_s": left,
-                                               "flag": flag},
-                      level="warning" if self.round >= 0 or waited > 0 else "info")]
+        yield Event(Kind.WAITING_FOR_SLOTS, {"need": need, "ready": ready, "usable": usable, "left_s": left,
+                                             "flag": flag},
+                    level="warning" if self.round >= 0 or waited > 0 else "info")
 
     def _never_enough(self, need: int) -> Reason:
         """Why a fixed host list can never give ``need`` slots again."""
@@ -874,54 +1031,41 @@ class Registry:
                                            "usable": list(self.hosts.available()),
                                            "blacklisted": list(self.hosts.blacklisted())})
 
-    def _form_round(self, plan: list[tuple[tuple[str, int], WorkerRecord]]) -> list[Action]:
+    def _form_round(self, plan: list[tuple[tuple[str, int], WorkerRecord]]) -> Decision:
         infos = assign_keys([k for k, _ in plan])  # grouped by host: not the order of ``plan``
         by_key = dict(plan)
         workers = [by_key[i.key] for i in infos]
         previous = set(self.members.values())
         new_members = any(w.id not in previous for w in workers)
         must_sync = new_members or self.aborted or any(w.restored for w in workers)
-        acts: list[Action] = []
-        restore = False
-        if not any(w.holds for w in workers):
-            lost = self.round >= 0
-            for w in workers:
-                w.holds = True  # they all start from the same state: the script's own, or the durable copy
-            restore = self.durable_commit is not None
-            if lost and not restore:
-                acts.append(Event(Kind.STATE_LOST, {"round": self.round + 1}, level="warning"))
+        # A round that no holder joins: they all start from the same state, the script's own or
+        # the durable copy, and hold it from now on.
+        fresh = not any(w.holds for w in workers)
+        restore = fresh and self.durable_commit is not None
+        if fresh and self.round >= 0 and not restore:
+            yield Event(Kind.STATE_LOST, {"round": self.round + 1}, level="warning")
         backend, why = device_backend(self.config.backend, [(w.host, w.slot, w.gpus) for w in workers])
         if backend is None:  # --backend nccl where NCCL cannot run: every round would fail the same way
-            return acts + self._finish(False, Reason(Cause.NCCL_CANNOT_RUN, {"round": self.round + 1, "why": why}))
-        self.round += 1
-        if self.round > 0:
-            self.reset_count += 1
-        self.members = {}
-        self.aborted, self.abort_reason = False, None
-        self._notified_target = None
-        self._wait_started = self._wait_reminder = None
-        self._said.clear()
-        acts.append(ForgetRounds(self.round))
+            yield Finish(False, Reason(Cause.NCCL_CANNOT_RUN, {"round": self.round + 1, "why": why}))
+            return
+        yield NewRound(self.round + 1, tuple(w.id for w in workers) if fresh else ())
+        yield ForgetRounds(self.round)
         for info, w in zip(infos, workers):
-            _move(w, WorkerState.RUNNING)
-            w.round, w.rank = self.round, info.rank
-            self.members[info.key] = w.id
-            acts.append(Assign(w.id, self.round, info, must_sync or restore, restore and info.rank == 0, backend))
+            yield Assign(w.id, self.round, info, must_sync or restore, restore and info.rank == 0, backend)
         # Holders kept for a hand-over that are not in it, and anyone else waiting outside the
         # target, have no place now.
         keep = {i.key for i in self._target()} | set(self.members)
-        for w in self.workers.values():
+        for w in list(self.workers.values()):
             if w.state is WorkerState.WAITING and w.key not in keep:
-                _move(w, WorkerState.LEFT)
-                acts.append(Dismiss(w.id, Reason(Cause.NO_PLACE, {"label": w.label})))
+                yield Move(w.id, WorkerState.LEFT)
+                yield Dismiss(w.id, Reason(Cause.NO_PLACE, {"label": w.label}))
         hosts = sorted({i.host for i in infos})
-        acts.append(Event(Kind.ROUND_FORMED, {"round": self.round, "size": len(infos), "hosts": hosts}))
+        yield Event(Kind.ROUND_FORMED, {"round": self.round, "size": len(infos), "hosts": hosts})
         # Said when it matters and when it changes: a CPU job on machines without GPUs hears nothing.
         if (backend, why) != self._device_said and (self._device_said is not None or backend == "nccl"
                                                     or any(w.gpus for w in workers) or self.config.backend != "auto"):
-            self._device_said = (backend, why)
-            acts.append(Event(Kind.DEVICE_BACKEND, {"round": self.round, "backend": backend, "why": why}))
-        return acts
+            yield Mark("_device_said", (backend, why))
+            yield Event(Kind.DEVICE_BACKEND, {"round": self.round, "backend": backend, "why": why})
 
 
 def device_backend(requested: str, members: list[tuple[str, int, tuple[str, ...]]]) -> tuple[str | None, Reason]:

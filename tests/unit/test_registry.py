@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from elasticrun.common.events import FIELDS, Cause, Reason
-from elasticrun.discovery.host_manager import HostManager, cooldown_delay
+from elasticrun.discovery.host_manager import HostChange, HostManager, cooldown_delay
 from elasticrun.driver import words
 from elasticrun.driver.assignment import assign
 from elasticrun.driver.stragglers import Pace
@@ -29,13 +29,20 @@ from elasticrun.driver.registry import (
     MOVES,
     AbortRound,
     Assign,
+    Blacklist,
     Dismiss,
     Event,
     Finish,
     ForgetRounds,
+    JudgeStragglers,
     Kill,
     Launch,
+    Mark,
+    Move,
+    NewRound,
     Notify,
+    Record,
+    Refresh,
     Registry,
     RegistryConfig,
     WorkerState,
@@ -1864,3 +1871,67 @@ class TestBehindItsInbox:
 
 def said_silent(acts):
     return {k.why.fields["silent_s"] for k in of(acts, Kill)}.pop()
+
+
+# --- a decision reads; only _apply changes the registry ----------------------------------------
+def _fingerprint(reg):
+    """Everything a decision could change, as text."""
+    return repr((sorted((k, repr(w)) for k, w in reg.workers.items()), reg.round, sorted(reg.members.items()),
+                 reg.aborted, reg.abort_reason, reg.reset_count, reg.finished, reg._notified_target,
+                 reg._wait_started, reg._wait_reminder, sorted(reg._said), reg._device_said, reg.plain,
+                 repr(reg.hosts), repr(vars(reg.stragglers))))
+
+
+def _read_only(reg, now):
+    """Run a decision without applying its steps (answers as if nothing changed); its steps."""
+    decision, steps, answer = reg._decision(now, now), [], None
+    try:
+        while True:
+            step = decision.send(answer)
+            steps.append(step)
+            answer = (HostChange() if isinstance(step, Refresh) else ([], []) if isinstance(step, JudgeStragglers)
+                      else None if isinstance(step, Blacklist) else None)
+    except StopIteration:
+        return steps
+
+
+class TestDecisionsOnlyRead:
+    """``decide`` = a decision that reads the registry and yields steps + ``_apply``, the one
+    place they change it. Run alone, a decision leaves the registry as it found it."""
+
+    def situations(self):
+        forming = Job(np=2)
+        forming.discover({"a": 1, "b": 1}, at=0)
+        forming.rdv("w0", at=1)
+        forming.rdv("w1", at=1)  # (decided: round 0 formed)
+        forming.reg.rendezvous("w0", 2.0, error="boom")  # recorded, not yet decided
+        yield "an error to abort for", forming, 2.0
+        silent = Job(np=2, min_np=1, heartbeat_timeout=5.0)
+        silent.start({"a": 1, "b": 1}, at=0)
+        silent.reg.heartbeat("w0", 9.0)
+        yield "a worker silent past --heartbeat-timeout", silent, 10.0
+        starting = Job(np=4)
+        starting.reg.discovered({"a": 2, "b": 2}, 0.0)
+        yield "round 0 to launch", starting, 0.0
+        waiting = Job(np=2, min_np=2)
+        waiting.start({"a": 1, "b": 1}, at=0)
+        waiting.reg.discovered({"a": 1}, 1.0)
+        yield "a host removed below --min-np", waiting, 1.0
+        ending = Job(np=2)
+        ending.start({"a": 1, "b": 1}, at=0)
+        ending.reg.exited("w0", 0, 1.0)
+        ending.reg.exited("w1", 0, 1.0)
+        yield "every rank finished", ending, 1.0
+
+    def test_a_decision_alone_changes_nothing(self):
+        for what, job, now in self.situations():
+            before = _fingerprint(job.reg)
+            steps = _read_only(job.reg, now)
+            assert steps, what
+            assert _fingerprint(job.reg) == before, what
+
+    def test_applied_it_is_the_decision_the_driver_gets(self):
+        for what, job, now in self.situations():
+            acts = checked(job.reg.decide(now))
+            assert acts and all(not isinstance(a, (Move, Record, NewRound, Mark)) for a in acts), what
+
