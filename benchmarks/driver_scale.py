@@ -349,6 +349,23 @@ class SimWorker:
         self.aborts: list[str] = []
 
 
+def _server_news(sim, msg) -> bool:
+    """What the server says about itself (its start, stats, end, failure), kept on ``sim``: a
+    :class:`Sim` or a :class:`ShardedSim`. False for any other message."""
+    kind = msg[0]
+    if kind == "stats":
+        sim.stats[msg[1]] = msg[2]
+    elif kind == "hello":
+        sim.hello = (msg[1], msg[2])
+    elif kind == "final":
+        sim.final = (msg[1], msg[2])
+    elif kind == "error":
+        raise BenchError(f"the server failed: {msg[1]}")
+    else:
+        return False
+    return True
+
+
 class Sim:
     """N simulated workers in one thread. As a shard of a :class:`ShardedSim` (``shard``), its
     pipes lead to the coordinator, which forwards the server's messages to it and its exits to
@@ -480,14 +497,8 @@ class Sim:
                     if w.alive:
                         self.exit(w, -signal.SIGTERM)
                 self.to_server(("stopped",))
-            elif kind == "stats":
-                self.stats[msg[1]] = msg[2]
-            elif kind == "hello":
-                self.hello = (msg[1], msg[2])
-            elif kind == "final":
-                self.final = (msg[1], msg[2])
-            elif kind == "error":
-                raise BenchError(f"the server failed: {msg[1]}")
+            elif _server_news(self, msg):
+                pass
             elif kind == "exit_worker":  # (shard) the coordinator ends one
                 w = self.workers.get(msg[1])
                 if w is not None and w.alive:
@@ -761,14 +772,8 @@ class ShardedSim:
             self.stopped = 0
             for i in range(len(self.procs)):
                 self._to(i, msg)
-        elif kind == "stats":
-            self.stats[msg[1]] = msg[2]
-        elif kind == "hello":
-            self.hello = (msg[1], msg[2])
-        elif kind == "final":
-            self.final = (msg[1], msg[2])
-        elif kind == "error":
-            raise BenchError(f"the server failed: {msg[1]}")
+        else:
+            _server_news(self, msg)
 
     def _from_shard(self, i: int, msg) -> None:
         kind = msg[0]
