@@ -2,7 +2,7 @@
 
     flock /tmp/elasticrun-heavy.lock python benchmarks/driver_scale.py [--workers 256 1024]
         [--slots 4] [--steady 3] [--timeout 60] [--budget 280] [--modes bare driver]
-        [--heartbeat-timeout 5] [--backlog N] [--profile DIR]
+        [--heartbeat-timeout 5] [--backlog N] [--profile DIR] [--sim-procs K]
 
 For every size N (hosts h0..h{N/4-1} with 4 slots each) two jobs run one after the other, each
 with its server in a separate process (the other core) and all N simulated workers in this one

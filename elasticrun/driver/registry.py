@@ -12,7 +12,8 @@ the *changes* for the registry itself (a worker's move along its lifecycle, a re
 launch, a blacklisting, a new round's bookkeeping, a timer). ``_drive`` applies each step
 through :meth:`Registry._apply`, the one place the registry changes as it decides, before the
 decision reads on, so later steps see the earlier ones' effects; what the driver gets are the
-actions. Event recorders apply their changes through ``_apply`` too. The console's words are
+actions. Event recorders note what happened (a heartbeat's time, an exit code) themselves; the
+moves, failures, aborts and ends they cause go through ``_apply`` too. The console's words are
 not here: events and reasons are data, worded by ``words.py``. This keeps all decisions in one
 place that tests can drive exhaustively, in the style of torch.distributed.elastic's dynamic
 rendezvous.
@@ -68,7 +69,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Generator, Mapping, Union
+from typing import Any, Callable, Collection, Generator, Mapping, Union, get_args
 
 from elasticrun.common.events import Cause, Kind, Reason
 from elasticrun.discovery.host_manager import HostManager
@@ -151,11 +152,6 @@ def _move(w: WorkerRecord, to: WorkerState) -> None:
     if to not in MOVES[w.state]:
         raise AssertionError("illegal_move", w.label, w.state.value, to.value)
     w.state = to
-
-
-def _just(*steps: Any) -> Generator[Any, Any, None]:
-    """A decision of a few fixed steps (an event recorder's abort or finish)."""
-    yield from steps
 
 
 # --- actions -------------------------------------------------------------------------------
@@ -315,7 +311,12 @@ Change = Union[Move, Record, Blacklist, Pardon, Refresh, JudgeStragglers, NewRou
 Step = Union[Action, Change]
 #: A decision: yields actions and changes, is sent the answers of the changes that have one.
 Decision = Generator[Step, Any, None]
-_ACTIONS = (Launch, Assign, Dismiss, Kill, Notify, AbortRound, ForgetRounds, Event, Finish)
+_ACTIONS = get_args(Action)
+
+
+def _just(*steps: Step) -> Decision:
+    """A decision of a few fixed steps (an event recorder's abort or finish)."""
+    yield from steps
 
 
 @dataclass(frozen=True)
