@@ -599,7 +599,7 @@ class ElasticDriver:
                         must_sync=act.must_sync, restore=act.restore, device_backend=act.device_backend))
 
             elif isinstance(act, reg.ForgetRounds):
-                self._store.keep_only(f"round{act.round}/")
+                self._send_store_replies(self._store.keep_only(f"round{act.round}/"))
             elif isinstance(act, reg.Dismiss):
                 pending = self._pending_rdzv.pop(act.worker_id, None)
                 if pending is not None:

@@ -95,12 +95,17 @@ class KVStore:
         return [(w.token, "store_error", {"error": "timed out waiting for keys "
                                            + ", ".join(k for k in w.keys if k not in self.data)}) for w in expired]
 
-    def keep_only(self, prefix: str) -> None:
-        """Forget every key, and every waiter, outside ``prefix`` (a round that is over)."""
+    def keep_only(self, prefix: str) -> list[tuple[Hashable, str, dict]]:
+        """Forget every key outside ``prefix`` (a round that is over); the waiters for such keys
+        are answered with an error now (their keys can no longer come: waiting on for their
+        deadline would only delay whoever asks again under the new round)."""
         self.data = {k: v for k, v in self.data.items() if k.startswith(prefix)}
         self._written = {k: n for k, n in self._written.items() if k in self.data}
         self._order = sorted((n, k) for k, n in self._written.items())
+        gone = [w for w in self._waiters if not all(k.startswith(prefix) for k in w.keys)]
         self._waiters = [w for w in self._waiters if all(k.startswith(prefix) for k in w.keys)]
+        return [(w.token, "store_error", {"error": "forgotten: the round of keys " + ", ".join(w.keys) + " is over"})
+                for w in gone]
 
     def next_deadline(self) -> float | None:
         return min((w.deadline for w in self._waiters), default=None)

@@ -29,9 +29,9 @@ def test_keep_only_drops_old_rounds_keys_and_waiters():
     kv.handle("s1", {"op": "set", "key": "round1/a", "value": b64("new")}, now=0)
     kv.handle("g0", {"op": "get", "key": "round0/missing", "timeout": 5}, now=0)
     kv.handle("g1", {"op": "get", "key": "round1/missing", "timeout": 5}, now=0)
-    kv.keep_only("round1/")
+    assert kv.keep_only("round1/") == [("g0", "store_error", {"error": "forgotten: the round of keys round0/missing is over"})]
     assert set(kv.data) == {"round1/a"}
-    assert [token for token, _, _ in kv.expire(now=10)] == ["g1"]  # round 0's waiter is gone
+    assert [token for token, _, _ in kv.expire(now=10)] == ["g1"]  # round 0's waiter was answered, not kept
 
 
 def test_malformed_and_unknown_operations_are_errors_not_crashes():
