@@ -1,6 +1,7 @@
 """Recovery time of a real elastic job, split into phases from the job's event log.
 
     python benchmarks/recovery.py [--trials 20] [--slots 1] [--state-mb 0] [--commit-every 1] [--prepare-s 0]
+                                  [--no-prefetch]
 
 One long job on two hosts (``localhost``, ``127.0.0.1``; ``--slots`` workers each) trains a
 tiny model, committing every step. Each trial:
@@ -8,7 +9,9 @@ tiny model, committing every step. Each trial:
 * **kill**: SIGKILL a worker of the second host; measure from the kill to the first completed
   step on the new (smaller) world. The host is blacklisted with a 1 s cooldown, then comes back:
 * **add**: from the host's return to the first step that includes the new worker; and how long
-  the survivors stalled (from their interrupt to their first step on the new world).
+  the survivors stalled (from their interrupt to their first step on the new world). Before it
+  asks for its place, the newcomer fetches rank 0's committed model (worker/prefetch.py): how
+  long that took, and the survivors' slowest step meanwhile (they train on while rank 0 sends).
 
 Then ``--graceful`` trials remove the second host from discovery and add it back:
 
@@ -61,6 +64,10 @@ def worker(stop_file: str, state_mb: int = 0, commit_every: int = 1, prepare_s: 
                                    named_parameters=model.named_parameters())
     state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    # The first host's worker (a survivor in every trial) notes when each step ended: the
+    # benchmark reads its slowest step while a newcomer fetched.
+    survivor = os.environ.get("ELASTICRUN_HOSTNAME") == "localhost"
+    ended: list[float] = []
 
     @hvd.elastic.run
     def train(state):
@@ -69,6 +76,8 @@ def worker(stop_file: str, state_mb: int = 0, commit_every: int = 1, prepare_s: 
             F.cross_entropy(model(x), y).backward()
             opt.step()
             state.step += 1
+            if survivor:
+                ended.append(time.time())
             time.sleep(0.005)  # a short step, so kills land at random points of it
             if state.step % commit_every == 0:
                 state.commit()
@@ -78,6 +87,9 @@ def worker(stop_file: str, state_mb: int = 0, commit_every: int = 1, prepare_s: 
                 return
 
     train(state)
+    if survivor:
+        with open(f"{stop_file}.steps-{os.getpid()}.json", "w") as f:
+            json.dump(ended, f)
 
 
 # --- the baseline ---------------------------------------------------------------------------
@@ -204,6 +216,7 @@ def run_job(args) -> dict[str, list[float]]:
     cmd = [sys.executable, "-m", "elasticrun", "-np", str(n), "--min-np", str(args.slots), "--max-np", str(n),
            "--host-discovery-script", script, "--discovery-interval", "0.1", "--events", events,
            "--blacklist-cooldown-range", "1", "1", "--log-level", "WARNING",
+           *(["--no-prefetch"] if getattr(args, "no_prefetch", False) else []),
            sys.executable, HERE, "--worker", stop_file, "--state-mb", str(args.state_mb),
            "--commit-every", str(args.commit_every), "--prepare-s", str(args.prepare_s)]
     # The driver's console goes to a file: a pipe nobody reads fills (64 KiB) and blocks it.
@@ -212,7 +225,8 @@ def run_job(args) -> dict[str, list[float]]:
     journal = Journal(events)
     out: dict[str, list[float]] = {k: [] for k in (
         "kill", "detect", "decide", "rendezvous", "group", "restore+sync", "first_step", "add", "add_stall",
-        "remove", "remove_stall")}
+        "fetch", "fetch_slowest", "before_slowest", "steady_step", "remove", "remove_stall")}
+    fetches: list[tuple[float, float]] = []  # (start, end) of each newcomer's fetch
 
     def first_step_of(round_: int, timeout: float = 30) -> dict:
         return journal.wait_for(lambda e: e["kind"] == "first_step" and e.get("round") == round_, timeout,
@@ -257,6 +271,10 @@ def run_job(args) -> dict[str, list[float]]:
             interrupt = [e for e in journal.events if e["kind"] == "interrupt" and e["t"] > back["t"]]
             out["add"].append(step["t"] - back["t"])
             out["add_stall"].append(step["t"] - min(e["t"] for e in interrupt))
+            fetched = [e for e in journal.events if e["kind"] == "state_fetched" and e["t"] > back["t"]]
+            if fetched:
+                out["fetch"].append(fetched[0]["ms"] / 1000)
+                fetches.append((fetched[0]["t"] - fetched[0]["ms"] / 1000, fetched[0]["t"]))
         for trial in range(args.graceful):
             changed = time.time()
             with open(hosts_file, "w") as f:
@@ -279,6 +297,16 @@ def run_job(args) -> dict[str, list[float]]:
             driver.wait(timeout=60)
         except subprocess.TimeoutExpired:
             sys.exit(f"the job did not end within 60 s of the stop file; its console: {console.name}")
+        ended = sorted(t for name in os.listdir(tmp) if name.startswith("stop.steps-")
+                       for t in json.load(open(os.path.join(tmp, name))))
+        gaps = [(b, b - a) for a, b in zip(ended, ended[1:])]
+        for start, end in fetches:  # the longest step that overlapped the fetch, and before it
+            during = [g for t, g in gaps if t > start and t - g < end]
+            before = [g for t, g in gaps if start - (end - start) < t <= start]
+            if during and before:
+                out["fetch_slowest"].append(max(during))
+                out["before_slowest"].append(max(before))
+        out["steady_step"] = [statistics.median(g for _, g in gaps)] if gaps else []
     finally:
         console.close()
         if driver.poll() is None:
@@ -317,6 +345,8 @@ def main() -> None:
     p.add_argument("--commit-every", type=int, default=1, help="commit every N steps (1)")
     p.add_argument("--prepare-s", type=float, default=0.0,
                    help="the second host's workers sleep this long after hvd.init() (loading their data)")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="run the job with --no-prefetch: the join's sync carries the whole state")
     p.add_argument("--worker", metavar="STOP_FILE", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -345,6 +375,10 @@ def main() -> None:
         "first_step": "  sync done -> first step",
         "add": "host back -> first step including it",
         "add_stall": "  survivors' stall (interrupt -> first step)",
+        "fetch": "  before it: the newcomer's fetch of the commit",
+        "fetch_slowest": "  survivors' slowest step during the fetch",
+        "before_slowest": "  (their slowest as long just before it)",
+        "steady_step": "  (a survivor's median step, the whole job)",
         "remove": "graceful removal: notification -> first step",
         "remove_stall": "  survivors' stall (interrupt -> first step)",
     }

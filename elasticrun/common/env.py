@@ -28,6 +28,9 @@ SLOT = "ELASTICRUN_SLOT"
 # yet: it asks for one at its first collective or elastic.run's first sync, so the survivors
 # train on while it builds its model and loads its data (see worker/runtime.py, init).
 JOINING = "ELASTICRUN_JOINING"
+# "0" (--no-prefetch): a joining worker does not fetch the committed model from rank 0 before it
+# asks for its place (worker/prefetch.py); the join's sync then sends all of it.
+PREFETCH = "ELASTICRUN_FETCH_BEFORE_JOINING"  # (the option variable is ELASTICRUN_PREFETCH)
 
 # Timeouts (seconds) the worker must respect.
 COLLECTIVE_TIMEOUT = "ELASTICRUN_COLLECTIVE_TIMEOUT"

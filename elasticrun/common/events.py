@@ -64,7 +64,8 @@ class Kind(str, enum.Enum):
     RESTORE = "restore"
     RENDEZVOUS_COMPLETE = "rendezvous_complete"
     GROUP_FORMED = "group_formed"
-    SYNC_DONE = "sync_done"
+    SYNC_DONE = "sync_done"                  # skipped: bytes a newcomer had fetched before (no sync needed)
+    STATE_FETCHED = "state_fetched"          # a newcomer fetched the committed model before joining
     FIRST_STEP = "first_step"                # the first collective of a new round completed
 
     def __str__(self) -> str:
@@ -170,12 +171,14 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.RESTORE: ("round", "rank", "host", "slot", "ms"),
     Kind.RENDEZVOUS_COMPLETE: ("round", "rank", "host", "slot", "size", "waited_ms"),
     Kind.GROUP_FORMED: ("round", "rank", "host", "slot", "ms"),
-    Kind.SYNC_DONE: ("round", "rank", "host", "slot", "ms"),
+    Kind.SYNC_DONE: ("round", "rank", "host", "slot", "ms", "skipped"),
+    Kind.STATE_FETCHED: ("round", "rank", "host", "slot", "ms", "bytes"),
     Kind.FIRST_STEP: ("round", "rank", "host", "slot", "what"),
 }
 
 WORKER_KINDS = frozenset({Kind.NOTIFICATION_RECEIVED, Kind.INTERRUPT, Kind.FAILURE_DETECTED, Kind.RESTORE,
-                          Kind.RENDEZVOUS_COMPLETE, Kind.GROUP_FORMED, Kind.SYNC_DONE, Kind.FIRST_STEP})
+                          Kind.RENDEZVOUS_COMPLETE, Kind.GROUP_FORMED, Kind.SYNC_DONE, Kind.STATE_FETCHED,
+                          Kind.FIRST_STEP})
 
 
 class EventLog:

@@ -63,6 +63,7 @@ class JobSettings:
     status_interval: float = DEFAULT_STATUS_INTERVAL  # a status line this often while a round trains (0: never)
     sigterm_grace: float = DEFAULT_SIGTERM_GRACE  # a worker told to stop leaves gracefully, at most this long
     evict_stragglers: bool = False  # move hosts that compute persistently slower out (and blacklist them)
+    prefetch: bool = True  # --no-prefetch: newcomers receive the whole state in the join's sync
     log_level: str = "INFO"
     worker_log_level: str = "WARNING"
     extra_env: dict[str, str] = field(default_factory=dict)  # -x NAME[=VALUE], for every worker

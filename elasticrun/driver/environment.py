@@ -121,6 +121,7 @@ def worker_environment(settings: JobSettings, info: SlotInfo, *, job_id: str, wo
                                                        s.driver_timeout)),
         env.DRIVER_TIMEOUT: str(driver_timeout(s.driver_timeout, info.size)),
         env.LOG_LEVEL: s.worker_log_level, env.SIGTERM_GRACE: str(s.sigterm_grace), env.BACKEND: s.backend, "PYTHONUNBUFFERED": "1",
+        env.PREFETCH: "1" if s.prefetch else "0",
     })
     # Horovod's names and torch.distributed's, for scripts and libraries that read them; the
     # worker updates them (and sets MASTER_ADDR/MASTER_PORT) whenever it enters a new round.

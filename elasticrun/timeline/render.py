@@ -126,7 +126,8 @@ def to_chrome_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
                      **where)
             elif k in (Kind.GROUP_FORMED, Kind.SYNC_DONE, Kind.RESTORE):
                 name = {Kind.GROUP_FORMED: "group formation", Kind.SYNC_DONE: "sync", Kind.RESTORE: "restore"}[k]
-                span(name, pid, tid, t - float(e.get("ms", 0)) / 1000, t, "reset", **where)
+                extra = {"skipped_bytes": e["skipped"]} if e.get("skipped") else {}
+                span(name, pid, tid, t - float(e.get("ms", 0)) / 1000, t, "reset", **where, **extra)
                 if k != Kind.RESTORE:
                     train_from = (t, dict(where, size=size_of(a, e.get("round"))))
             elif k in (Kind.INTERRUPT, Kind.FAILURE_DETECTED):
@@ -135,6 +136,9 @@ def to_chrome_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
                     train_from = None
                 args = dict(where, error=e.get("error")) if k == Kind.FAILURE_DETECTED else dict(where)
                 instant(k.replace("_", " "), pid, tid, t, "failure" if k == Kind.FAILURE_DETECTED else "reset", **args)
+            elif k == Kind.STATE_FETCHED:  # a newcomer, before it took a place: off the survivors' clock
+                span("fetch of the committed model", pid, tid, t - float(e.get("ms", 0)) / 1000, t, "worker",
+                     bytes=e.get("bytes"))
             elif k in (Kind.FIRST_STEP, Kind.NOTIFICATION_RECEIVED):
                 instant(k.replace("_", " "), pid, tid, t, "reset", **where)
         if train_from is not None:

@@ -27,17 +27,19 @@ built. Whether it still describes the live state is checked with :meth:`CopyPlan
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import logging
 import operator
 import os
+import threading
 from collections import deque
 from itertools import starmap
 from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["CopyPlan", "DeviceCopy", "MEMMOVE_MAX_BYTES", "commit_buffers"]
+__all__ = ["CopyPlan", "DeviceCopy", "MEMMOVE_MAX_BYTES", "Watch", "commit_buffers", "same_bytes", "watched_copy"]
 
 log = logging.getLogger("elasticrun.worker")
 
@@ -171,6 +173,10 @@ class CopyPlan:
         """(source, buffer) of every copy the plan makes."""
         return list(zip(self._all[1], self._all[0]))
 
+    def members(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(source, buffer) of every pair the plan was built on, empty tensors included."""
+        return list(zip(self._sources, self._buffers))
+
     def split(self, first: Callable[[torch.Tensor], bool]) -> tuple[CopyPlan, CopyPlan]:
         """Two plans: the pairs whose source satisfies ``first``, and the others."""
         pairs = list(zip(self._sources, self._buffers))
@@ -229,3 +235,79 @@ class CopyPlan:
                 torch._foreach_copy_(dsts, srcs)
         if self._to_host:
             torch.cuda.synchronize()
+
+
+# --- watched copies (a newcomer's prefetch, see worker/prefetch.py) ---------------------------
+
+_memcmp = ctypes.CDLL(None).memcmp
+_memcmp.restype = ctypes.c_int
+_memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+_CMP_SLICE = 64 << 20
+_cmp_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_cmp_pool_lock = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _cmp_pool
+    with _cmp_pool_lock:
+        if _cmp_pool is None:
+            _cmp_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=max(1, min(8, torch.get_num_threads())), thread_name_prefix="elasticrun-compare")
+        return _cmp_pool
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous CPU tensors of one dtype and shape hold the same bytes.
+
+    ``memcmp`` (the GIL released by ctypes), in 64 MiB slices over a few threads for large
+    tensors: comparing 1 GiB costs about what copying it does. Byte equality, not ``==``:
+    a NaN equals itself here, and -0.0 differs from 0.0, as a copy would preserve them."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.device.type != "cpu" or b.device.type != "cpu" \
+            or not a.is_contiguous() or not b.is_contiguous():
+        return False
+    n = a.numel() * a.element_size()
+    pa, pb = a.data_ptr(), b.data_ptr()
+    if n <= _CMP_SLICE:
+        return n == 0 or _memcmp(pa, pb, n) == 0
+    slices = [(pa + o, pb + o, min(_CMP_SLICE, n - o)) for o in range(0, n, _CMP_SLICE)]
+    return all(_pool().map(lambda s: _memcmp(*s) == 0, slices))
+
+
+class Watch:
+    """Which committed tensors of a model changed since a newcomer began to fetch them.
+
+    Set on a model's handler by the rank serving the fetch; while it is set, every commit
+    compares each tensor with its committed copy before overwriting it and names those
+    that differ (``changed``), and a commit that had to reallocate its buffers marks all
+    (``everything``). A tensor it does not name was not written since the watch began, so
+    the bytes the newcomer read are still the committed ones."""
+
+    #: A watch no fetch renewed for this long ends at the next commit: a newcomer that
+    #: fetched and then never joined must not leave every commit comparing for good.
+    LIFETIME_S = 60.0
+
+    def __init__(self, epoch: int, now: float) -> None:
+        self.epoch = epoch
+        self.names: list[str] = []  # the committed copies offered for fetching
+        self.changed: set[str] = set()
+        self.everything = False
+        self.renewed = now  # when a fetch last began under it
+
+    def expired(self, now: float) -> bool:
+        return now - self.renewed > self.LIFETIME_S
+
+    def unchanged(self, names: list[str]) -> list[str]:
+        return [] if self.everything else [n for n in names if n not in self.changed]
+
+
+def watched_copy(named: Sequence[tuple[str, torch.Tensor, torch.Tensor]], watch: Watch) -> None:
+    """Copy each ``(name, source, buffer)``, as a commit does, writing only what differs and
+    naming it in ``watch``; pairs that are not both on the CPU are copied and named."""
+    with torch.no_grad():
+        for name, src, buf in named:
+            if src.device.type == "cpu" and buf.device.type == "cpu" and same_bytes(src, buf):
+                continue
+            buf.copy_(src)
+            watch.changed.add(name)
+    if any(src.is_cuda and not buf.is_cuda for _, src, buf in named):
+        torch.cuda.synchronize()

@@ -188,6 +188,9 @@ def run(func: F) -> F:
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         rt = runtime.get()
         launched_for = (rt.rank, rt.size)
+        fetch = getattr(state, "fetch_before_joining", None)
+        if fetch is not None:
+            fetch()  # a newcomer: the committed model, before the survivors hear of it (TorchState)
         if rt.join():
             # A newcomer to a running job takes its place here, its model built. Had the job
             # changed since it was launched, what the script derived from hvd.size() is stale:
@@ -241,7 +244,8 @@ def _run(func: Callable[..., Any], state: State, rt: Any, args: Any, kwargs: Any
             if not skip_sync:
                 synced = time.monotonic()
                 state.sync()
-                rt.emit(Kind.SYNC_DONE, ms=round((time.monotonic() - synced) * 1000, 2))
+                rt.emit(Kind.SYNC_DONE, ms=round((time.monotonic() - synced) * 1000, 2),
+                        skipped=state.__dict__.pop("_skipped_bytes", None))
             rt.has_state = True
             if resetting:
                 rt.current_round.mark_reset()

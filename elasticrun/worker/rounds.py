@@ -142,6 +142,16 @@ def current() -> Round:
     return r
 
 
+def installed() -> Round | None:
+    """The current round, or None (never joins: for threads beside training)."""
+    return _current
+
+
+def deferred() -> bool:
+    """Whether this worker was launched into a running job and has not taken its place yet."""
+    return _current is None and _join is not None
+
+
 def placed() -> Round:
     """The current round, or the place a worker that has not joined yet was launched for
     (``hvd.rank()``/``hvd.size()`` before its first collective): never joins."""

@@ -41,7 +41,7 @@ import zmq
 from elasticrun.common.events import Kind
 from elasticrun.common import env, settings
 from elasticrun.common.protocol import Message
-from elasticrun.worker import collectives, devices, durable, rounds, trace
+from elasticrun.worker import collectives, devices, durable, prefetch, rounds, trace
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from elasticrun.worker.durable import CommittedState, CopyRequests, DurableSender, HandOff
@@ -581,6 +581,7 @@ class Runtime:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
         devices.settle_aborts()
         _settle_drops()
+        prefetch.stop()
         if self._durable is not None:
             self._durable.close()
             self._durable = None

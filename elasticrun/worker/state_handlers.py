@@ -17,6 +17,7 @@ import copy
 import inspect
 import operator
 import threading
+import time
 import warnings
 from itertools import chain
 from typing import Any, Callable
@@ -25,7 +26,7 @@ import torch
 
 from elasticrun.worker import collectives
 from elasticrun.worker.broadcast import broadcast_optimizer_state, broadcast_parameters
-from elasticrun.worker.copier import CopyPlan, DeviceCopy, commit_buffers
+from elasticrun.worker.copier import CopyPlan, DeviceCopy, Watch, commit_buffers, watched_copy
 from elasticrun.worker.optimizer import abandon_step
 from elasticrun.worker.sampler import ElasticSampler
 
@@ -148,16 +149,43 @@ class ModelStateHandler(StateHandler):
         self._sizes: list[int] = []
         # For background commits: (guarded parameter ids, their plan, the rest's plan).
         self._split: tuple[frozenset[int], CopyPlan, CopyPlan] | None = None
+        # While a newcomer fetches the committed tensors from this rank (worker/prefetch.py):
+        # what commits overwrite is compared first and named. The lock orders the fetch's
+        # start against every write into the buffers (a background commit's included).
+        self._watch: Watch | None = None
+        self._lock = threading.Lock()
         self.save()
 
     def _plan_is_current(self) -> bool:
         return (self._plan is not None and bool(self._dicts) and self._plan_generation == _structure_generation
                 and list(map(len, self._dicts)) == self._sizes and self._plan.current())
 
-    def save(self) -> None:
-        if self._plan is not None and self._plan_is_current():
-            self._plan.run()
-            return
+    def save(self, keep: frozenset[str] = frozenset()) -> None:
+        """Commit the live model. ``keep``: tensors whose committed copy is known to equal the
+        live one already (a sync that skipped them: see worker/prefetch.py); not copied."""
+        with self._lock:
+            if self._watch is not None and self._watch.expired(time.monotonic()):
+                self._watch = None  # its newcomer never joined; a later one fetches under a new watch
+            if self._plan is not None and self._plan_is_current():
+                if self._watch is not None or keep:
+                    named = [t for t in self._named_pairs() if t[0] not in keep]
+                    if self._watch is not None:
+                        watched_copy(named, self._watch)
+                    else:
+                        CopyPlan([src for _, src, _ in named], [buf for _, _, buf in named]).run()
+                else:
+                    self._plan.run()
+                return
+            if self._watch is not None:
+                self._watch.everything = True  # the walk below may reallocate buffers
+            self._save_walk()
+
+    def _named_pairs(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """(name, live tensor, committed copy) for every tensor of the current plan."""
+        assert self._plan is not None
+        return [(name, src, buf) for name, (src, buf) in zip(self._buffers, self._plan.members())]
+
+    def _save_walk(self) -> None:
         generation = _structure_generation
         live = self.value.state_dict(keep_vars=True)
         names = [k for k, t in live.items() if isinstance(t, torch.Tensor)]
@@ -179,15 +207,48 @@ class ModelStateHandler(StateHandler):
     def save_deferred(self, guarded: frozenset[int]) -> Callable[[], None] | DeviceCopy | None:
         # Buffers (BatchNorm statistics change in forward) and parameters no optimizer of
         # the state updates are copied now; the guarded parameters later.
-        if not self._plan_is_current():
-            self.save()
+        if not self._plan_is_current() or self._watch is not None:
+            self.save()  # a watched commit compares as it copies: all of it now
             return None
-        if self._split is None or self._split[0] != guarded:
-            assert self._plan is not None  # current, checked above
-            now_plan, later_plan = self._plan.split(lambda t: id(t) not in guarded)
-            self._split = (guarded, now_plan, later_plan)
-        self._split[1].run()
-        return _later(self._split[2])
+        with self._lock:
+            if self._split is None or self._split[0] != guarded:
+                assert self._plan is not None  # current, checked above
+                now_plan, later_plan = self._plan.split(lambda t: id(t) not in guarded)
+                self._split = (guarded, now_plan, later_plan)
+            self._split[1].run()
+        later = _later(self._split[2])
+        if isinstance(later, DeviceCopy):
+            return later  # GPU to GPU: never fetched by a newcomer (worker/prefetch.py serves host memory)
+        later_buffers = {id(buf) for _, buf in self._split[2].members()}
+        names = [name for name, _, buf in self._named_pairs() if id(buf) in later_buffers]
+
+        def copy_later() -> None:
+            with self._lock:
+                later()
+                if self._watch is not None:  # a fetch began before this copy ran: its bytes moved
+                    self._watch.changed.update(names)
+        return copy_later
+
+    # --- a newcomer's prefetch (worker/prefetch.py) -------------------------------------------
+    def watch(self, epoch: int) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """Start watching (or go on with the watch already under way); the watch's epoch and
+        the committed copies a newcomer may fetch: contiguous host tensors, by name."""
+        with self._lock:
+            offered = [(k, b) for k, b in self._buffers.items()
+                       if b.device.type == "cpu" and b.is_contiguous() and b.numel() > 0]
+            now = time.monotonic()
+            if self._watch is None or self._watch.expired(now):
+                self._watch = Watch(epoch, now)
+                self._watch.names = [k for k, _ in offered]
+            elif [k for k, _ in offered] != self._watch.names:
+                self._watch.everything = True  # the buffers were reallocated since it began
+            self._watch.renewed = now
+            return self._watch.epoch, offered
+
+    def end_watch(self) -> Watch | None:
+        with self._lock:
+            watch, self._watch = self._watch, None
+            return watch
 
     def restore(self) -> None:
         live = self.value.state_dict(keep_vars=True)
@@ -205,8 +266,11 @@ class ModelStateHandler(StateHandler):
             if names:
                 torch._foreach_copy_([live[k] for k in names], [self._buffers[k] for k in names])
 
-    def sync(self, root: int) -> None:
-        broadcast_parameters(self.value.state_dict(), root_rank=root)
+    def sync(self, root: int, keep: frozenset[str] = frozenset()) -> None:
+        """``keep``: tensors every rank already holds as the root does (agreed by
+        worker/prefetch.py): not sent."""
+        live = self.value.state_dict()
+        broadcast_parameters({k: v for k, v in live.items() if k not in keep} if keep else live, root_rank=root)
 
 
 class OptimizerStateHandler(StateHandler):

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed
 
-from elasticrun.worker import collectives, durable, rounds
+from elasticrun.worker import collectives, durable, prefetch, rounds
 from elasticrun.worker.copier import DeviceCopy
 from elasticrun.worker.elastic import ObjectState
 # The handler API, importable from here as before the split.
@@ -166,11 +166,25 @@ class TorchState(ObjectState):
             handler.merge()
         self._commit_seq += 1
         self._save_local(background=self._background)
+        self._serve_newcomers()
 
-    def _save_local(self, background: bool = False) -> None:
+    def _serve_newcomers(self) -> None:
+        """Rank 0 answers newcomers' fetches of the committed model (worker/prefetch.py)."""
+        r = rounds.installed()
+        if r is not None and r.rank == 0 and any(
+                isinstance(h, ModelStateHandler) for h in self._handlers.values()):
+            prefetch.serve(self)
+
+    def _save_local(self, background: bool = False, keep: dict[str, frozenset[str]] | None = None) -> None:
         self.wait_for_commit()  # the buffers are about to be overwritten
         self._before_commit_copy()  # ... and a durable copy may still be reading them on the GPU
-        if background:
+        if keep:  # a sync that skipped tensors every rank held: their commits are current too
+            for name, handler in self._handlers.items():
+                if name in keep and isinstance(handler, ModelStateHandler):
+                    handler.save(keep[name])
+                else:
+                    handler.save()
+        elif background:
             guarded = self._guard_optimizers()
             deferred = [f for f in (h.save_deferred(guarded) for h in self._handlers.values()) if f is not None]
             self._device_copies = [f for f in deferred if isinstance(f, DeviceCopy)]
@@ -234,26 +248,55 @@ class TorchState(ObjectState):
 
     def sync(self) -> None:
         self.wait_for_commit()
-        root = self._newest_commit_root()
-        for handler in self._handlers_in_order():
-            sync_handler(handler, root)
+        self.fetch_before_joining()
+        fetched = self.__dict__.pop("_fetched", None)
+        held = self._commit_seq
+        root, some_fetched = self._newest_commit_root(fetched is not None)
+        keep: dict[str, frozenset[str]] = {}
+        if some_fetched:
+            keep = prefetch.agree(self, root, fetched,
+                                  holds_newest=self.__dict__.get("_synced", False) and held == self._commit_seq)
+        else:
+            for handler in self._handlers.values():
+                if isinstance(handler, ModelStateHandler):
+                    handler.end_watch()  # a fetch under way is stale now: its newcomer joins with a full sync
+        for name in sorted(self._handlers):
+            handler = self._handlers[name]
+            if name in keep and isinstance(handler, ModelStateHandler):
+                handler.sync(root, keep[name])
+            else:
+                sync_handler(handler, root)
         if self._object_keys:
             for name, value in collectives.broadcast_object(self._live(), root_rank=root, trusted=True).items():
                 setattr(self, name, value)
-        self._save_local()  # just synced: nothing to merge
+        self._save_local(keep=keep)  # just synced: nothing to merge
+        self.__dict__["_synced"] = True
+        self._serve_newcomers()
 
-    def _newest_commit_root(self) -> int:
-        """Collective: the lowest rank holding the newest commit, which every rank adopts.
+    def fetch_before_joining(self) -> None:
+        """A worker launched into a running job fetches the committed model from rank 0
+        before it asks for its place, while the survivors train (worker/prefetch.py); its
+        first sync then receives only what changed since. A no-op for everyone else."""
+        if rounds.deferred() and "_fetched" not in self.__dict__:
+            from elasticrun.worker import runtime
+            rt = runtime.get()
+            self.wait_for_commit()
+            self.__dict__["_fetched"] = prefetch.fetch(self, rt.worker_id, rt.emit)
+
+    def _newest_commit_root(self, fetched: bool = False) -> tuple[int, bool]:
+        """Collective: the lowest rank holding the newest commit, which every rank adopts;
+        and whether some rank fetched the committed model before joining.
 
         Rank 0 unless a commit completed on some ranks while others abandoned it (a peer
         died at the end of its merge and they saw the abort first). Syncing from rank 0
         then would mix rank 0's older model with the newer, merged sampler set: samples
         lost.
         """
-        newest = torch.tensor([self._commit_seq * 65536 + 65535 - rounds.current().rank], dtype=torch.int64)
+        newest = torch.tensor([self._commit_seq * 65536 + 65535 - rounds.current().rank, int(fetched)],
+                              dtype=torch.int64)
         collectives.allreduce_inplace(newest, torch.distributed.ReduceOp.MAX, "state.newest_commit")
-        self._commit_seq = int(newest.item()) // 65536
-        return 65535 - int(newest.item()) % 65536
+        self._commit_seq = int(newest[0].item()) // 65536
+        return 65535 - int(newest[0].item()) % 65536, bool(newest[1].item())
 
     def on_reset(self) -> None:
         for handler in self._handlers.values():

@@ -38,6 +38,7 @@ def _job_part(settings: JobSettings = SETTINGS) -> dict[str, str]:
         env.CONTROL_ADDR: "tcp://10.0.0.1:5000", env.NOTIFY_ADDR: "tcp://10.0.0.1:5001",
         env.COLLECTIVE_TIMEOUT: "42.0", env.RENDEZVOUS_TIMEOUT: str(settings.elastic_wait_limit),
         env.HEARTBEAT_INTERVAL: "0.5", env.DRIVER_TIMEOUT: "5.0", env.LOG_LEVEL: "INFO", env.SIGTERM_GRACE: "20.0", env.BACKEND: settings.backend,
+        env.PREFETCH: "1",
         "PYTHONUNBUFFERED": "1",
         "HOROVOD_HOSTNAME": "node2", "HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1",
         "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "1", "HOROVOD_CROSS_SIZE": "2",

@@ -53,6 +53,7 @@ ENV_VARS: dict[str, str] = {
     "ELASTICRUN_WARM_START": "warm_start",  # 1/true/yes/on (the default) or 0/false/no/off
     "ELASTICRUN_RAY_ADDRESS": "ray_address",
     "ELASTICRUN_EVICT_STRAGGLERS": "evict_stragglers",
+    "ELASTICRUN_PREFETCH": "prefetch",  # 1/true/yes/on (the default) or 0/false/no/off
     "ELASTICRUN_STATUS_INTERVAL": "status_interval",
 }
 
@@ -67,7 +68,7 @@ HOROVOD_ENV_VARS = {
 }
 
 #: Variables naming a setting that a --no-... flag turns off: 1 means on, not "the flag given".
-_SETTING_NAMED = {"ELASTICRUN_WARM_START"}
+_SETTING_NAMED = {"ELASTICRUN_WARM_START", "ELASTICRUN_PREFETCH"}
 
 #: How a variable sets a flag (an option without a value): given, or not given.
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}

@@ -221,6 +221,10 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
                         "their median for most of the last 20 steps) is always named; with this it is also moved "
                         "out at the next step, without a rollback, and blacklisted like a failed host (so "
                         "--blacklist-cooldown-range lets it back later); never below --min-np")
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                   help="a worker joining the running job receives the whole state in the sync that admits it, "
+                        "while every survivor waits; by default it first fetches rank 0's committed model while "
+                        "they train, and that sync sends only what changed since (also ELASTICRUN_PREFETCH=0)")
     p.add_argument("--elastic-timeout", type=positive_seconds, default=DEFAULT_ELASTIC_TIMEOUT, metavar="SECONDS",
                    help="after a reset, how long to wait for --min-np slots before failing (default 600)")
     p.add_argument("--start-timeout", type=positive_seconds, default=DEFAULT_START_TIMEOUT, metavar="SECONDS",
