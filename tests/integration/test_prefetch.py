@@ -31,21 +31,23 @@ def commits(log_dir: Path) -> dict[int, list[dict]]:
     return out
 
 
-def run(job, *extra: str, newcomers: int = 1, launcher: tuple[str, ...] = (), **env: str):
+def run(job, *extra: str, newcomers: int = 1, launcher: tuple[str, ...] = (), first: str = "localhost:1",
+        size: int | None = None, **env: str):
     log_dir = job.tmp / "commits"
     log_dir.mkdir()
-    size = 1 + newcomers
-    r = job.run(["-np", "1", "--min-np", "1", "--max-np", str(size), "--host-discovery-script",
+    np = sum(int(h.rpartition(":")[2]) for h in first.split(","))
+    size = size or np + newcomers  # the final world's
+    r = job.run(["-np", str(np), "--min-np", "1", "--max-np", str(np + newcomers), "--host-discovery-script",
                  str(PROGRESS_DISCOVERY), "--discovery-interval", "0.1", "--log-level", "INFO", "--events", str(job.tmp / "events.jsonl"), *launcher],
                 [sys.executable, str(SCRIPT), "--log-dir", str(log_dir), "--progress", str(job.progress),
                  "--size", str(size), *extra],
-                HOSTS_SCHEDULE=f"0:localhost:1;1:localhost:1,127.0.0.1:{newcomers}", **env)
+                HOSTS_SCHEDULE=f"0:{first};1:{first},127.0.0.1:{newcomers}", **env)
     assert r.returncode == 0, r.output
     history = commits(log_dir)
-    joined = [c for c, entries in history.items() if any(e["size"] == size for e in entries)]
+    joined = [c for c, entries in history.items() if any(e["host"] == "127.0.0.1" for e in entries)]
     assert joined, r.output  # the newcomers took part
     for c in joined:
-        assert len(history[c]) == size, history[c]  # every rank logged it
+        assert len(history[c]) == size, history[c]  # every rank of the final world logged it
     disagreeing = {c: entries for c, entries in history.items() if len({e["checksum"] for e in entries}) > 1}
     assert not disagreeing, disagreeing
     return r
@@ -90,3 +92,22 @@ def test_with_background_commits(job):
 def test_two_newcomers_fetch_at_once(job):
     r = run(job, newcomers=2)
     assert r.stderr.count("fetched 8.4 MB of the committed model from rank 0") == 2, r.output
+
+
+def test_a_newcomer_killed_in_its_fetch_is_replaced_and_the_next_one_joins(job):
+    """The newcomer dies as the transfer begins: rank 0's send fails beside training (the
+    survivors never hear of that worker), its host comes back after the cooldown, and the
+    replacement fetches and joins."""
+    r = run(job, "--die-in-fetch", "newcomer", launcher=("--blacklist-cooldown-range", "1", "1"))
+    assert (job.tmp / "commits" / "died-in-fetch").exists()
+    assert "exited with code -9" in r.stderr, r.output
+    assert "fetched 8.4 MB of the committed model from rank 0" in r.stderr, r.output  # the replacement
+
+
+def test_rank_0_killed_while_it_sends_the_newcomer_joins_with_a_full_sync(job):
+    """Rank 0 dies in the middle of serving a fetch: the survivors recover without it, the
+    newcomer's fetch fails and it joins with a sync that sends everything."""
+    r = run(job, "--die-in-fetch", "server", first="localhost:1,127.0.0.2:1", size=2)
+    assert (job.tmp / "commits" / "died-in-fetch").exists()
+    assert "no fetch of the committed model before joining" in r.stderr, r.output
+    assert "fetched " not in r.stderr, r.output

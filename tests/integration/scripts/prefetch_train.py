@@ -7,9 +7,9 @@ With ``--change-every K`` every rank adds 1 to one element of the ballast at eve
 commit (the same on all ranks, rolled back by a restore as any state), so commits made
 while a newcomer fetches overwrite it and the join's sync must send it again.
 
-At step ``--grow-at`` the second host is listed; the survivors train on (committing every
-step) until the world has ``--size`` ranks, then ``--after`` more steps. Every commit appends
-``{"commit", "rank", "size", "checksum"}`` to ``--log-dir/commits-PID.jsonl``.
+At step ``--grow-at`` host 127.0.0.1 is listed; the survivors train on (committing every
+step) until the world has ``--size`` ranks, 127.0.0.1's among them, then ``--after`` more steps. Every commit appends
+``{"commit", "rank", "size", "host", "checksum"}`` to ``--log-dir/commits-PID.jsonl``.
 """
 
 import argparse
@@ -32,7 +32,31 @@ p.add_argument("--grow-at", type=int, default=5)
 p.add_argument("--size", type=int, default=2)
 p.add_argument("--after", type=int, default=10)
 p.add_argument("--background-commit", action="store_true", help="TorchState(background_commit=True)")
+p.add_argument("--die-in-fetch", choices=("newcomer", "server"),
+               help="SIGKILL that side of the first fetch as its transfer begins (once: a marker in --log-dir)")
 args = p.parse_args()
+
+if args.die_in_fetch:  # a fault inside the library's fetch, from this script only
+    import signal
+
+    from elasticrun.worker import prefetch
+
+    _group = prefetch._Conn.group
+    marker = os.path.join(args.log_dir, "died-in-fetch")
+
+    def die(*_a):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    class Dying:
+        send = recv = staticmethod(die)
+
+    def group(self, who, rank):
+        pg = _group(self, who, rank)
+        side = 1 if args.die_in_fetch == "newcomer" else 0
+        return Dying() if rank == side and not os.path.exists(marker) else pg
+
+    prefetch._Conn.group = group
 
 hvd.init()
 torch.set_num_threads(1)
@@ -64,7 +88,7 @@ class LoggedState(hvd.elastic.TorchState):
         if self.__dict__.get("_constructed"):
             with open(log_path, "a") as f:
                 f.write(json.dumps({"commit": self.commit_seq, "rank": hvd.rank(), "size": hvd.size(),
-                                    "checksum": checksum()}) + "\n")
+                                    "host": os.environ.get("ELASTICRUN_HOSTNAME"), "checksum": checksum()}) + "\n")
 
 
 state = LoggedState(model=model, optimizer=opt, step=0, grown=-1, background_commit=args.background_commit)
@@ -77,8 +101,9 @@ def train(state):
         if state.step == args.grow_at and hvd.rank() == 0:
             with open(args.progress, "w") as f:
                 f.write("1")  # the discovery script now lists the second host
-        if state.grown < 0 and hvd.size() >= args.size:
-            state.grown = state.step
+        if (state.grown < 0 and state.step >= args.grow_at and state.step % 5 == 0 and hvd.size() >= args.size
+                and "127.0.0.1" in hvd.allgather_object(os.environ.get("ELASTICRUN_HOSTNAME"))):
+            state.grown = state.step  # the added host (127.0.0.1) is in
         if state.grown >= 0 and state.step >= state.grown + args.after:
             return
         assert time.monotonic() < deadline, "the newcomer never joined"
