@@ -13,7 +13,6 @@ step) until the world has ``--size`` ranks, 127.0.0.1's among them, then ``--aft
 """
 
 import argparse
-import hashlib
 import json
 import os
 import time
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import elasticrun.torch as hvd
+from state_checksum import checksum as state_checksum  # (this directory)
 
 p = argparse.ArgumentParser()
 p.add_argument("--log-dir", required=True)
@@ -72,14 +72,7 @@ log_path = os.path.join(args.log_dir, f"commits-{os.getpid()}.jsonl")
 
 
 def checksum() -> str:
-    h = hashlib.sha256()
-    for t in model.state_dict().values():
-        h.update(t.detach().contiguous().numpy().tobytes())
-    for s in opt.state.values():
-        for v in s.values():
-            if isinstance(v, torch.Tensor):
-                h.update(v.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
+    return state_checksum(model, opt)
 
 
 class LoggedState(hvd.elastic.TorchState):
