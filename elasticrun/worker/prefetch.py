@@ -54,7 +54,7 @@ import zmq
 
 from elasticrun.common import env, settings
 from elasticrun.common.events import Kind
-from elasticrun.worker import collectives, rounds
+from elasticrun.worker import collectives, issuing, rounds
 from elasticrun.worker.client import Aborted, DriverClient, DriverTimeout, job_keys
 from elasticrun.worker.store import DriverStore
 
@@ -340,7 +340,7 @@ def agree(state: Any, root: int, fetched: Fetched | None, holds_newest: bool) ->
     else:
         for h in models.values():
             h.end_watch()
-    offer = collectives.broadcast_object(offer if r.rank == root else None, root, "state.prefetch", trusted=True)
+    offer = _offer_from(_broadcast_json(offer if r.rank == root else None, root))
     if r.rank == root:
         ok = True
     elif fetched is None:
@@ -364,6 +364,31 @@ def agree(state: Any, root: int, fetched: Fetched | None, holds_newest: bool) ->
             log.info("joining: the fetch does not hold (another rank serves the sync, or a rank lacks the newest "
                      "commit): the sync sends everything")
     return keep
+
+
+def _broadcast_json(obj: Any, root: int) -> Any:
+    """``obj`` from ``root`` to every rank as JSON (never a pickle: this travels over gloo)."""
+    payload = json.dumps(obj).encode() if rounds.current().rank == root else b""
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    collectives.broadcast_(length, root, "state.prefetch.size", trusted=True)
+    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
+            else torch.empty(int(length.item()), dtype=torch.uint8))
+    collectives.broadcast_(data, root, "state.prefetch", trusted=True)
+    return json.loads(issuing.tensor_bytes(data).decode()) if int(length.item()) else None
+
+
+def _offer_from(raw: Any) -> dict[str, tuple[int, list[str]]]:
+    """The root's offer, checked: {model attribute: (watch epoch, names of unchanged tensors)};
+    anything else is no offer (the sync then sends everything)."""
+    if not isinstance(raw, dict):
+        return {}
+    offer = {}
+    for attr, value in raw.items():
+        if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], int)
+                and isinstance(value[1], list) and all(isinstance(n, str) for n in value[1])):
+            return {}
+        offer[str(attr)] = (value[0], value[1])
+    return offer
 
 
 def _nbytes(t: Any) -> int:
