@@ -199,8 +199,9 @@ class Server(threading.Thread):
         state = self.state()
         if state is None:
             return
-        conn = _Conn("prefetch-send", self._stopping)
+        conn: _Conn | None = None
         try:
+            conn = _Conn("prefetch-send", self._stopping)
             epoch = random.getrandbits(62) + 1
             layout: dict[str, Any] = {}
             sources: list[torch.Tensor] = []
@@ -214,13 +215,14 @@ class Server(threading.Thread):
                 answer = json.dumps({"models": {}})
             conn.store.set(f"{KEY}/layout/{who}", answer)
             take = conn.read(f"{KEY}/go/{who}", GO_WAIT_S)
-            if not isinstance(take, list) or not take:
-                return
+            if not (isinstance(take, list) and take and all(type(i) is int for i in take)
+                    and take == sorted(set(take)) and 0 <= take[0] and take[-1] < len(sources)):
+                return  # nothing wanted (or not a list of offered tensors)
             start = time.monotonic()
             pg = conn.group(who, 0)
             nbytes = 0
             for tag, i in enumerate(take):
-                t = sources[int(i)]
+                t = sources[i]
                 pg.send([t], 1, tag).wait()
                 nbytes += t.numel() * t.element_size()
             del pg
@@ -230,7 +232,8 @@ class Server(threading.Thread):
             log.info("rank 0: newcomer %s did not fetch the committed model (%s); it joins with a full sync",
                      who, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
         finally:
-            conn.close()
+            if conn is not None:
+                conn.close()
 
 
 _server: Server | None = None
