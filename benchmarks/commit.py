@@ -13,6 +13,9 @@ Runs two jobs one after the other (never concurrently: timings on 2 cores go wro
         copy_     ``dst.copy_(src)`` of the same bytes into a pre-allocated tensor (the floor)
         per-tensor ``buf.copy_(t)`` for every state tensor into pre-allocated buffers
         save      ``state.save()``, the copy a commit makes
+        watched   the same save while a newcomer's fetch watches the model (worker/prefetch.py):
+                  each model tensor compared with its committed copy before it is written;
+                  nothing changed here, so every byte is compared (the worst case)
         commit    ``state.commit()`` (save + the host check, a no-op without the launcher)
       Also the same 16 MB spread over ``--deep-layers`` Linear layers (hundreds of tensors,
       like a small CNN or transformer) to show what each tensor costs.
@@ -101,6 +104,7 @@ def run_commit(args) -> None:
     import torch
 
     import elasticrun.torch as hvd
+    from elasticrun.worker.state_handlers import ModelStateHandler
 
     torch.set_num_threads(args.threads)
     hvd.init()  # standalone: a 1-rank job
@@ -121,17 +125,27 @@ def run_commit(args) -> None:
             for b, t in zip(bufs, live):
                 b.copy_(t)
 
+        models = [h for h in state._handlers.values() if isinstance(h, ModelStateHandler)]
+
+        def watched(models=models, state=state):
+            for h in models:
+                h.watch(1)
+            state.save()
+            for h in models:
+                h.end_watch()
+
         fns = {
             "clone": lambda: src.clone(),  # freed after the timer stops
             "copy_": lambda: dst.copy_(src),
             "per_tensor": per_tensor,
             "save": state.save,
+            "watched": watched,
             "commit": state.commit,
         }
         rounds = args.repeats if mb <= 32 else max(5, args.repeats // 2)
         rows.append({"mb": nbytes / MiB, "optimizer": optname, "layers": layers, "tensors": len(live),
                      **summary(interleaved(fns, rounds))})
-        del model, opt, state, live, bufs, src, dst
+        del model, opt, state, live, bufs, src, dst, models, watched
     print(json.dumps({"commit": rows}), flush=True)
 
 
@@ -260,7 +274,8 @@ def main() -> None:
               f"bytes; 1 process, {args.threads} torch thread(s); median ms (min) over {args.repeats} "
               f"interleaved rounds")
         head = (f"{'state':<28} {'tensors':>7} {'clone':>14} {'copy_':>14} {'per-tensor':>14} {'save':>14} "
-                f"{'commit':>14} {'save/copy_':>10} {'commit/copy_':>12} {'commit/clone':>12}")
+                f"{'watched':>14} {'commit':>14} {'save/copy_':>10} {'commit/copy_':>12} {'commit/clone':>12} "
+                f"{'watched/save':>12}")
         print(head)
         for r in rows:
             def cell(k, r=r):
@@ -268,9 +283,10 @@ def main() -> None:
             label = f"{r['mb']:.0f} MB {'SGD-m' if r['optimizer'] == 'sgd' else 'Adam'}, {r['layers']} layers"
             floor = r["copy_"]["median_ms"]
             print(f"{label:<28} {r['tensors']:>7} {cell('clone')} {cell('copy_')} {cell('per_tensor')} "
-                  f"{cell('save')} {cell('commit')} {r['save']['median_ms'] / floor:>10.2f} "
+                  f"{cell('save')} {cell('watched')} {cell('commit')} {r['save']['median_ms'] / floor:>10.2f} "
                   f"{r['commit']['median_ms'] / floor:>12.2f} "
-                  f"{r['commit']['median_ms'] / r['clone']['median_ms']:>12.2f}")
+                  f"{r['commit']['median_ms'] / r['clone']['median_ms']:>12.2f} "
+                  f"{r['watched']['median_ms'] / r['save']['median_ms']:>12.2f}")
         for r in rows:
             ratio = r["commit"]["median_ms"] / r["copy_"]["median_ms"]
             print(f"  commit <= 1.5 x copy_, {r['mb']:.0f} MB {r['optimizer']} {r['layers']} layers: "

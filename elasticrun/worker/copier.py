@@ -39,7 +39,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["CopyPlan", "DeviceCopy", "MEMMOVE_MAX_BYTES", "Watch", "commit_buffers", "same_bytes", "watched_copy"]
+__all__ = ["CopyPlan", "DeviceCopy", "MEMMOVE_MAX_BYTES", "Watch", "WatchedPlan", "commit_buffers", "same_bytes",
+           "watched_copy"]
 
 log = logging.getLogger("elasticrun.worker")
 
@@ -298,6 +299,27 @@ class Watch:
 
     def unchanged(self, names: list[str]) -> list[str]:
         return [] if self.everything else [n for n in names if n not in self.changed]
+
+
+class WatchedPlan:
+    """A commit's copy while a watch is set, built once per plan: tensors of at most
+    :data:`MEMMOVE_MAX_BYTES`, and any not both on the CPU, are copied by one :class:`CopyPlan`
+    and named as changed (sending them again in the join's sync costs less than comparing
+    them one by one, ~3 µs of Python each); the larger ones are compared first
+    (:func:`watched_copy`)."""
+
+    def __init__(self, named: Sequence[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        def compared(src: torch.Tensor, buf: torch.Tensor) -> bool:
+            return src.device.type == "cpu" and buf.device.type == "cpu" and _nbytes(src) > MEMMOVE_MAX_BYTES
+        small = [t for t in named if not compared(t[1], t[2])]
+        self._plan = CopyPlan([src for _, src, _ in small], [buf for _, _, buf in small])
+        self._names = [name for name, _, _ in small]
+        self._large = [t for t in named if compared(t[1], t[2])]
+
+    def run(self, watch: Watch) -> None:
+        self._plan.run()
+        watch.changed.update(self._names)
+        watched_copy(self._large, watch)
 
 
 def watched_copy(named: Sequence[tuple[str, torch.Tensor, torch.Tensor]], watch: Watch) -> None:

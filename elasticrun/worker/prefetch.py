@@ -25,7 +25,7 @@ survivors' stall then grows with what changed since the fetch (the trained param
 not with the model (frozen weights, embeddings nobody trains, large buffers). Otherwise
 (another root, a second reset, a model of another shape) the sync sends everything, as
 without a fetch. The survivors pay for it with commits that compare before they copy
-while a fetch is under way (about the cost of the copy: ``copier.same_bytes``).
+while a fetch is under way (0.95-1.03x a plain commit: ``copier.WatchedPlan``).
 
 What it does not do: catch a newcomer up on parameters that train. Those still travel in
 the join's sync; taking them off the survivors' clock too needs the newcomer to replay the

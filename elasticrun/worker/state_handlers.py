@@ -26,7 +26,7 @@ import torch
 
 from elasticrun.worker import collectives
 from elasticrun.worker.broadcast import broadcast_optimizer_state, broadcast_parameters
-from elasticrun.worker.copier import CopyPlan, DeviceCopy, Watch, commit_buffers, watched_copy
+from elasticrun.worker.copier import CopyPlan, DeviceCopy, Watch, WatchedPlan, commit_buffers
 from elasticrun.worker.optimizer import abandon_step
 from elasticrun.worker.sampler import ElasticSampler
 
@@ -153,6 +153,7 @@ class ModelStateHandler(StateHandler):
         # what commits overwrite is compared first and named. The lock orders the fetch's
         # start against every write into the buffers (a background commit's included).
         self._watch: Watch | None = None
+        self._watched: tuple[CopyPlan, WatchedPlan] | None = None  # the plan it was built for, and it
         self._lock = threading.Lock()
         self.save()
 
@@ -167,10 +168,14 @@ class ModelStateHandler(StateHandler):
             if self._watch is not None and self._watch.expired(time.monotonic()):
                 self._watch = None  # its newcomer never joined; a later one fetches under a new watch
             if self._plan is not None and self._plan_is_current():
-                if self._watch is not None or keep:
+                if self._watch is not None and not keep:
+                    if self._watched is None or self._watched[0] is not self._plan:
+                        self._watched = (self._plan, WatchedPlan(self._named_pairs()))
+                    self._watched[1].run(self._watch)
+                elif self._watch is not None or keep:
                     named = [t for t in self._named_pairs() if t[0] not in keep]
                     if self._watch is not None:
-                        watched_copy(named, self._watch)
+                        WatchedPlan(named).run(self._watch)
                     else:
                         CopyPlan([src for _, src, _ in named], [buf for _, _, buf in named]).run()
                 else:
