@@ -298,7 +298,7 @@ def run_job(args) -> dict[str, list[float]]:
         except subprocess.TimeoutExpired:
             sys.exit(f"the job did not end within 60 s of the stop file; its console: {console.name}")
         ended = sorted(t for name in os.listdir(tmp) if name.startswith("stop.steps-")
-                       for t in json.load(open(os.path.join(tmp, name))))
+                       for t in _read_json(os.path.join(tmp, name)))
         gaps = [(b, b - a) for a, b in zip(ended, ended[1:])]
         for start, end in fetches:  # the longest step that overlapped the fetch, and before it
             during = [g for t, g in gaps if t > start and t - g < end]
@@ -315,6 +315,11 @@ def run_job(args) -> dict[str, list[float]]:
         if args.keep_events:
             shutil.copyfile(events, args.keep_events)
     return out
+
+
+def _read_json(path: str) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _pid_of(worker_id: str) -> int:

@@ -323,13 +323,10 @@ class WatchedPlan:
 
 
 def watched_copy(named: Sequence[tuple[str, torch.Tensor, torch.Tensor]], watch: Watch) -> None:
-    """Copy each ``(name, source, buffer)``, as a commit does, writing only what differs and
-    naming it in ``watch``; pairs that are not both on the CPU are copied and named."""
+    """Copy each ``(name, source, buffer)`` of host tensors, as a commit does, writing only
+    what differs and naming it in ``watch``."""
     with torch.no_grad():
         for name, src, buf in named:
-            if src.device.type == "cpu" and buf.device.type == "cpu" and same_bytes(src, buf):
-                continue
-            buf.copy_(src)
-            watch.changed.add(name)
-    if any(src.is_cuda and not buf.is_cuda for _, src, buf in named):
-        torch.cuda.synchronize()
+            if not same_bytes(src, buf):
+                buf.copy_(src)
+                watch.changed.add(name)

@@ -77,9 +77,6 @@ GO_WAIT_S = 10.0  # rank 0's wait for the newcomer's choice
 FETCH_MIN_BYTES = 4 << 20
 LAYOUT_MAX_CHARS = 600_000  # a layout this long (some 8,000 tensors) is not offered: frames are 1 MiB
 _ID = re.compile(r"[A-Za-z0-9_.:@-]{1,80}")
-_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
-                               torch.complex128)}
 
 Fetched = dict[str, tuple[int, frozenset[str]]]  # model attribute -> (watch epoch, names received)
 
@@ -297,7 +294,7 @@ def fetch(state: Any, worker_id: str, emit: Callable[..., None]) -> Fetched | No
             for name, shape, dtype in offer["tensors"]:
                 t = live.get(name)
                 if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
-                        and list(t.shape) == list(shape) and _DTYPES.get(dtype) == t.dtype and t.numel() > 0):
+                        and list(t.shape) == list(shape) and str(t.dtype) == dtype and t.numel() > 0):
                     take.append(index)
                     targets.append(t.detach())
                     received.setdefault(attr, (int(offer["epoch"]), []))[1].append(name)

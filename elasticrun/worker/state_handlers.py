@@ -147,8 +147,9 @@ class ModelStateHandler(StateHandler):
         self._plan_generation = -1
         self._dicts: list[Any] = []  # see _structure_dicts; empty: no fast path
         self._sizes: list[int] = []
-        # For background commits: (guarded parameter ids, their plan, the rest's plan).
-        self._split: tuple[frozenset[int], CopyPlan, CopyPlan] | None = None
+        # For background commits: (guarded parameter ids, their plan, the rest's plan, the names
+        # of the rest's tensors).
+        self._split: tuple[frozenset[int], CopyPlan, CopyPlan, list[str]] | None = None
         # While a newcomer fetches the committed tensors from this rank (worker/prefetch.py):
         # what commits overwrite is compared first and named. The lock orders the fetch's
         # start against every write into the buffers (a background commit's included).
@@ -219,13 +220,14 @@ class ModelStateHandler(StateHandler):
             if self._split is None or self._split[0] != guarded:
                 assert self._plan is not None  # current, checked above
                 now_plan, later_plan = self._plan.split(lambda t: id(t) not in guarded)
-                self._split = (guarded, now_plan, later_plan)
+                later_buffers = {id(buf) for _, buf in later_plan.members()}
+                later_names = [name for name, _, buf in self._named_pairs() if id(buf) in later_buffers]
+                self._split = (guarded, now_plan, later_plan, later_names)
             self._split[1].run()
         later = _later(self._split[2])
         if isinstance(later, DeviceCopy):
             return later  # GPU to GPU: never fetched by a newcomer (worker/prefetch.py serves host memory)
-        later_buffers = {id(buf) for _, buf in self._split[2].members()}
-        names = [name for name, _, buf in self._named_pairs() if id(buf) in later_buffers]
+        names = self._split[3]
 
         def copy_later() -> None:
             with self._lock:
