@@ -40,7 +40,7 @@ from elasticrun.driver.environment import worker_environment
 from elasticrun.driver.functions import Service
 from elasticrun.driver.kvstore import KVStore
 from elasticrun.driver.launching import Launcher
-from elasticrun.driver.network import DriverEndpoints, driver_bind_address, zmq_endpoint
+from elasticrun.driver.network import DriverEndpoints, driver_bind_address, io_threads, usable_cores, zmq_endpoint
 from elasticrun.driver.notifications import Notifications
 from elasticrun.driver.output import OutputSink
 from elasticrun.driver.resets import ResetTracker
@@ -221,8 +221,9 @@ class ElasticDriver:
             self._launcher.stop_all(0.0)  # nothing runs yet but, perhaps, a warm-start template
             self._close_checkpoints()
             raise
-        _raise_open_file_limit(self.settings.max_np or self.settings.np)
-        ctx = zmq.Context()
+        most = self.settings.max_np or self.settings.np
+        _raise_open_file_limit(most)
+        ctx = zmq.Context(io_threads=io_threads(most, usable_cores()))
         # Only the job's workers get in: both sockets are CURVE servers, and this ZAP handler
         # (bound before them) admits only the job's client key, so no frame of anyone else ever
         # reaches them (a PUB socket would store any subscription it is sent). MAXMSGSIZE also

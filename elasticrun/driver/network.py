@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import socket
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -51,6 +52,35 @@ def interface_address(nic: str) -> str:
         except OSError:
             raise OSError(errno.EADDRNOTAVAIL, f"network interface {nic!r} has no IPv4 address") from None
     return socket.inet_ntoa(packed[20:24])
+
+
+# Workers one ZeroMQ I/O thread serves in round 0 within about 2 s: measured, each worker costs the
+# driver's I/O thread ~1.9 ms of CPU there (3 CURVE handshakes and the first messages; 2,048
+# workers, benchmarks/driver_scale.py), more than the driver's own loop spends on it.
+WORKERS_PER_IO_THREAD = 1024
+MAX_IO_THREADS = 8
+
+
+def io_threads(workers: int, cores: int) -> int:
+    """How many I/O threads the driver's ZeroMQ context gets for a job of up to ``workers``.
+
+    ZeroMQ runs every connection's CURVE handshake and encryption on an I/O thread, one by
+    default: past a thousand workers that one thread is the driver's bottleneck in round 0
+    (the handshakes of every worker at once). Accepted connections go to the least loaded
+    I/O thread, so more threads spread them over more cores. At most half the cores (the
+    driver's loop, its ZAP handler and the machine's other work need the rest), and one for
+    jobs under ``WORKERS_PER_IO_THREAD``: a small job gains nothing from more.
+    """
+    wanted = -(-max(1, workers) // WORKERS_PER_IO_THREAD)  # ceil
+    return max(1, min(wanted, cores // 2, MAX_IO_THREADS))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def check_bindable(address: str) -> None:

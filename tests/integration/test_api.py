@@ -121,6 +121,45 @@ def test_returns_each_ranks_value_in_rank_order(tag, capsys):
     assert [v["total"] for v in box["v"]] == [2.0, 2.0]
 
 
+def _io_thread_count() -> int:
+    """ZeroMQ I/O threads alive in this process now (their names, from /proc: Linux)."""
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().startswith("ZMQbg/IO")
+        except OSError:
+            pass  # the thread ended
+    return count
+
+
+def test_a_driver_with_several_io_threads_serves_its_workers(tag, monkeypatch):
+    # What a big job on a big machine gets (elasticrun.driver.network.io_threads): forced here,
+    # where two cores give every job one I/O thread.
+    from elasticrun.driver import driver as drv
+
+    asked = []
+    monkeypatch.setattr(drv, "io_threads", lambda workers, cores: asked.append(workers) or 3)
+    baseline = _io_thread_count()
+    most = [0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.005):
+            most[0] = max(most[0], _io_thread_count() - baseline)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        values = elasticrun.run(sum_of_ranks, args=(0,), np=2, hosts="localhost:1,127.0.0.1:1")
+    finally:
+        stop.set()
+        watcher.join()
+    assert [(v["rank"], v["total"]) for v in values] == [(0, 1.0), (1, 1.0)]
+    assert asked == [2]  # sized for the job's most workers
+    assert most[0] >= 3, f"the driver's context ran {most[0]} I/O thread(s), not 3"
+
+
 def test_failing_function_raises_with_the_failing_ranks_traceback(tag):
     with pytest.raises(elasticrun.RunError) as info:
         elasticrun.run(fails_on_rank_1, np=2, hosts="localhost:1,127.0.0.1:1")

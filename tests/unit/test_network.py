@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -88,3 +89,19 @@ def test_driver_bind_address_from_the_flags():
     assert network.driver_bind_address(settings()) is None  # per host, routed
     assert network.driver_bind_address(settings(driver_address="10.1.2.3")) == "10.1.2.3"
     assert network.driver_bind_address(settings(network_interface="lo")) == "127.0.0.1"
+
+
+def test_the_driver_spreads_connections_over_io_threads_only_for_big_jobs_on_big_machines():
+    # a job of a few workers: one I/O thread, whatever the machine (nothing to spread)
+    assert network.io_threads(2, 64) == 1
+    assert network.io_threads(1024, 64) == 1
+    assert network.io_threads(1025, 64) == 2
+    assert network.io_threads(4096, 16) == 4  # the 4,096 workers on a 16-core machine
+    assert network.io_threads(4096, 2) == 1  # two cores: the driver's loop needs the other
+    assert network.io_threads(4096, 5) == 2  # at most half the cores
+    assert network.io_threads(100_000, 256) == network.MAX_IO_THREADS
+    assert network.io_threads(0, 16) == 1 and network.io_threads(4096, 1) == 1
+
+
+def test_usable_cores_is_what_this_process_may_run_on():
+    assert 1 <= network.usable_cores() <= (os.cpu_count() or 1)
