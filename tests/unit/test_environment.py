@@ -116,11 +116,12 @@ def test_the_launch_environment_carries_the_interval_for_the_jobs_size():
                                      notify_addr="tcp://x:2", base_env={}, remote=False)
         return float(environ[env.HEARTBEAT_INTERVAL]), float(environ[env.DRIVER_TIMEOUT])
 
-    assert interval(4) == (0.5, 5.0) and interval(4096) == (1.25, 10.24)
+    assert interval(4) == (0.5, 5.0) and interval(4096) == (1.25, 20.48)
 
 
 def test_workers_wait_longer_for_a_driver_busy_with_thousands():
     assert driver_timeout(5.0, 2) == 5.0
-    assert driver_timeout(5.0, 2000) == 5.0
-    assert driver_timeout(5.0, 4096) == 10.24
+    assert driver_timeout(5.0, 1000) == 5.0
+    assert driver_timeout(5.0, 2048) == 10.24
+    assert driver_timeout(5.0, 4096) == 20.48
     assert driver_timeout(30.0, 4096) == 30.0
