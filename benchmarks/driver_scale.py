@@ -2,7 +2,7 @@
 
     flock /tmp/elasticrun-heavy.lock python benchmarks/driver_scale.py [--workers 256 1024]
         [--slots 4] [--steady 3] [--timeout 60] [--budget 280] [--modes bare driver]
-        [--heartbeat-timeout 5] [--backlog N] [--profile DIR] [--sim-procs K]
+        [--heartbeat-timeout 5] [--backlog N] [--driver-io-threads K] [--profile DIR] [--sim-procs K]
 
 For every size N (hosts h0..h{N/4-1} with 4 slots each) two jobs run one after the other, each
 with its server in a separate process (the other core) and all N simulated workers in this one
@@ -45,7 +45,11 @@ in <= 2 s, a notification at all 1024 in <= 100 ms.
 What-ifs (not the defaults): --heartbeat-timeout sets the driver's (the CLI default is 5 s);
 --backlog sets ZMQ_BACKLOG on the server process's sockets (ZeroMQ's default accept queue is
 100; longer bursts of connections overflow it and the kernel drops SYNs, which TCP retries
-after 1 s). --profile DIR records the driver process with ``py-spy record --format raw``
+after 1 s); --driver-io-threads K gives the server's ZeroMQ context K I/O threads instead of
+what the driver picks (one below 1,024 workers or on 2 cores). The table splits the server's CPU
+by thread (Linux /proc): ZeroMQ's I/O threads, which run every CURVE handshake and encryption,
+and the busiest single thread, which no number of cores can make faster: round 0's floor on
+a machine with cores to spare. --profile DIR records the driver process with ``py-spy record --format raw``
 (collapsed stacks, DIR/driver-N.txt); a profiled run's timings are perturbed.
 """
 
@@ -97,9 +101,42 @@ def _rss_kib() -> int:
         return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
 
 
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds of each thread of this process, ZeroMQ's own included, by thread id (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue  # the thread ended
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
+    return out
+
+
 def _stats() -> dict:
     return {"cpu": time.process_time(), "wall": time.time(), "rss_kib": _rss_kib(),
-            "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "threads": threading.active_count()}
+            "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "threads": threading.active_count(),
+            "thread_cpu": _thread_cpu()}
+
+
+def _thread_split(before: dict, after: dict) -> dict:
+    """Between two stats: the busiest thread's CPU and name, ZeroMQ's I/O threads' CPU and
+    count, and the Python threads' CPU together (one GIL: their sum is a floor of its own)."""
+    a, b = after.get("thread_cpu", {}), before.get("thread_cpu", {})
+    spent = {tid: (name, cpu - b.get(tid, (name, 0.0))[1]) for tid, (name, cpu) in a.items()}
+    io = [cpu for name, cpu in spent.values() if name.startswith("ZMQbg/IO")]
+    name, most = max(spent.values(), key=lambda v: v[1], default=("-", 0.0))
+    python = sum(cpu for name, cpu in spent.values() if not name.startswith("ZMQbg/"))
+    return {"busiest_round0": most, "busiest_name": name, "io_round0": sum(io), "io_threads": len(io),
+            "python_round0": python}
 
 
 def _server_main(mode: str, hosts: dict, np_: int, min_np: int, out_conn, in_conn, log_path: str,
@@ -118,6 +155,17 @@ def _server_main(mode: str, hosts: dict, np_: int, min_np: int, out_conn, in_con
                 self.setsockopt(zmq.BACKLOG, backlog)  # a default for the sockets it creates
 
         zmq.Context = _Context  # type: ignore[misc]
+    if options.get("io_threads"):
+        # What-if only (--driver-io-threads): the server's ZeroMQ context gets this many I/O
+        # threads, whatever the driver would choose (elasticrun.driver.network.io_threads).
+        forced = int(options["io_threads"])
+        base = zmq.Context
+
+        class _IOContext(base):  # type: ignore[misc, valid-type]
+            def __init__(self, io_threads: int = 1, **k):
+                super().__init__(io_threads=forced, **k)
+
+        zmq.Context = _IOContext  # type: ignore[misc]
     # Both modes import the same modules, so that their memory is comparable.
     from elasticrun.common.settings import JobSettings
     from elasticrun.driver import driver as drv
@@ -869,7 +917,8 @@ def run_job(mode: str, n_hosts: int, slots: int, args, tmp: str) -> dict:
     mpctx = mp.get_context("spawn")
     to_sim_r, to_sim_w = mpctx.Pipe(duplex=False)
     to_srv_r, to_srv_w = mpctx.Pipe(duplex=False)
-    options = {"backlog": args.backlog, "heartbeat_timeout": args.heartbeat_timeout}
+    options = {"backlog": args.backlog, "heartbeat_timeout": args.heartbeat_timeout,
+               "io_threads": args.driver_io_threads}
     proc = mpctx.Process(target=_server_main, name=f"bench-{mode}", daemon=True,
                          args=(mode, hosts, n, n - slots, to_sim_w, to_srv_r, log_path, options))
     proc.start()
@@ -909,6 +958,7 @@ def run_job(mode: str, n_hosts: int, slots: int, args, tmp: str) -> dict:
         res["launch_spread"] = max(sim.launch_walls) - first_launch
         st_r0 = sim.ask_stats("round0")
         res["cpu_round0"] = st_r0["cpu"] - hello["cpu"]
+        res.update(_thread_split(hello, st_r0))
         res["rss_round0_mib"] = st_r0["rss_kib"] / 1024
 
         # (3) steady state: heartbeats only
@@ -1032,6 +1082,10 @@ ROWS = [
     ("round1", "round 1 (host removed): publish -> all assigned", "s", 1, 2.0, 1024),
     ("round1_after_last_request", "  of which: last request -> all assigned", "s", 1, None, None),
     ("cpu_round0", "server CPU, launch + round 0", "s", 1, None, None),
+    ("io_round0", "  of which: ZeroMQ's I/O threads", "s", 1, None, None),
+    ("python_round0", "  of which: Python threads (loop, ZAP, ...: one GIL)", "s", 1, None, None),
+    # a thread cannot go faster than its own CPU: round 0's floor on a machine with cores to spare
+    ("busiest_round0", "  busiest single thread", "s", 1, None, None),
     ("cpu_steady", "server CPU, steady (heartbeats only)", "% core", 100, None, None),
     # from the end of the steady window: the driver's includes up to 1 s waiting for its discovery poll
     ("cpu_round1", "server CPU, host removal + round 1", "s", 1, None, None),
@@ -1055,6 +1109,9 @@ def print_table(n: int, bare: dict, drv: dict, args) -> list[str]:
         notes.append(f"workers simulated in {procs} processes")
     if args.backlog:
         notes.append(f"what-if: ZMQ_BACKLOG {args.backlog} on the server's sockets")
+    io = drv.get("io_threads") or bare.get("io_threads")
+    if io:
+        notes.append(f"{io} ZeroMQ I/O thread(s) in the server" + (" (what-if)" if args.driver_io_threads else ""))
     out = [f"N = {n} workers ({n // args.slots} hosts x {args.slots} slots), " + ", ".join(notes), "",
            "| metric | bare ZeroMQ | driver | ratio | target |", "| --- | ---: | ---: | ---: | --- |"]
     for key, label, unit, scale, target, only_n in ROWS:
@@ -1082,6 +1139,9 @@ def print_table(n: int, bare: dict, drv: dict, args) -> list[str]:
             out.append(f"\n{res['mode']} FAILED{after}{killed}: {error}")
         if res.get("warning"):
             out.append(f"\nWARNING ({res['mode']}): {res['warning']}")
+        if res.get("busiest_name"):
+            out.append(f"\nnote ({res['mode']}): the busiest thread in round 0 was {res['busiest_name']!r} "
+                       f"(python: the server's threads; ZMQbg/IO/k: ZeroMQ's I/O threads)")
         if res.get("notify_via_heartbeat"):
             out.append(f"\nnote ({res['mode']}): {res['notify_via_heartbeat']} worker(s) heard of the update "
                        f"from a heartbeat reply before the PUB frame")
@@ -1105,6 +1165,9 @@ def main() -> int:
                    help="the driver's --heartbeat-timeout (default 5, the CLI's default)")
     p.add_argument("--backlog", type=int, default=None,
                    help="what-if: set ZMQ_BACKLOG on the server's sockets (ZeroMQ's default is 100)")
+    p.add_argument("--driver-io-threads", type=int, default=None, metavar="K",
+                   help="what-if: give the server's ZeroMQ context K I/O threads (the driver picks its own "
+                        "from the job's size and the cores: elasticrun.driver.network.io_threads)")
     args = p.parse_args()
     if args.profile and not shutil.which("py-spy"):
         p.error("--profile needs py-spy on PATH")
