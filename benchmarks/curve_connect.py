@@ -33,25 +33,11 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import zmq  # noqa: E402
+from _threads import spent, thread_cpu  # noqa: E402
 
 from elasticrun.common import auth  # noqa: E402
 
 MODES = ("null", "curve", "curve+zap")
-
-
-def _thread_cpu() -> dict[int, tuple[str, float]]:
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except OSError:
-            continue
-        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
-    return out
 
 
 def _server(mode: str, keys: auth.JobKeys, n: int, io_threads: int, conn) -> None:
@@ -63,17 +49,16 @@ def _server(mode: str, keys: auth.JobKeys, n: int, io_threads: int, conn) -> Non
     if mode != "null":
         auth.secure_server(sock, keys, 1 << 20)
     conn.send(sock.bind_to_random_port("tcp://127.0.0.1"))
-    before = _thread_cpu()
+    before = thread_cpu()
     for _ in range(n):
         if not sock.poll(60_000):
             conn.send(None)
             break
         sock.send_multipart(sock.recv_multipart())
     else:
-        after = _thread_cpu()
-        spent = {tid: (name, cpu - before.get(tid, (name, 0.0))[1]) for tid, (name, cpu) in after.items()}
-        io = sum(cpu for name, cpu in spent.values() if name.startswith("ZMQbg/IO"))
-        rest = sum(cpu for name, cpu in spent.values() if not name.startswith("ZMQbg/"))
+        by_thread = spent(before, thread_cpu()).values()
+        io = sum(cpu for name, cpu in by_thread if name.startswith("ZMQbg/IO"))
+        rest = sum(cpu for name, cpu in by_thread if not name.startswith("ZMQbg/"))
         conn.send((io, rest))
     conn.recv()  # the client is done: close
     sock.close(0)

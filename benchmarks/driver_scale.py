@@ -81,6 +81,8 @@ if ROOT not in sys.path:
 
 import zmq  # noqa: E402
 
+from _threads import spent, thread_cpu  # noqa: E402
+
 from elasticrun.common import auth  # noqa: E402
 from elasticrun.common import env as E  # noqa: E402
 from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, ProtocolError, new_sender_id  # noqa: E402
@@ -101,40 +103,19 @@ def _rss_kib() -> int:
         return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
 
 
-def _thread_cpu() -> dict[int, tuple[str, float]]:
-    """CPU seconds of each thread of this process, ZeroMQ's own included, by thread id (Linux)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[int, tuple[str, float]] = {}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except OSError:
-            continue  # the thread ended
-        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
-    return out
-
-
 def _stats() -> dict:
     return {"cpu": time.process_time(), "wall": time.time(), "rss_kib": _rss_kib(),
             "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "threads": threading.active_count(),
-            "thread_cpu": _thread_cpu()}
+            "thread_cpu": thread_cpu()}
 
 
 def _thread_split(before: dict, after: dict) -> dict:
     """Between two stats: the busiest thread's CPU and name, ZeroMQ's I/O threads' CPU and
     count, and the Python threads' CPU together (one GIL: their sum is a floor of its own)."""
-    a, b = after.get("thread_cpu", {}), before.get("thread_cpu", {})
-    spent = {tid: (name, cpu - b.get(tid, (name, 0.0))[1]) for tid, (name, cpu) in a.items()}
-    io = [cpu for name, cpu in spent.values() if name.startswith("ZMQbg/IO")]
-    name, most = max(spent.values(), key=lambda v: v[1], default=("-", 0.0))
-    python = sum(cpu for name, cpu in spent.values() if not name.startswith("ZMQbg/"))
+    by_thread = spent(before.get("thread_cpu", {}), after.get("thread_cpu", {})).values()
+    io = [cpu for name, cpu in by_thread if name.startswith("ZMQbg/IO")]
+    name, most = max(by_thread, key=lambda v: v[1], default=("-", 0.0))
+    python = sum(cpu for name, cpu in by_thread if not name.startswith("ZMQbg/"))
     return {"busiest_round0": most, "busiest_name": name, "io_round0": sum(io), "io_threads": len(io),
             "python_round0": python}
 
