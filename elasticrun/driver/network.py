@@ -67,7 +67,8 @@ def io_threads(workers: int, cores: int) -> int:
     ZeroMQ runs every connection's CURVE handshake and encryption on an I/O thread, one by
     default: past a thousand workers that one thread is the driver's bottleneck in round 0
     (the handshakes of every worker at once). Accepted connections go to the least loaded
-    I/O thread, so more threads spread them over more cores. At most half the cores (the
+    I/O thread, so more threads spread them over more cores. At most half the usable cores
+    (affinity and container quota: :func:`usable_cores`; the
     driver's loop, its ZAP handler and the machine's other work need the rest), and one for
     jobs under ``WORKERS_PER_IO_THREAD``: a small job gains nothing from more.
     """
@@ -75,12 +76,48 @@ def io_threads(workers: int, cores: int) -> int:
     return max(1, min(wanted, cores // 2, MAX_IO_THREADS))
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity, not the machine's count)."""
+def quota_cores(cpu_max: str | None, cfs_quota: str | None = None, cfs_period: str | None = None) -> int | None:
+    """The cores a cgroup's CPU quota allows, rounded up; None when it sets none.
+
+    ``cpu_max``: cgroup v2's ``cpu.max`` ("200000 100000", or "max 100000" for no limit);
+    else v1's ``cpu.cfs_quota_us`` (-1: no limit) and ``cpu.cfs_period_us``. A container
+    limited to 2 CPUs on a 64-core node sees all 64 in its affinity: the quota says 2.
+    """
     try:
-        return len(os.sched_getaffinity(0))
+        if cpu_max is not None:
+            quota, _, period = cpu_max.strip().partition(" ")
+            if quota == "max":
+                return None
+            q, p = int(quota), int(period or 100000)
+        elif cfs_quota is not None and cfs_period is not None:
+            q, p = int(cfs_quota.strip()), int(cfs_period.strip())
+        else:
+            return None
+    except ValueError:
+        return None
+    if q <= 0 or p <= 0:
+        return None
+    return max(1, -(-q // p))
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity, and no more than its container's CPU
+    quota allows (cgroup v2, else v1)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = quota_cores(_read("/sys/fs/cgroup/cpu.max"), _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
+                        _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
+    return min(cores, quota) if quota else cores
 
 
 def check_bindable(address: str) -> None:

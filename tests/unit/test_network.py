@@ -105,3 +105,15 @@ def test_the_driver_spreads_connections_over_io_threads_only_for_big_jobs_on_big
 
 def test_usable_cores_is_what_this_process_may_run_on():
     assert 1 <= network.usable_cores() <= (os.cpu_count() or 1)
+
+
+def test_a_containers_cpu_quota_caps_the_cores():
+    assert network.quota_cores("200000 100000") == 2  # cgroup v2: 2 CPUs
+    assert network.quota_cores("150000 100000") == 2  # 1.5 CPUs: rounded up
+    assert network.quota_cores("50000 100000") == 1
+    assert network.quota_cores("max 100000") is None  # no limit
+    assert network.quota_cores("max") is None
+    assert network.quota_cores(None, "400000", "100000") == 4  # cgroup v1
+    assert network.quota_cores(None, "-1", "100000") is None  # v1: no limit
+    assert network.quota_cores(None, None, None) is None  # no cgroup files
+    assert network.quota_cores("garbage") is None and network.quota_cores("0 100000") is None
