@@ -68,9 +68,9 @@ def io_threads(workers: int, cores: int) -> int:
     default: past a thousand workers that one thread is the driver's bottleneck in round 0
     (the handshakes of every worker at once). Accepted connections go to the least loaded
     I/O thread, so more threads spread them over more cores. At most half the usable cores
-    (affinity and container quota: :func:`usable_cores`; the
-    driver's loop, its ZAP handler and the machine's other work need the rest), and one for
-    jobs under ``WORKERS_PER_IO_THREAD``: a small job gains nothing from more.
+    (:func:`usable_cores`: the driver's loop, its ZAP handler and the machine's other work
+    need the rest), and one for jobs of up to ``WORKERS_PER_IO_THREAD``: a small job gains
+    nothing from more.
     """
     wanted = -(-max(1, workers) // WORKERS_PER_IO_THREAD)  # ceil
     return max(1, min(wanted, cores // 2, MAX_IO_THREADS))
