@@ -223,7 +223,10 @@ class ElasticDriver:
             raise
         most = self.settings.max_np or self.settings.np
         _raise_open_file_limit(most)
-        ctx = zmq.Context(io_threads=io_threads(most, usable_cores()))
+        threads = io_threads(most, usable_cores())
+        if threads > 1:
+            log.info("up to %d workers: their connections' encryption runs on %d ZeroMQ I/O threads", most, threads)
+        ctx = zmq.Context(io_threads=threads)
         # Only the job's workers get in: both sockets are CURVE servers, and this ZAP handler
         # (bound before them) admits only the job's client key, so no frame of anyone else ever
         # reaches them (a PUB socket would store any subscription it is sent). MAXMSGSIZE also
