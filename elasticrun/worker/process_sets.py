@@ -14,7 +14,6 @@ Horovod; :meth:`ProcessSet.rank` is the position within the set (the order of an
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -166,6 +165,6 @@ def group(process_set: ProcessSet, r: Round) -> tuple[Any, int, int, tuple[int, 
         if r.store is None:
             raise ValueError("process sets need the round's store; this round has none")
         store = dist.PrefixStore("elasticrun/ps/" + ",".join(map(str, ranks)), r.store)
-        pg = dist.ProcessGroupGloo(store, ranks.index(r.rank), len(ranks), timedelta(seconds=r.collective_timeout))
+        pg = dist.ProcessGroupGloo(store, ranks.index(r.rank), len(ranks), rounds.group_timeout(r.collective_timeout))
         r.subgroups[ranks] = pg
     return pg, ranks.index(r.rank), len(ranks), ranks

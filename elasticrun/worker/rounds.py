@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
 from elasticrun.common.events import Kind
@@ -35,6 +36,20 @@ __all__ = ["Round", "current", "defer", "install", "placed", "uninstall"]
 #: How many recent operations a round remembers for ``join()``: more than any rank issues
 #: before it waits for one (the DistributedOptimizer's buckets of one step).
 _LOG = 4096
+
+#: How much longer than the collective timeout a gloo group's own timeout runs (at least; 10 %
+#: of long timeouts). The wait loop (worker/waiting.py) gives up at the collective timeout with
+#: CollectiveTimeout, which this rank reports so that the driver aborts the round for every
+#: peer. A gloo group with the very same timeout raced it: when gloo failed the work first,
+#: the failure looked like any other (a dead peer, which the driver sees itself), the round was
+#: not aborted, and the peers blocked with this rank waited out timeouts of their own.
+GROUP_TIMEOUT_SLACK = 1.0
+
+
+def group_timeout(collective_timeout: float) -> timedelta:
+    """The timeout a round's gloo groups are formed with: past the collective timeout, so that
+    the wait loop's own deadline (and its report to the driver) always comes first."""
+    return timedelta(seconds=collective_timeout + max(GROUP_TIMEOUT_SLACK, 0.1 * collective_timeout))
 
 
 class Round:

@@ -31,7 +31,6 @@ import socket
 import sys
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -398,7 +397,7 @@ class Runtime:
             if self.pg is None:
                 store = dist.HashStore()
                 self.enter_round(0, self.rank, self.size, dist.ProcessGroupGloo(
-                    store, 0, 1, timedelta(seconds=self.collective_timeout)), store)
+                    store, 0, 1, rounds.group_timeout(self.collective_timeout)), store)
                 self.export_environment(f"127.0.0.1:{_free_port()}")
             return
         assert self._client is not None
@@ -463,7 +462,7 @@ class Runtime:
             # A world of one has no peer to meet: its group, store and MASTER_PORT are local
             # (the driver's store would cost round trips on the recovery path for nothing).
             store: dist.Store = dist.HashStore()
-            r.pg = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=self.collective_timeout))
+            r.pg = dist.ProcessGroupGloo(store, 0, 1, rounds.group_timeout(self.collective_timeout))
             r.store = store
             self.export_environment(f"{self.hostname}:{_free_port()}")
             if r.device_backend == "nccl" and devices.requested() == "nccl":
@@ -481,7 +480,7 @@ class Runtime:
             master = f"{self.hostname}:{_free_port()}"
             store.set(_MASTER_KEY, master)
         with self._store.forming():
-            r.pg = dist.ProcessGroupGloo(store, r.rank, r.size, timedelta(seconds=self.collective_timeout))
+            r.pg = dist.ProcessGroupGloo(store, r.rank, r.size, rounds.group_timeout(self.collective_timeout))
         r.store = store
         if r.rank != 0:
             master = store.get(_MASTER_KEY).decode()

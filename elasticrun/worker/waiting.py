@@ -72,9 +72,20 @@ def wait(r: Round, work: Any, what: str) -> None:
     try:
         work.wait()
     except Exception as exc:  # gloo reports a dead peer as RuntimeError / DistBackendError
+        if _timed_out(exc):
+            # The group's own timeout (rounds.group_timeout) runs past ours, so this is rare
+            # (this thread held up past both): still only this rank knows, so it must say so.
+            raise CollectiveTimeout(f"{what} did not complete within the collective timeout "
+                                    f"({r.collective_timeout:g} s); a peer is hung or unreachable ({exc})") from exc
         raise HorovodInternalError(f"{what} failed: {exc}") from exc
     if r.awaiting_first_step:  # the first collective after a reset: training moves again
         r.step_completed(what)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a failed work failed on gloo's own timeout ("Timed out waiting 2000ms for recv
+    operation to complete"), not on a peer's death ("Connection closed by peer")."""
+    return "timed out" in str(exc).lower()
 
 
 def join_key(name: str) -> str:

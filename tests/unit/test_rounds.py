@@ -80,6 +80,48 @@ def test_a_failed_collective_is_an_internal_error() -> None:
     assert events == [] and r.awaiting_first_step  # a failure is not the first step
 
 
+def test_a_work_that_gloo_timed_out_is_this_ranks_timeout() -> None:
+    # gloo's words for its own timeout: only this rank knows, so it must tell the driver
+    # (CollectiveTimeout), unlike a peer's death (above), which the driver sees itself.
+    r = make_round(timeout=2)
+    gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms for recv operation "
+                        "to complete")
+    with pytest.raises(CollectiveTimeout, match=r"allreduce a did not complete within the collective timeout "
+                                                r"\(2 s\); a peer is hung or unreachable \(.*Timed out waiting"):
+        waiting.wait(r, Work(error=gloo), "allreduce a")
+
+
+def test_a_rounds_gloo_group_times_out_after_the_wait_loop_does() -> None:
+    """Real gloo, two ranks in this process, rank 1 never joins the allreduce: the wait loop
+    gives up first, with its own words, whatever the machine's load (the group's timeout
+    trails it by at least a second)."""
+    import torch
+    import torch.distributed as dist
+
+    assert rounds.group_timeout(2.0).total_seconds() == 3.0
+    assert rounds.group_timeout(60.0).total_seconds() == 66.0
+    store = dist.HashStore()
+    groups: dict[int, Any] = {}
+    threads = [threading.Thread(target=lambda k=k: groups.__setitem__(
+        k, dist.ProcessGroupGloo(store, k, 2, rounds.group_timeout(0.2)))) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert set(groups) == {0, 1}, "the two-rank gloo group did not form"
+    r = make_round(timeout=0.2, pg=groups[0])
+    work = groups[0].allreduce([torch.ones(4)])
+    started = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match=r"allreduce x did not complete within the collective timeout "
+                                                r"\(0.2 s\); a peer is hung or unreachable$"):
+        waiting.wait(r, work, "allreduce x")
+    assert time.monotonic() - started < 1.0
+    try:  # gloo's own timeout follows a second later (the work left running fails then)
+        work.wait()
+    except Exception:
+        pass
+
+
 def test_issue_needs_a_group_and_a_live_round() -> None:
     with pytest.raises(HorovodInternalError, match="no process group"):
         issuing.issue(make_round(), lambda pg: pg, "x")
