@@ -46,11 +46,14 @@ What-ifs (not the defaults): --heartbeat-timeout sets the driver's (the CLI defa
 --backlog sets ZMQ_BACKLOG on the server process's sockets (ZeroMQ's default accept queue is
 100; longer bursts of connections overflow it and the kernel drops SYNs, which TCP retries
 after 1 s); --driver-io-threads K gives the server's ZeroMQ context K I/O threads instead of
-what the driver picks (one below 1,024 workers or on 2 cores). The table splits the server's CPU
-by thread (Linux /proc): ZeroMQ's I/O threads, which run every CURVE handshake and encryption,
-and the busiest single thread, which no number of cores can make faster: round 0's floor on
-a machine with cores to spare. --profile DIR records the driver process with ``py-spy record --format raw``
-(collapsed stacks, DIR/driver-N.txt); a profiled run's timings are perturbed.
+what the driver picks (one up to 1,024 workers or on 2 cores). --profile DIR records the driver
+process with ``py-spy record --format raw`` (collapsed stacks, DIR/driver-N.txt); a profiled
+run's timings are perturbed.
+
+The table splits the server's CPU by thread (Linux /proc): ZeroMQ's I/O threads, which run
+every CURVE handshake and encryption, the Python threads (one GIL), and the busiest single
+thread, which no number of cores can make faster: round 0's floor on a machine with cores to
+spare.
 """
 
 from __future__ import annotations

@@ -93,9 +93,10 @@ def driver_timeout(base: float, workers: int) -> float:
     """How long a worker of a job of ``workers`` waits for a silent driver before it exits:
     ``base`` (5 s) up to 1,000 workers, then 5 ms per worker. A driver forming a round of
     thousands answers heartbeats late while every worker connects: each connection's CURVE
-    handshake costs its I/O thread ~0.65 ms, three per worker, so a worker's first answer can
-    wait behind everyone's (longest gaps measured: 3.4 s at 2,048 workers on 16 cores; 5.3 s at
-    2,048 and 12.0 s at 4,096 on 2 cores shared with the simulator, 2.6-2.9 ms per worker).
+    handshake costs its I/O thread ~0.8 ms (benchmarks/curve_connect.py), three per worker, so
+    a worker's first answer can wait behind everyone's (longest gaps measured: 3.4 s at 2,048
+    workers on 16 cores; 5.3 s at 2,048 and 12.0 s at 4,096 on 2 cores shared with the
+    simulator, 2.6-2.9 ms per worker).
     Workers that gave up on a driver that is only busy would end the job they wait for."""
     return max(base, workers / WORKERS_PER_PATIENCE_SECOND)
 

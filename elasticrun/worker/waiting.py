@@ -56,8 +56,7 @@ def wait(r: Round, work: Any, what: str) -> None:
             raise HorovodInternalError(f"{what} abandoned: round {r.number} was aborted ({reason})")
         now = time.monotonic()
         if now > deadline:
-            raise CollectiveTimeout(f"{what} did not complete within the collective timeout "
-                                    f"({r.collective_timeout:g} s); a peer is hung or unreachable")
+            raise _timeout(r, what)
         if now > check:
             check = now + min(_JOIN_CHECK_MAX, now - start)
             look_for_join(r)
@@ -75,11 +74,15 @@ def wait(r: Round, work: Any, what: str) -> None:
         if _timed_out(exc):
             # The group's own timeout (rounds.group_timeout) runs past ours, so this is rare
             # (this thread held up past both): still only this rank knows, so it must say so.
-            raise CollectiveTimeout(f"{what} did not complete within the collective timeout "
-                                    f"({r.collective_timeout:g} s); a peer is hung or unreachable ({exc})") from exc
+            raise _timeout(r, what, f" ({exc})") from exc
         raise HorovodInternalError(f"{what} failed: {exc}") from exc
     if r.awaiting_first_step:  # the first collective after a reset: training moves again
         r.step_completed(what)
+
+
+def _timeout(r: Round, what: str, detail: str = "") -> CollectiveTimeout:
+    return CollectiveTimeout(f"{what} did not complete within the collective timeout ({r.collective_timeout:g} s); "
+                             f"a peer is hung or unreachable{detail}")
 
 
 def _timed_out(exc: BaseException) -> bool:
