@@ -60,6 +60,17 @@ def new_sender_id(prefix: str) -> str:
     return f"{prefix}-{os.urandom(6).hex()}"
 
 
+def copy_id(round_: int, commit: int) -> int:
+    """The id of a round's durable copy of one commit, the same on every rank: a later round's
+    copy always has the higher id (a restore can take the commit count back down)."""
+    return round_ << 32 | (commit & 0xFFFFFFFF)
+
+
+def copy_name(copy: int) -> str:
+    """A copy id as a user reads it, not as the number on the wire."""
+    return f"round {copy >> 32}'s copy of commit {copy & 0xFFFFFFFF}"
+
+
 @dataclass(frozen=True)
 class Message:
     type: str

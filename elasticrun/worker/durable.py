@@ -28,7 +28,7 @@ import torch
 import zmq
 
 from elasticrun.common.auth import WorkerKeys, secure_client
-from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, ProtocolError, new_sender_id
+from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, ProtocolError, copy_name, new_sender_id
 
 log = logging.getLogger("elasticrun.worker")
 
@@ -410,7 +410,7 @@ class DurableSender:
                 self._send(c)
                 self.sent += 1
             except Exception as exc:  # the driver refused it, or is gone: the job goes on
-                log.warning("durable copy %d: rank %d could not send its shard: %s", c.request, c.rank, exc)
+                log.warning("durable copy (%s): rank %d could not send its shard: %s", copy_name(c.request), c.rank, exc)
             finally:
                 with self._cv:
                     self._busy = False

@@ -39,7 +39,7 @@ import zmq
 
 from elasticrun.common.events import Kind
 from elasticrun.common import env, settings
-from elasticrun.common.protocol import Message
+from elasticrun.common.protocol import Message, copy_id
 from elasticrun.worker import collectives, devices, durable, prefetch, rounds, trace
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
@@ -535,8 +535,7 @@ class Runtime:
         else:
             where = {"agreed_in": "gradient allreduce"}
         if committed is not None and copy is not None and copy[0] and not copy[1] and self._durable is not None:
-            self._durable.give(committed, r.number << 32 | (committed.commit_seq & 0xFFFFFFFF), self.rank, self.size,
-                               self.steps)
+            self._durable.give(committed, copy_id(r.number, committed.commit_seq), self.rank, self.size, self.steps)
             self.copy_requests.served()
         interrupt, added = verdict
         if interrupt:

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elasticrun.common.auth import JobKeys, ZapAuthenticator
+from elasticrun.common.protocol import copy_id
 from elasticrun.driver.durable import checkpoints as ck
 from elasticrun.driver.durable.service import DurableService
 from elasticrun.worker import durable
@@ -103,6 +104,28 @@ def test_a_copy_whose_rank_never_finishes_is_dropped_and_the_old_one_stays(servi
         s.close()
     assert warned and "not all ranks sent their shards" in warned[0] and not written
     assert svc.directory.scan().newest is None and [p.name for p in tmp_path.iterdir()] == ["key"]
+
+
+def test_a_later_rounds_copy_replaces_an_unfinished_one_and_the_warning_names_both(service):
+    """All of round 0's workers died mid-copy; round 1 restored an older commit and sends its own
+    copy. The unfinished one is dropped, in words a user reads (rounds and commits, not the
+    ids on the wire), and the new one is written."""
+    ctx, keys, endpoint, svc, written, warned, done = service
+    t = [torch.ones(10)]
+    entries = durable.layout([("x", t[0])])
+    ch = durable._Channel(ctx, endpoint, keys.worker, "job")
+    s = durable.DurableSender(ctx, endpoint, keys.worker, "job")
+    try:  # round 0's rank 1 begins its shard (answered: the copy is being written), then dies
+        ch.request("ckpt_begin", {"id": copy_id(0, 17), "rank": 1, "world": 2, "commit": 17, "steps": 34,
+                                  "saved_at": 0.0, "data_bytes": 40, "meta_bytes": 0}, timeout=5)
+        assert s.hand_off(copy_id(1, 14), 0, 1, commit=14, steps=28, tensors=t, entries=entries, meta=lambda: b"m")
+        assert done.wait(30), warned
+    finally:
+        s.close()
+        ch.close()
+    assert warned == ["durable copy not written (round 0's copy of commit 17 was not whole when round 1's copy of "
+                      "commit 14 began); training goes on from the in-memory commits"], warned
+    assert [d.manifest.commit for d in written] == [14]
 
 
 def test_every_request_is_answered_and_none_ends_the_service(service):

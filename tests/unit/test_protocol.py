@@ -514,3 +514,11 @@ def test_messages_with_a_blob_have_an_authenticated_header_naming_its_length():
         b.decode_with_blob(header, b"abcd")  # the content is checked end to end (a shard's SHA-256)
     with pytest.raises(ProtocolError, match="bad MAC"):
         Codec(b"x" * 32, "job", "c").decode_with_blob(header, b"abc")
+
+
+@given(st.integers(0, 1000), st.integers(0, 2**32 - 1), st.integers(1, 1000), st.integers(0, 2**32 - 1))
+def test_a_later_rounds_copy_has_the_higher_id_and_reads_as_round_and_commit(r1, c1, later, c2):
+    """A restore can take the commit count back down; the copy of the later round still wins."""
+    a, b = protocol.copy_id(r1, c1), protocol.copy_id(r1 + later, c2)
+    assert b > a
+    assert protocol.copy_name(a) == f"round {r1}'s copy of commit {c1}"

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import zmq
 
 from elasticrun.common.auth import JobKeys, secure_server
-from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, Message, ProtocolError, new_sender_id
+from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, Message, ProtocolError, copy_name, new_sender_id
 from elasticrun.common.ratelimit import LimitedLog
 from elasticrun.driver.durable import checkpoints as ck
 
@@ -232,8 +232,8 @@ class DurableService(threading.Thread):
             raise ValueError(f"rank {rank} of {world}")
         if self._writing is not None and self._writing[0] != request:
             if request < self._writing[0]:
-                raise ValueError(f"copy {request} was replaced by copy {self._writing[0]}")
-            self._fail(f"copy {self._writing[0]} was replaced by copy {request} before it was whole")
+                raise ValueError(f"{copy_name(request)} was replaced by {copy_name(self._writing[0])}")
+            self._fail(f"{copy_name(self._writing[0])} was not whole when {copy_name(request)} began")
         if self._writer is None:
             self._writing = (request, time.monotonic())
             try:
@@ -248,7 +248,7 @@ class DurableService(threading.Thread):
 
     def _current(self, request: int) -> ck.Writer:
         if self._writer is None or self._writing is None or self._writing[0] != request:
-            raise ValueError(f"copy {request} is not being written")
+            raise ValueError(f"{copy_name(request)} is not being written")
         return self._writer
 
     def _finish(self, w: ck.Writer) -> None:
