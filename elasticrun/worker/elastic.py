@@ -241,6 +241,9 @@ def _run(func: Callable[..., Any], state: State, rt: Any, args: Any, kwargs: Any
         try:
             if rt.restore and rt.rank == 0:
                 _restore_durable(state, rt)
+                # Past round 0 this resumes a job whose every worker was lost: the driver's
+                # reset ends at this round's first step, as any other does.
+                resetting = resetting or rt.round > 0
             if not skip_sync:
                 synced = time.monotonic()
                 state.sync()

@@ -128,6 +128,9 @@ def test_every_worker_lost_then_resumed_from_the_durable_copy(job):
     assert r.returncode == 0, r.output
     assert "every worker is gone; waiting up to --elastic-timeout" in r.stderr, r.stderr
     assert re.search(RESUMED, r.stderr), r.stderr
+    # The reset from the loss to the first step after the resume is timed like any other.
+    assert re.search(r"reset 1 \(.*\): 2 -> 2 worker\(s\), training again \d+ ms after it", r.stderr), r.stderr
+    assert "ended before training resumed" not in r.stderr, r.stderr
     assert "durable copy" in r.stderr and "written in" in r.stderr
     history, resumed = committed_history(entries(job.tmp / "samples"), events(ev_path))
     assert resumed["commit"] > 0 and resumed["steps_back"] >= 0
