@@ -6,34 +6,35 @@
 
 For every size N (hosts h0..h{N/4-1} with 4 slots each) two jobs run one after the other, each
 with its server in a separate process (the other core) and all N simulated workers in this one
-(or, past what one process may open, 6 descriptors per worker, or with --sim-procs K, in K
+(or, past what one process may open, 4 descriptors per worker, or with --sim-procs K, in K
 processes that this one coordinates: ``ShardedSim``):
 
   bare    the floor: a minimal ZeroMQ server with the same sockets, socket options (CURVE
           servers behind the same ZAP handler, elasticrun.common.auth) and
           authenticated frames (HMAC + JSON, elasticrun.common.protocol) that answers
           heartbeats at once, answers the N rendezvous requests as soon as it holds all N (a
-          barrier), and publishes one ``hosts_updated`` frame on its PUB socket;
+          barrier), and sends one ``hosts_updated`` frame to every worker's heartbeat
+          connection (as the driver notifies);
   driver  the real ``ElasticDriver`` (registry, host manager, event loop, discovery thread,
           CLI defaults), given a launcher (``elasticrun.driver.launching.Launcher``) that asks
           this process to start simulated workers instead of spawning processes.
 
 A simulated worker speaks the real protocol with the job's keys (handed over by the launcher,
-as a real worker gets them through its pipe) and its worker id, over the same three CURVE
-client sockets as a real one (``DriverClient``'s DEALER for rendezvous,
-``ControlChannel``'s DEALER for heartbeats every ELASTICRUN_HEARTBEAT_INTERVAL s and its SUB for
-notifications), one Codec per socket. All 3N sockets are served by one thread through epoll
+as a real worker gets them through its pipe) and its worker id, over the same two CURVE
+client sockets as a real one (``DriverClient``'s DEALER for rendezvous, ``ControlChannel``'s
+DEALER for heartbeats every ELASTICRUN_HEARTBEAT_INTERVAL s, their replies and the driver's
+notifications), one Codec per socket. All 2N sockets are served by one thread through epoll
 on their ZMQ_FDs (zmq_poll over 3072 sockets costs ~8 ms per call here; epoll is O(ready)).
 Like a real worker after HostsUpdatedInterrupt, a worker that learns of a host update (from
-the PUB frame or a heartbeat reply, whichever comes first) asks for the next round at once.
+the notification or a heartbeat reply, whichever comes first) asks for the next round at once.
 Exits (dismissed, killed by the driver, end of job) are reported to the server's launcher.
 
 Measured per job:
   (1) round 0: first launch -> every worker holds its round-0 assignment;
   (2) graceful removal: discovery drops the last host; the driver's ``hosts_updated`` carries
       the wall-clock time it was published, so publish -> the last worker knowing of it is
-      exact (same clock; PUB frames are stamped as they leave their socket, before this one
-      thread decodes them); then publish -> every survivor holds its round-1 assignment (the
+      exact (same clock; frames on the heartbeat connection are stamped as they leave their
+      socket, before this one thread decodes them); then publish -> every survivor holds its round-1 assignment (the
       removed host's workers are dismissed);
   (3) the server process's CPU time (time.process_time: all its threads, ZeroMQ's I/O thread
       included) per phase and over --steady seconds of heartbeats only, and its RSS.
@@ -90,7 +91,7 @@ from elasticrun.common import auth  # noqa: E402
 from elasticrun.common import env as E  # noqa: E402
 from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, ProtocolError, new_sender_id  # noqa: E402
 
-ENV_KEYS = (E.WORKER_ID, E.JOB_ID, E.CONTROL_ADDR, E.NOTIFY_ADDR, E.HEARTBEAT_INTERVAL,
+ENV_KEYS = (E.WORKER_ID, E.JOB_ID, E.CONTROL_ADDR, E.HEARTBEAT_INTERVAL,
             E.DRIVER_TIMEOUT, E.HOSTNAME, E.SLOT)
 
 
@@ -259,16 +260,14 @@ def _run_bare(hosts: dict, send, in_conn) -> int:
     secret, blob = keys.secret, keys.worker.encode()
     ctx = zmq.Context()
     zap = auth.ZapAuthenticator(ctx, [keys.worker.client_public]).start()
-    router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
-    for s in (router, pub):
-        s.setsockopt(zmq.LINGER, 0)
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
     auth.secure_server(router, keys, MAX_FRAME_BYTES)
-    auth.secure_server(pub, keys, auth.PUB_MAX_FRAME_BYTES)
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
     control_addr = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
-    notify_addr = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
     rx = Codec(secret, job_id, new_sender_id("driver-rx"))
     pub_codec = Codec(secret, job_id, new_sender_id("driver-pub"))
+    listeners: dict[str, bytes] = {}  # worker -> its heartbeat connection, as the driver keeps them
     place: dict[str, tuple[str, int]] = {}
     n = itertools.count(1)
     for host, slots in hosts.items():
@@ -276,7 +275,7 @@ def _run_bare(hosts: dict, send, in_conn) -> int:
             wid = f"w{next(n)}"
             place[wid] = (host, slot)
             send(("launch", wid, {E.WORKER_ID: wid, E.JOB_ID: job_id,
-                                  E.CONTROL_ADDR: control_addr, E.NOTIFY_ADDR: notify_addr,
+                                  E.CONTROL_ADDR: control_addr,
                                   E.HEARTBEAT_INTERVAL: "0.5", E.DRIVER_TIMEOUT: "5.0", E.HOSTNAME: host,
                                   E.SLOT: str(slot)}, time.time(), blob))
     live = set(place)
@@ -301,11 +300,17 @@ def _run_bare(hosts: dict, send, in_conn) -> int:
                 if msg[0] == "exit":
                     live.discard(msg[1])
                     pending.pop(msg[1], None)
+                    listeners.pop(msg[1], None)
                 elif msg[0] == "hosts":
                     current_hosts = dict(msg[1])
                     last_ts = max(time.time(), last_ts + 1e-6)
                     updates.append([last_ts, False, True])
-                    pub.send(pub_codec.encode("hosts_updated", {"ts": last_ts, "added": False, "removed": True}))
+                    frame = pub_codec.encode("hosts_updated", {"ts": last_ts, "added": False, "removed": True})
+                    for identity in listeners.values():
+                        try:
+                            router.send_multipart([identity, frame], zmq.NOBLOCK)
+                        except zmq.ZMQError:
+                            pass
                 elif msg[0] == "stats":
                     send(("stats", msg[1], _stats()))
             if router not in events:
@@ -319,6 +324,7 @@ def _run_bare(hosts: dict, send, in_conn) -> int:
                 except (ValueError, ProtocolError):
                     continue
                 if m.type == "heartbeat":
+                    listeners[str(m.body.get("worker"))] = identity
                     reply(identity, m.sender, m.body.get("req"), "heartbeat_ack",
                           {"round": round_, "aborted": False, "reason": "", "updates": updates[-16:]})
                 elif m.type == "rendezvous":
@@ -342,7 +348,6 @@ def _run_bare(hosts: dict, send, in_conn) -> int:
         return 0
     finally:
         router.close(0)
-        pub.close(0)
         zap.stop()
         ctx.term()
 
@@ -350,7 +355,8 @@ def _run_bare(hosts: dict, send, in_conn) -> int:
 # ==============================================================================================
 # The simulated workers: one thread, epoll over every socket's ZMQ_FD
 # ==============================================================================================
-REQ, HB, SUB = 0, 1, 2
+REQ, HB = 0, 1  # a worker's sockets: requests; heartbeats, their replies and notifications
+NOTE = 2  # how an update was learnt: a notification frame (HB: a heartbeat reply)
 PIPE = ("pipe", -1)  # epoll entry of the pipe from the server process
 
 
@@ -407,7 +413,7 @@ class Sim:
         self.shard = shard
         self.closing = False
         self.ctx = zmq.Context()
-        self.ctx.set(zmq.MAX_SOCKETS, 3 * max_workers + 64)
+        self.ctx.set(zmq.MAX_SOCKETS, 2 * max_workers + 64)
         self.conn_in, self.conn_out = conn_in, conn_out
         self.ep = select.epoll()
         self.pipe_fd = conn_in.fileno()
@@ -455,21 +461,21 @@ class Sim:
         # decoding the frames of the 1023 other workers first (real workers decode in parallel).
         stamped = []
         for entry in ready:
-            if entry is not None and entry[1] == SUB:
+            if entry is not None and entry[1] == HB:
                 w = entry[0]
                 while True:
                     try:
-                        stamped.append((w, w.socks[SUB].recv(zmq.NOBLOCK), time.time()))
+                        stamped.append((w, w.socks[HB].recv(zmq.NOBLOCK), time.time()))
                     except zmq.Again:
                         break
         for entry in ready:
             if entry is PIPE:
                 self.read_pipe()
-            elif entry is not None and entry[1] != SUB:
+            elif entry is not None and entry[1] != HB:
                 self.drain(*entry)
         for w, frame, t in stamped:
             if w.alive:
-                self.handle(w, SUB, frame, t)
+                self.handle(w, HB, frame, t)
         # After a send, libzmq may have consumed the FD's edge while taking in new messages:
         # look at ZMQ_EVENTS of every socket that was sent on (the standard edge-trigger rule).
         while self.recheck:
@@ -480,7 +486,7 @@ class Sim:
         if time.monotonic() >= self.next_sweep:  # safety net; counts what the rule above missed
             self.next_sweep = time.monotonic() + 2.0
             for w in list(self.workers.values()):
-                for kind in (REQ, HB, SUB):
+                for kind in (REQ, HB):
                     if w.alive and w.socks[kind].getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         self.sweep_found += 1
                         self.drain(w, kind)
@@ -551,15 +557,11 @@ class Sim:
         w = SimWorker(wid, env[E.HOSTNAME], int(env[E.SLOT]), time.time(), float(env[E.HEARTBEAT_INTERVAL]))
         keys, job_id = auth.WorkerKeys.decode(blob), env[E.JOB_ID]
         secret = keys.secret
-        for kind, (stype, addr, name) in enumerate(((zmq.DEALER, env[E.CONTROL_ADDR], "worker"),
-                                                    (zmq.DEALER, env[E.CONTROL_ADDR], "hb"),
-                                                    (zmq.SUB, env[E.NOTIFY_ADDR], "sub"))):
-            sock = self.ctx.socket(stype)
+        for kind, name in enumerate(("worker", "hb")):
+            sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             auth.secure_client(sock, keys, MAX_FRAME_BYTES)  # as a real worker's: CURVE, frame limit
-            if stype == zmq.SUB:
-                sock.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.connect(addr)
+            sock.connect(env[E.CONTROL_ADDR])
             fd = sock.getsockopt(zmq.FD)
             w.socks.append(sock)
             w.codecs.append(Codec(secret, job_id, new_sender_id(name)))
@@ -630,7 +632,7 @@ class Sim:
                 w.dismissed = time.time()
                 self.observe("dismissed", w.wid, w.dismissed)
                 self.exit(w, 0)
-        elif kind == HB:
+        elif msg.type == "heartbeat_ack":
             now = time.monotonic()
             w.max_gap = max(w.max_gap, now - w.last_ack)
             w.last_ack = now
@@ -639,12 +641,11 @@ class Sim:
             if body.get("aborted"):
                 w.aborts.append(str(body.get("reason")))
                 self.observe("abort", w.wid)
-        else:
-            if msg.type == "hosts_updated":
-                self.learn(w, float(body["ts"]), SUB, received)
-            elif msg.type == "round_aborted":
-                w.aborts.append(str(body.get("reason")))
-                self.observe("abort", w.wid)
+        elif msg.type == "hosts_updated":
+            self.learn(w, float(body["ts"]), NOTE, received)
+        elif msg.type == "round_aborted":
+            w.aborts.append(str(body.get("reason")))
+            self.observe("abort", w.wid)
 
     def exit(self, w: SimWorker, code: int) -> None:
         """The simulated process ends: its sockets close, then the server hears of its exit."""
@@ -882,8 +883,8 @@ class ShardedSim:
 BUDGET_END = float("inf")
 
 
-#: Descriptors one simulated worker holds: 3 ZeroMQ sockets, each a mailbox and a connection.
-FDS_PER_WORKER = 6
+#: Descriptors one simulated worker holds: 2 ZeroMQ sockets, each a mailbox and a connection.
+FDS_PER_WORKER = 4
 
 
 def sim_processes(n: int, asked: int | None) -> int:
@@ -1128,7 +1129,7 @@ def print_table(n: int, bare: dict, drv: dict, args) -> list[str]:
                        f"(python: the server's threads; ZMQbg/IO/k: ZeroMQ's I/O threads)")
         if res.get("notify_via_heartbeat"):
             out.append(f"\nnote ({res['mode']}): {res['notify_via_heartbeat']} worker(s) heard of the update "
-                       f"from a heartbeat reply before the PUB frame")
+                       f"from a heartbeat reply before the notification frame")
     return out
 
 

@@ -3,12 +3,11 @@
 Two layers protect the control plane (see docs/security.md):
 
 * **CURVE** (ZeroMQ's CurveZMQ) on every connection between the driver and its workers. The
-  driver's ROUTER and PUB sockets are CURVE servers with a per-job server key pair; workers
-  are CURVE clients with a per-job client key pair. A peer that does not know the server's
-  public key cannot complete the handshake, and one that does but presents another client
-  key is refused by the driver's ZAP handler (:class:`ZapAuthenticator`), so no frame of an
-  unauthenticated peer ever reaches a socket: no subscription (which a PUB socket would store
-  in its subscription trie), no request. CURVE also encrypts the traffic.
+  driver's ROUTER sockets are CURVE servers with a per-job server key pair; workers are CURVE
+  clients with a per-job client key pair. A peer that does not know the server's public key
+  cannot complete the handshake, and one that does but presents another client key is
+  refused by the driver's ZAP handler (:class:`ZapAuthenticator`), so no frame of an
+  unauthenticated peer ever reaches a socket. CURVE also encrypts the traffic.
   CURVE without a ZAP handler accepts *any* client key (measured), so the handler is bound
   before the sockets and lives as long as they do.
 * **HMAC** (``elasticrun.common.protocol``): every message is authenticated with the job
@@ -42,10 +41,6 @@ ZAP_DOMAIN = "elasticrun"
 #: A connection that has not completed its handshake within this time is dropped (libzmq's
 #: default is 30 s): it bounds how long an unauthenticated peer can hold a connection.
 HANDSHAKE_SECONDS = 10.0
-#: Frames on the PUB socket: what it receives is subscriptions (ours are 1 byte) and the CURVE
-#: handshake's commands (the largest, INITIATE, is a few hundred bytes).
-PUB_MAX_FRAME_BYTES = 4096
-
 _KEY_FIELDS = ("secret", "server_public", "client_public", "client_secret")
 
 

@@ -165,7 +165,7 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.DEVICE_BACKEND: ("round", "message", "backend", "why"),
     Kind.RESET: ("cause", "trigger", "round", "from_size", "to_size", "seconds"),
     Kind.JOB_END: ("round", "ok", "reason", "cause"),
-    Kind.NOTIFICATION_RECEIVED: ("round", "rank", "host", "slot", "ts"),
+    Kind.NOTIFICATION_RECEIVED: ("round", "rank", "host", "slot", "ts", "via"),
     Kind.INTERRUPT: ("round", "rank", "host", "slot", "skip_sync", "ts", "agreed_in"),
     Kind.FAILURE_DETECTED: ("round", "rank", "host", "slot", "error"),
     Kind.RESTORE: ("round", "rank", "host", "slot", "ms"),

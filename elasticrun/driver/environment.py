@@ -93,7 +93,7 @@ def driver_timeout(base: float, workers: int) -> float:
     """How long a worker of a job of ``workers`` waits for a silent driver before it exits:
     ``base`` (5 s) up to 1,000 workers, then 5 ms per worker. A driver forming a round of
     thousands answers heartbeats late while every worker connects: each connection's CURVE
-    handshake costs its I/O thread ~0.8 ms (benchmarks/curve_connect.py), three per worker, so
+    handshake costs its I/O thread ~0.8 ms (benchmarks/curve_connect.py), two per worker, so
     a worker's first answer can wait behind everyone's (longest gaps measured: 3.4 s at 2,048
     workers on 16 cores; 5.3 s at 2,048 and 12.0 s at 4,096 on 2 cores shared with the
     simulator, 2.6-2.9 ms per worker).
@@ -102,15 +102,16 @@ def driver_timeout(base: float, workers: int) -> float:
 
 
 def worker_environment(settings: JobSettings, info: SlotInfo, *, job_id: str, worker_id: str,
-                       control_addr: str, notify_addr: str, base_env: Mapping[str, str],
+                       control_addr: str, base_env: Mapping[str, str],
                        remote: bool, durable_addr: str | None = None, joining: bool = False) -> dict[str, str]:
     """The environment of worker ``worker_id``, started for ``info`` (its place in the round).
 
     ``base_env`` is the driver's environment (``os.environ``); ``remote``: the worker runs on
-    another machine; ``control_addr``/``notify_addr``: the driver's endpoints that machine
-    reaches (``durable_addr``: the durable-copy socket, with ``--checkpoint-dir``). ``--network-interface`` also sets ``GLOO_SOCKET_IFNAME`` unless the driver's
-    environment has it. ``joining``: the job's rounds have begun, so the worker asks for its place
-    when it first needs one (``env.JOINING``), not at ``hvd.init()``.
+    another machine; ``control_addr``: the driver's endpoint that machine reaches (requests,
+    heartbeats and notifications); ``durable_addr``: the durable-copy socket, with
+    ``--checkpoint-dir``. ``--network-interface`` also sets ``GLOO_SOCKET_IFNAME`` unless the
+    driver's environment has it. ``joining``: the job's rounds have begun, so the worker asks
+    for its place when it first needs one (``env.JOINING``), not at ``hvd.init()``.
     """
     s = settings
     worker_env = shared_environment(s, base_env, remote)
@@ -119,7 +120,7 @@ def worker_environment(settings: JobSettings, info: SlotInfo, *, job_id: str, wo
         env.LOCAL_RANK: str(info.local_rank), env.LOCAL_SIZE: str(info.local_size),
         env.CROSS_RANK: str(info.cross_rank), env.CROSS_SIZE: str(info.cross_size),
         env.SLOT: str(info.slot), env.WORKER_ID: worker_id, env.JOB_ID: job_id,
-        env.CONTROL_ADDR: control_addr, env.NOTIFY_ADDR: notify_addr,
+        env.CONTROL_ADDR: control_addr,
         env.COLLECTIVE_TIMEOUT: str(s.collective_timeout), env.RENDEZVOUS_TIMEOUT: str(s.elastic_wait_limit),
         env.HEARTBEAT_INTERVAL: str(heartbeat_interval(s.heartbeat_interval, info.size, s.heartbeat_timeout,
                                                        s.driver_timeout)),

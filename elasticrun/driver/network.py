@@ -55,8 +55,9 @@ def interface_address(nic: str) -> str:
 
 
 # Workers one ZeroMQ I/O thread serves in round 0 within about 2 s: measured, each worker costs the
-# driver's I/O thread ~1.9 ms of CPU there (3 CURVE handshakes and the first messages; 2,048
-# workers, benchmarks/driver_scale.py), more than the driver's own loop spends on it.
+# driver's I/O thread ~1.9 ms of CPU there (its CURVE handshakes, three then and two since
+# notifications share the heartbeat connection, and the first messages; 2,048 workers,
+# benchmarks/driver_scale.py), more than the driver's own loop spends on it.
 WORKERS_PER_IO_THREAD = 1024
 MAX_IO_THREADS = 8
 
@@ -150,24 +151,21 @@ class DriverEndpoints:
     (so no interface that nobody needs is exposed, and each host gets one it can route back to).
     """
 
-    def __init__(self, router: Any, pub: Any, forced: str | None = None,
-                 route: Callable[[str], str] = route_source_address):
-        self._router, self._pub = router, pub
+    def __init__(self, router: Any, forced: str | None = None, route: Callable[[str], str] = route_source_address):
+        self._router = router
         self._forced = forced
         self._route = route
-        self._bound: dict[str, tuple[str, str]] = {}
+        self._bound: dict[str, str] = {}
 
-    def bind(self, address: str) -> tuple[str, str]:
-        """The (control, notify) endpoints on ``address``, binding both sockets there once."""
+    def bind(self, address: str) -> str:
+        """The control endpoint on ``address`` (requests, heartbeats and notifications), bound once."""
         if address not in self._bound:
             import zmq
 
             base = zmq_endpoint(address)
             if ipaddress.ip_address(address).version == 6:
-                for sock in (self._router, self._pub):
-                    sock.setsockopt(zmq.IPV6, 1)
-            self._bound[address] = (f"{base}:{self._router.bind_to_random_port(base)}",
-                                    f"{base}:{self._pub.bind_to_random_port(base)}")
+                self._router.setsockopt(zmq.IPV6, 1)
+            self._bound[address] = f"{base}:{self._router.bind_to_random_port(base)}"
         return self._bound[address]
 
     def address(self, host: str | None = None) -> str:
@@ -175,10 +173,10 @@ class DriverEndpoints:
         OSError when none reaches it."""
         return self._forced or ("127.0.0.1" if host is None else self._route(host))
 
-    def local(self) -> tuple[str, str]:
-        """The endpoints of workers on this machine."""
+    def local(self) -> str:
+        """The endpoint of workers on this machine."""
         return self.bind(self.address())
 
-    def for_host(self, host: str) -> tuple[str, str]:
-        """The endpoints of workers on ``host``; OSError when no address of ours reaches it."""
+    def for_host(self, host: str) -> str:
+        """The endpoint of workers on ``host``; OSError when no address of ours reaches it."""
         return self.bind(self.address(host))

@@ -3,10 +3,13 @@
 * :class:`DriverClient`: request/reply over a DEALER socket (rendezvous, store operations).
   Every wait is bounded and can be cut short by an abort check, so a worker never blocks on
   a driver or a round that is gone.
-* :class:`ControlChannel`: a daemon thread that receives notifications (PUB/SUB) and sends
-  heartbeats. The heartbeat replies repeat the latest notifications, so an update missed on
-  the PUB socket (a subscriber that connected late) still arrives within one interval; and a
-  driver that stops answering is noticed, so workers never outlive a dead driver.
+* :class:`ControlChannel`: a daemon thread that sends heartbeats and receives, on the same
+  connection, their replies and the driver's notifications. The heartbeat replies repeat the
+  latest notifications, so an update the driver sent before it knew this connection (it learns
+  it from the first heartbeat) or dropped (a full queue) still arrives within one interval;
+  and a driver that stops answering is noticed, so workers never outlive a dead driver.
+  One connection for both, not a SUB socket besides: each connection costs the driver a CURVE
+  handshake, which is what a driver of thousands spends its first seconds on.
 
 Every socket is a CURVE client of the job (``elasticrun.common.auth``) with the keys the
 launcher handed over through a pipe (:func:`job_keys`), and refuses frames over the protocol's
@@ -116,20 +119,17 @@ class DriverClient:
 
 
 class ControlChannel(threading.Thread):
-    """Receives notifications and sends heartbeats on a daemon thread.
+    """Sends heartbeats and receives their replies and the driver's notifications, on a daemon thread.
 
     ``on_message`` gets every authenticated notification and heartbeat reply;
     ``on_driver_lost`` is called once if the driver stays silent for ``driver_timeout``.
     """
 
-    def __init__(self, ctx: zmq.Context, control_addr: str, notify_addr: str, keys: WorkerKeys, job_id: str,
+    def __init__(self, ctx: zmq.Context, control_addr: str, keys: WorkerKeys, job_id: str,
                  heartbeat_body: Callable[[], dict[str, Any]], on_message: Callable[[Message], None],
                  on_driver_lost: Callable[[float], None], interval: float, driver_timeout: float,
                  take_events: Callable[[], list[dict[str, Any]]] = list):
         super().__init__(name="elasticrun-control", daemon=True)
-        self._sub = _socket(ctx, zmq.SUB, notify_addr, keys)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub_codec = Codec(keys.secret, job_id, new_sender_id("sub"))
         self._hb = _socket(ctx, zmq.DEALER, control_addr, keys)
         self._hb_codec = Codec(keys.secret, job_id, new_sender_id("hb"))
         self._heartbeat_body = heartbeat_body
@@ -164,7 +164,6 @@ class ControlChannel(threading.Thread):
 
     def run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._sub, zmq.POLLIN)
         poller.register(self._hb, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         last_answer = time.monotonic()
@@ -192,16 +191,19 @@ class ControlChannel(threading.Thread):
                     except zmq.Again:
                         self._outbox.appendleft((type_, body))
                         break
-                for sock, codec in ((self._sub, self._sub_codec), (self._hb, self._hb_codec)):
-                    if sock in events:
+                if self._hb in events:
+                    for _ in range(100):  # what is there (a burst of notifications), then the clock again
                         try:
-                            msg = codec.decode(sock.recv())
+                            frame = self._hb.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        try:
+                            msg = self._hb_codec.decode(frame)
                         except ProtocolError as exc:
                             self._dropped.warn("dropped control frames", f"dropped a control frame: {exc}",
                                                exc.reason)
                             continue
-                        if sock is self._hb:
-                            last_answer = time.monotonic()
+                        last_answer = time.monotonic()  # a notification, too, is a driver alive
                         self._on_message(msg)
                 self._dropped.flush()
         finally:
@@ -217,7 +219,6 @@ class ControlChannel(threading.Thread):
             except zmq.ZMQError:
                 pass
             self._ship_events()
-            self._sub.close(0)
             self._hb.close()
             os.close(self._wake_r)
             os.close(self._wake_w)

@@ -169,7 +169,7 @@ class Runtime:
         if env.DURABLE_ADDR in os.environ:  # --checkpoint-dir: this rank sends its shards there
             self._durable = HandOff(DurableSender(self._ctx, os.environ[env.DURABLE_ADDR], keys, job_id))
         self._control = ControlChannel(
-            self._ctx, os.environ[env.CONTROL_ADDR], os.environ[env.NOTIFY_ADDR], keys, job_id,
+            self._ctx, os.environ[env.CONTROL_ADDR], keys, job_id,
             heartbeat_body=self._heartbeat_body,
             on_message=self._on_message, on_driver_lost=self._on_driver_lost,
             interval=_seconds(env.HEARTBEAT_INTERVAL, settings.DEFAULT_HEARTBEAT_INTERVAL),
@@ -313,7 +313,7 @@ class Runtime:
             if msg.type == "hosts_updated":
                 ts = float(body["ts"])
                 if self.host_updates.record(ts, bool(body["added"])):
-                    self.emit(Kind.NOTIFICATION_RECEIVED, ts=ts)
+                    self.emit(Kind.NOTIFICATION_RECEIVED, ts=ts, via="notification")
             elif msg.type == "round_aborted":
                 self._abort(int(body["round"]), str(body.get("reason", "round aborted")))
             elif msg.type == "stopping":  # the job is ending: the SIGTERM that follows is the driver's
@@ -324,7 +324,11 @@ class Runtime:
                 self.copy_requests.record(int(body["id"]))
             elif msg.type == "heartbeat_ack":
                 for ts, added, _removed in body.get("updates", []):
-                    self.host_updates.record(float(ts), bool(added))
+                    # New here: the driver's notification did not bring it (sent before the
+                    # driver knew this connection, or dropped on a full queue). A worker not in
+                    # a round yet hears of older updates too: not news of its own.
+                    if self.host_updates.record(float(ts), bool(added)) and self.round >= 0:
+                        self.emit(Kind.NOTIFICATION_RECEIVED, ts=float(ts), via="heartbeat")
                 self.copy_requests.record(int(body.get("durable", 0)))
                 if body.get("aborted") and int(body["round"]) not in self._aborted:
                     self._abort(int(body["round"]), str(body.get("reason", "round aborted")))

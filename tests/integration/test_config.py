@@ -96,7 +96,7 @@ def test_env_names_never_collide_with_the_worker_protocol():
 
     s = parse(["-np", "1", "--timeline-filename", "/tmp/x.json", "python", "x.py"])
     info = SlotInfo(host="h", slot=0, rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1)
-    given = set(worker_environment(s, info, job_id="j", worker_id="w", control_addr="a", notify_addr="b",
+    given = set(worker_environment(s, info, job_id="j", worker_id="w", control_addr="a",
                                    base_env={}, remote=True)) | set(shared_environment(s, {}, remote=True))
     assert "HOROVOD_RANK" in given and not (set(config.HOROVOD_ENV_VARS) & given)
 

@@ -90,19 +90,16 @@ def test_zap_answers_malformed_requests_with_500(request_):
 # --- real sockets: a CURVE server behind the ZAP handler ----------------------------------------
 @pytest.fixture
 def server():
-    """A ROUTER and a PUB set up as the driver's, behind the ZAP handler, on loopback."""
+    """A ROUTER set up as the driver's, behind the ZAP handler, on loopback."""
     keys = auth.JobKeys.generate()
     ctx = zmq.Context()
     zap = auth.ZapAuthenticator(ctx, [keys.worker.client_public], log_limit=2).start()
-    router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
-    for sock, limit in ((router, 1 << 20), (pub, auth.PUB_MAX_FRAME_BYTES)):
-        sock.setsockopt(zmq.LINGER, 0)
-        auth.secure_server(sock, keys, limit)
-    addrs = (f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}",
-             f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}")
-    yield keys, ctx, zap, router, pub, addrs
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    auth.secure_server(router, keys, 1 << 20)
+    control = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    yield keys, ctx, zap, router, control
     router.close(0)
-    pub.close(0)
     zap.stop()
     ctx.term()
 
@@ -112,33 +109,32 @@ def _client(ctx, kind: int, addr: str, keys: auth.WorkerKeys | None) -> zmq.Sock
     sock.setsockopt(zmq.LINGER, 0)
     if keys is not None:
         auth.secure_client(sock, keys, 1 << 20)
-    if kind == zmq.SUB:
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.connect(addr)
     return sock
 
 
-def _exchange(router, pub, dealer, sub, seconds: float) -> tuple[int, int]:
-    """Publish and let the dealer send for ``seconds``; (frames the router got, frames the sub got)."""
-    got_router = got_sub = 0
+def _exchange(router, dealer, seconds: float) -> tuple[int, int]:
+    """Let the dealer send for ``seconds``, the router answering each frame as the driver
+    answers a heartbeat; (frames the router got, answers the dealer got)."""
+    got_router = got_dealer = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        pub.send(b"note")
         try:
             dealer.send(b"hello", zmq.NOBLOCK)
         except zmq.Again:
             pass
         while router.poll(10):
-            router.recv_multipart()
+            identity, _ = router.recv_multipart()
+            router.send_multipart([identity, b"note"])
             got_router += 1
-        while sub.poll(0):
-            sub.recv()
-            got_sub += 1
-    return got_router, got_sub
+        while dealer.poll(0):
+            dealer.recv()
+            got_dealer += 1
+    return got_router, got_dealer
 
 
 def test_the_jobs_key_gets_in_and_any_other_is_refused(server, caplog):
-    keys, ctx, zap, router, pub, (control, notify) = server
+    keys, ctx, zap, router, control = server
     other_pub, other_sec = zmq.curve_keypair()
     strangers = {  # none of them may get a frame in or out
         "no CURVE": None,
@@ -149,19 +145,18 @@ def test_the_jobs_key_gets_in_and_any_other_is_refused(server, caplog):
     cctx = zmq.Context()
     try:
         with caplog.at_level(logging.WARNING, logger="elasticrun"):
-            for what, k in strangers.items():
-                dealer, sub = _client(cctx, zmq.DEALER, control, k), _client(cctx, zmq.SUB, notify, k)
-                assert _exchange(router, pub, dealer, sub, 0.6) == (0, 0), what
-                dealer.close(0)
-                sub.close(0)
-            dealer, sub = (_client(cctx, zmq.DEALER, control, keys.worker),
-                           _client(cctx, zmq.SUB, notify, keys.worker))
-            got_router, got_sub = _exchange(router, pub, dealer, sub, 0.6)
-            assert got_router > 0 and got_sub > 0
+            for what, k in strangers.items():  # two connections each (requests and heartbeats)
+                for _ in range(2):
+                    dealer = _client(cctx, zmq.DEALER, control, k)
+                    assert _exchange(router, dealer, 0.3) == (0, 0), what
+                    dealer.close(0)
+            dealer = _client(cctx, zmq.DEALER, control, keys.worker)
+            got_router, got_dealer = _exchange(router, dealer, 0.6)
+            assert got_router > 0 and got_dealer > 0
     finally:
         cctx.destroy(0)
     # Only the peer that knew the server key reached ZAP; the others failed the handshake before.
-    assert zap.refused >= 2 and zap.admitted == 2
+    assert zap.refused >= 2 and zap.admitted == 1
     refusals = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
     assert refusals[0] == "refused a connection to the driver: 127.0.0.1: not the job's client key"
     assert len(refusals) == 2 and "further refusals are only counted" in refusals[-1]  # log_limit=2
@@ -186,17 +181,19 @@ def test_without_the_zap_handler_curve_admits_any_client_key():
         ctx.destroy(0)
 
 
-def test_the_pub_socket_drops_oversized_subscriptions_and_a_zap_handler_binds_once(server):
-    keys, ctx, zap, router, pub, (control, notify) = server
+def test_an_oversized_frame_drops_its_connection_and_a_zap_handler_binds_once(server):
+    keys, ctx, zap, router, control = server
     with pytest.raises(RuntimeError, match="cannot bind the ZAP authentication handler"):
         auth.ZapAuthenticator(ctx, [keys.worker.client_public]).start()
     cctx = zmq.Context()
     try:
-        xsub = _client(cctx, zmq.XSUB, notify, keys.worker)
-        xsub.send(b"\x01" + b"a" * (2 * auth.PUB_MAX_FRAME_BYTES))  # over the limit: the connection is dropped
-        time.sleep(0.3)
-        pub.send(b"note")
-        assert not xsub.poll(300)
+        big = _client(cctx, zmq.DEALER, control, keys.worker)
+        big.send(b"a" * (2 << 20))  # over the limit: the connection is dropped, the frame never stored
+        small = _client(cctx, zmq.DEALER, control, keys.worker)
+        small.send(b"in")
+        assert router.poll(5000)
+        assert router.recv_multipart()[1] == b"in"
+        assert not router.poll(300)
     finally:
         cctx.destroy(0)
 

@@ -27,7 +27,7 @@ SETTINGS = JobSettings(command=["python", "train.py"], np=4, min_np=2, max_np=8,
 
 def _env(settings: JobSettings = SETTINGS, base: dict[str, str] = DRIVER_ENV, remote: bool = False) -> dict[str, str]:
     return worker_environment(settings, INFO, job_id="job1", worker_id="w7", control_addr="tcp://10.0.0.1:5000",
-                              notify_addr="tcp://10.0.0.1:5001", base_env=base, remote=remote)
+                              base_env=base, remote=remote)
 
 
 def _job_part(settings: JobSettings = SETTINGS) -> dict[str, str]:
@@ -35,7 +35,7 @@ def _job_part(settings: JobSettings = SETTINGS) -> dict[str, str]:
     return {
         env.HOSTNAME: "node2", env.RANK: "3", env.SIZE: "4", env.LOCAL_RANK: "1", env.LOCAL_SIZE: "2",
         env.CROSS_RANK: "1", env.CROSS_SIZE: "2", env.SLOT: "1", env.WORKER_ID: "w7", env.JOB_ID: "job1",
-        env.CONTROL_ADDR: "tcp://10.0.0.1:5000", env.NOTIFY_ADDR: "tcp://10.0.0.1:5001",
+        env.CONTROL_ADDR: "tcp://10.0.0.1:5000",
         env.COLLECTIVE_TIMEOUT: "42.0", env.RENDEZVOUS_TIMEOUT: str(settings.elastic_wait_limit),
         env.HEARTBEAT_INTERVAL: "0.5", env.DRIVER_TIMEOUT: "5.0", env.LOG_LEVEL: "INFO", env.SIGTERM_GRACE: "20.0", env.BACKEND: settings.backend,
         env.PREFETCH: "1",
@@ -113,7 +113,7 @@ def test_the_launch_environment_carries_the_interval_for_the_jobs_size():
     def interval(size: int) -> tuple[float, float]:
         info = dataclasses.replace(INFO, size=size)
         environ = worker_environment(SETTINGS, info, job_id="j", worker_id="w", control_addr="tcp://x:1",
-                                     notify_addr="tcp://x:2", base_env={}, remote=False)
+                                     base_env={}, remote=False)
         return float(environ[env.HEARTBEAT_INTERVAL]), float(environ[env.DRIVER_TIMEOUT])
 
     assert interval(4) == (0.5, 5.0) and interval(4096) == (1.25, 20.48)

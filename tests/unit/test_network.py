@@ -42,19 +42,19 @@ class _FakeSocket:
 
 
 def test_driver_endpoints_bind_the_routed_address_once_per_address():
-    router, pub = _FakeSocket(), _FakeSocket()
+    router = _FakeSocket()
     routes = {"a": "10.0.0.5", "b": "10.0.0.5", "c": "192.168.1.2"}
-    ep = network.DriverEndpoints(router, pub, None, route=routes.__getitem__)
-    assert ep.local() == ("tcp://127.0.0.1:40001", "tcp://127.0.0.1:40001")
-    assert ep.for_host("a")[0].startswith("tcp://10.0.0.5:")
+    ep = network.DriverEndpoints(router, None, route=routes.__getitem__)
+    assert ep.local() == "tcp://127.0.0.1:40001"
+    assert ep.for_host("a") == "tcp://10.0.0.5:40002"
     assert ep.for_host("b") == ep.for_host("a")
-    assert ep.for_host("c")[1].startswith("tcp://192.168.1.2:")
+    assert ep.for_host("c") == "tcp://192.168.1.2:40003"
     assert router.binds == ["tcp://127.0.0.1", "tcp://10.0.0.5", "tcp://192.168.1.2"]
 
 
 def test_driver_endpoints_forced_address_for_everyone():
-    router, pub = _FakeSocket(), _FakeSocket()
-    ep = network.DriverEndpoints(router, pub, "10.1.2.3", route=lambda h: pytest.fail("must not route"))
+    router = _FakeSocket()
+    ep = network.DriverEndpoints(router, "10.1.2.3", route=lambda h: pytest.fail("must not route"))
     assert ep.local() == ep.for_host("anything")
     assert router.binds == ["tcp://10.1.2.3"]
 
@@ -62,10 +62,10 @@ def test_driver_endpoints_forced_address_for_everyone():
 def test_driver_endpoints_ipv6():
     import zmq
 
-    router, pub = _FakeSocket(), _FakeSocket()
-    ep = network.DriverEndpoints(router, pub, "::1")
-    assert ep.local()[0].startswith("tcp://[::1]:")
-    assert router.options[zmq.IPV6] == 1 and pub.options[zmq.IPV6] == 1
+    router = _FakeSocket()
+    ep = network.DriverEndpoints(router, "::1")
+    assert ep.local().startswith("tcp://[::1]:")
+    assert router.options[zmq.IPV6] == 1
 
 
 def test_check_bindable():

@@ -30,6 +30,6 @@ def test_the_workers_are_told(monkeypatch, flags, told):
     monkeypatch.delenv("ELASTICRUN_PREFETCH", raising=False)
     s = cli.parse_settings(["-np", "1", *flags, "python", "t.py"])
     info = SlotInfo(host="h", slot=0, rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1)
-    given = worker_environment(s, info, job_id="j", worker_id="w", control_addr="a", notify_addr="b",
+    given = worker_environment(s, info, job_id="j", worker_id="w", control_addr="a",
                                base_env={}, remote=True)
     assert given[envvars.PREFETCH] == told

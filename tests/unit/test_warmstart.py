@@ -93,7 +93,7 @@ def test_the_template_environment_is_a_workers_without_its_own_variables():
     info = SlotInfo(host="h", slot=0, rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1)
     for remote in (False, True):
         worker = worker_environment(settings, info, job_id="j", worker_id="w1", control_addr="tcp://a:1",
-                                    notify_addr="tcp://a:2", base_env=base, remote=remote)
+                                    base_env=base, remote=remote)
         shared = shared_environment(settings, base, remote)
         assert warmstart.template_environment(worker) == shared
         assert shared["X"] == "1" and shared["GLOO_SOCKET_IFNAME"] == "eth9" and shared["ELASTICRUN_TEST_TAG"] == "t"

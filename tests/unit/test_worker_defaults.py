@@ -44,7 +44,6 @@ def test_fallbacks_are_the_job_settings_defaults(monkeypatch: pytest.MonkeyPatch
         if name.startswith("ELASTICRUN_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv(env.CONTROL_ADDR, "tcp://127.0.0.1:1")
-    monkeypatch.setenv(env.NOTIFY_ADDR, "tcp://127.0.0.1:2")
     monkeypatch.setenv(env.JOB_ID, "job")
     monkeypatch.setattr(runtime, "job_keys", lambda: None)
     monkeypatch.setattr(runtime, "DriverClient", FakeClient)

@@ -27,7 +27,7 @@ child = subprocess.Popen([sys.executable, "-c", "import os, time\nparent = os.ge
 info = {
     "pid": os.getpid(), "child": child.pid, "host": rt.hostname, "slot": rt.slot,
     "fd_var_left": "ELASTICRUN_SECRET_FD" in os.environ,
-    "control": os.environ["ELASTICRUN_CONTROL_ADDR"], "notify": os.environ["ELASTICRUN_NOTIFY_ADDR"],
+    "control": os.environ["ELASTICRUN_CONTROL_ADDR"],
     "job_id": os.environ["ELASTICRUN_JOB_ID"],
     "secret": keys.secret.hex(), "server_public": keys.server_public.decode(),
     "client_public": keys.client_public.decode(), "client_secret": keys.client_secret.decode(),
