@@ -47,21 +47,28 @@ while not os.path.exists(stop) and time.monotonic() < deadline:
 
 
 def _worker_env(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        items = [i.split(b"=", 1) for i in f.read().split(b"\0") if b"=" in i]
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            items = [i.split(b"=", 1) for i in f.read().split(b"\0") if b"=" in i]
+    except OSError:  # a child that has ended meanwhile (a discovery run)
+        return {}
     return {k.decode(): v.decode(errors="replace") for k, v in items}
 
 
-def _children(pid: int) -> list[int]:
-    out = []
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: workers forked from a warm-start template are its grandchildren."""
+    parent: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat", "rb") as f:
-                    if int(f.read().rsplit(b")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
+                    parent[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
                 pass
+    out, frontier = [], {pid}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier}
+        out.extend(frontier)
     return out
 
 
@@ -86,7 +93,7 @@ def run(attack: str, settle: float, tmp: str) -> dict:
     res: dict = {"attack": attack}
     try:
         def workers_up():
-            kids = _children(driver.pid)
+            kids = _descendants(driver.pid)
             envs = [_worker_env(p) for p in kids]
             ready = [e for e in envs if "ELASTICRUN_CONTROL_ADDR" in e]
             started = os.path.exists(events) and '"round_formed"' in open(events).read()
