@@ -2,8 +2,9 @@
 
 Workers interrupt when they see an update newer than the last one they handled, so the
 timestamps must strictly increase even within one clock tick or when the clock steps back.
-PUB/SUB may lose a notification (a subscriber that connected late), so heartbeat replies
-repeat the most recent ones: a worker learns of every update within one heartbeat.
+A notification can miss a worker (sent before the driver knew its connection, which it learns
+from the worker's first heartbeat, or dropped on a full queue), so heartbeat replies repeat
+the most recent ones: a worker learns of every update within one heartbeat.
 """
 
 from __future__ import annotations
