@@ -65,6 +65,8 @@ class HostManager:
     # until discovery stops listing the host, which is then new if it ever comes back).
     _draining: dict[str, str] = field(default_factory=dict)
     _now: float = float("-inf")
+    # Every cooldown that ended by then has let its host back (``update`` looked after it).
+    _settled_at: float = float("-inf")
 
     # -- inputs ---------------------------------------------------------------------------
     def update(self, discovered: Mapping[str, int], now: float,
@@ -83,6 +85,7 @@ class HostManager:
         self._order = [h for h in self._order if h in self._discovered and self._usable(h)]
         ordered = set(self._order)  # (a list's `in` made this O(hosts^2): every decision refreshes)
         self._order += [h for h in self._discovered if h not in ordered and self._usable(h)]
+        self._settled_at = self._now
         return self._diff(before)
 
     def drain(self, host: str, now: float) -> HostChange:
@@ -112,6 +115,12 @@ class HostManager:
 
     def refresh(self, now: float) -> HostChange:
         """Let hosts whose cooldown has ended back in; return what that changed."""
+        now = max(self._now, now)
+        if not any(e.until is not None and self._settled_at < e.until <= now for e in self._blacklist.values()):
+            # No cooldown ended since the last update: nothing else changes with time alone
+            # (every decision refreshes; rebuilding the host order is O(hosts)).
+            self._now = self._settled_at = now
+            return HostChange()
         return self.update(self._discovered, now)
 
     # -- queries --------------------------------------------------------------------------

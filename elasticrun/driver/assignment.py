@@ -7,7 +7,7 @@ a surviving worker keeps its (host, slot) and the lowest ranks go to the oldest 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 
@@ -23,10 +23,11 @@ class SlotInfo:
     local_size: int
     cross_rank: int  # index of this host among hosts that have this local_rank
     cross_size: int  # number of hosts that have this local_rank
+    # (host, slot): a plain attribute, not a property; decisions read it for every place.
+    key: tuple[str, int] = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.host, self.slot)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", (self.host, self.slot))
 
     def as_dict(self) -> dict[str, int | str]:
         return {"host": self.host, "slot": self.slot, "rank": self.rank, "size": self.size,

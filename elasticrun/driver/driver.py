@@ -36,7 +36,7 @@ from elasticrun.driver import words
 from elasticrun.driver.durable import checkpoints
 from elasticrun.driver.durable.decisions import CopySchedule, FinalCopy, Progress, final_copy_verdict
 from elasticrun.driver.durable.service import DurableService
-from elasticrun.driver.environment import worker_environment
+from elasticrun.driver.environment import shared_environment, worker_environment
 from elasticrun.driver.functions import Service
 from elasticrun.driver.kvstore import KVStore
 from elasticrun.driver.launching import Launcher
@@ -599,6 +599,7 @@ class ElasticDriver:
 
     # --- carrying out the registry's decisions ----------------------------------------------
     def _execute(self, actions: list[reg.Action]) -> None:
+        shared: dict[bool, dict[str, str]] = {}  # the environment every worker gets, local and remote
         for act in actions:
             if isinstance(act, reg.Event):
                 message = words.event(act)
@@ -610,7 +611,7 @@ class ElasticDriver:
             elif isinstance(act, reg.Launch):
                 self._journal.write(Kind.WORKER_STARTED, worker=act.worker_id, host=act.info.host, slot=act.info.slot,
                                     rank=act.info.rank)
-                self._launch(act)
+                self._launch(act, shared)
             elif isinstance(act, reg.Assign):
                 pending = self._pending_rdzv.pop(act.worker_id, None)
                 if pending is not None:
@@ -671,9 +672,12 @@ class ElasticDriver:
                     log.info("%s", done.pop("line"))
                     self._journal.write(Kind.RESET, **done)
 
-    def _launch(self, act: reg.Launch) -> None:
+    def _launch(self, act: reg.Launch, shared: dict[bool, dict[str, str]]) -> None:
+        """Start one worker; ``shared``: the environment all get, by remoteness, filled here once."""
         info, s = act.info, self.settings
         remote = self._launcher.is_remote(info.host)
+        if remote not in shared:
+            shared[remote] = shared_environment(s, os.environ, remote)
         control_addr = self._control_addr
         durable_addr = None
         # A launcher may name the machine a host's workers run on (Ray: its node's address).
@@ -692,7 +696,7 @@ class ElasticDriver:
         worker_env = worker_environment(s, info, job_id=self.job_id, worker_id=act.worker_id,
                                         control_addr=control_addr,
                                         base_env=os.environ, remote=remote, durable_addr=durable_addr,
-                                        joining=act.joining)
+                                        joining=act.joining, shared=shared[remote])
         try:
             # The keys go through a pipe (locally) or the SSH channel, never the environment.
             self._launcher.launch(act.worker_id, s.command, worker_env, host=info.host, keys=self._worker_keys)

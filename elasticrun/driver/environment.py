@@ -103,7 +103,8 @@ def driver_timeout(base: float, workers: int) -> float:
 
 def worker_environment(settings: JobSettings, info: SlotInfo, *, job_id: str, worker_id: str,
                        control_addr: str, base_env: Mapping[str, str],
-                       remote: bool, durable_addr: str | None = None, joining: bool = False) -> dict[str, str]:
+                       remote: bool, durable_addr: str | None = None, joining: bool = False,
+                       shared: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of worker ``worker_id``, started for ``info`` (its place in the round).
 
     ``base_env`` is the driver's environment (``os.environ``); ``remote``: the worker runs on
@@ -112,9 +113,11 @@ def worker_environment(settings: JobSettings, info: SlotInfo, *, job_id: str, wo
     ``--checkpoint-dir``. ``--network-interface`` also sets ``GLOO_SOCKET_IFNAME`` unless the
     driver's environment has it. ``joining``: the job's rounds have begun, so the worker asks
     for its place when it first needs one (``env.JOINING``), not at ``hvd.init()``.
+    ``shared``: ``shared_environment(settings, base_env, remote)``, when the caller has it
+    (a round of 4,096 launches reads the driver's environment once, not once per worker).
     """
     s = settings
-    worker_env = shared_environment(s, base_env, remote)
+    worker_env = dict(shared) if shared is not None else shared_environment(s, base_env, remote)
     worker_env.update({
         env.HOSTNAME: info.host, env.RANK: str(info.rank), env.SIZE: str(info.size),
         env.LOCAL_RANK: str(info.local_rank), env.LOCAL_SIZE: str(info.local_size),

@@ -137,10 +137,11 @@ class WorkerRecord:
     # heartbeats come; ``bye_at`` is when it said it.
     bye: str | None = None
     bye_at: float = 0.0
+    # (host, slot): a plain attribute, not a property; every decision reads it for each worker.
+    key: tuple[str, int] = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.host, self.slot)
+    def __post_init__(self) -> None:
+        self.key = (self.host, self.slot)
 
     @property
     def label(self) -> str:
@@ -367,7 +368,17 @@ class Registry:
         self.stragglers = StragglerDetector()  # the workers' paces -> hosts that drag the job
         # (inputs, result) of the last _target(): (host order, max_np, survivors) -> places
         self._target_cache: tuple[tuple[list[tuple[str, int]], int | None, dict[tuple[str, int], int]],
-                                  list[SlotInfo]] | None = None
+                                  list[SlotInfo], frozenset[tuple[str, int]]] | None = None
+        # Indexes kept as the registry changes, so that a decision while thousands of workers
+        # trickle into a round need not scan them all for what it asks of each one:
+        self._in: dict[WorkerState, int] = dict.fromkeys(WorkerState, 0)  # workers in each state
+        self._busy: dict[tuple[str, int], int] = {}  # slot -> its processes that have not exited
+        self._holding = 0  # workers with ``holds`` (it is never cleared)
+        # Lower bounds of when a timeout can trip: silence and --start-timeout are judged on
+        # ``heard`` time, a goodbye's EXIT_GRACE on ``now``. ``_timeouts`` scans the workers
+        # only once one has passed and sets them exact; anything that makes a deadline lowers them.
+        self._heard_floor = float("-inf")
+        self._now_floor = float("-inf")
 
     # --- events: they only record ----------------------------------------------------------
     def discovered(self, hosts: Mapping[str, int], now: float, draining: Collection[str] = ()) -> None:
@@ -422,7 +433,10 @@ class Registry:
                 "label": w.label, "round": self.round, "error": error}))))
         self._apply(Move(w.id, WorkerState.WAITING))
         w.last_seen, w.restored = now, restored
-        w.holds = w.holds or has_state
+        self._beat_deadline(now)
+        if has_state and not w.holds:
+            w.holds = True
+            self._holding += 1
         w.gpus = tuple(gpus)[:1024]
 
     def leaving(self, worker_id: str, why: str, now: float) -> None:
@@ -458,11 +472,13 @@ class Registry:
         w = self.workers.get(worker_id)
         if w is not None:
             w.last_seen = now
-            self._contacted = True
+            self._beat_deadline(now)
+            self._first_contact()
             if steps is not None:
                 w.steps = steps
             if bye in ("exit", "shutdown") and w.bye is None:
                 w.bye, w.bye_at = bye, now
+                self._now_floor = min(self._now_floor, now + EXIT_GRACE)
                 self._dirty = True
             if (pace is not None and pace.round == self.round and w.state is WorkerState.RUNNING
                     and w.round == self.round and self.stragglers.report(w.id, w.host, pace)):
@@ -474,6 +490,9 @@ class Registry:
             return
         self._dirty = True
         w.exited, w.exit_code = True, code
+        self._busy[w.key] -= 1
+        if not self._busy[w.key]:
+            del self._busy[w.key]
         if w.state in (WorkerState.LEFT, WorkerState.FAILED):  # already accounted for
             return
         if code == 0 and not self._contacted and self.round < 0 and not self.plain:
@@ -481,6 +500,7 @@ class Registry:
             # far: a plain command (``bash -c ...``, a script without elasticrun), run as
             # horovodrun runs one: every process to its end, the job failing if any fails.
             self.plain = True
+            self._rescan()
         if self.plain:
             self._apply(Move(w.id, WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED,
                              Reason(Cause.EXITED, {"code": code, "detail": detail})))
@@ -549,7 +569,7 @@ class Registry:
         if self._succeeded():
             yield from self._finishing()
             return
-        running = any(w.state is WorkerState.RUNNING for w in self.workers.values())
+        running = self._in[WorkerState.RUNNING] > 0
         if running and not self.aborted:
             yield from self._stragglers(now)  # first: an eviction changes the target
         target = self._target()
@@ -579,12 +599,17 @@ class Registry:
         """Apply one step of a decision to the registry; the answer of a change that has one."""
         if isinstance(step, Move):
             w = self.workers[step.worker_id]
-            _move(w, step.to)
+            self._move(w, step.to)
             if step.why is not None:
                 w.why = step.why
         elif isinstance(step, Record):
-            self.workers[step.worker_id] = WorkerRecord(step.worker_id, step.info.host, step.info.slot,
-                                                        WorkerState.LAUNCHING, step.now, rank=step.info.rank)
+            if step.worker_id in self.workers:
+                raise AssertionError("worker_recorded_twice", step.worker_id)
+            w = self.workers[step.worker_id] = WorkerRecord(step.worker_id, step.info.host, step.info.slot,
+                                                            WorkerState.LAUNCHING, step.now, rank=step.info.rank)
+            self._in[WorkerState.LAUNCHING] += 1
+            self._busy[w.key] = self._busy.get(w.key, 0) + 1
+            self._heard_floor = min(self._heard_floor, step.now + self.config.start_timeout)
         elif isinstance(step, Blacklist):
             return self.hosts.blacklist(step.host, step.now)
         elif isinstance(step, Pardon):
@@ -594,11 +619,14 @@ class Registry:
         elif isinstance(step, JudgeStragglers):
             return self.stragglers.evaluate(step.round, dict(step.members))
         elif isinstance(step, NewRound):
-            for wid in step.holders:
-                self.workers[wid].holds = True  # they all start from the same state
+            for wid in step.holders:  # they all start from the same state
+                if not self.workers[wid].holds:
+                    self.workers[wid].holds = True
+                    self._holding += 1
             self.round = step.round
             if self.round > 0:
                 self.reset_count += 1
+            self._rescan()  # a start timeout tells a plain job apart only before round 0
             self.members = {}
             self.aborted, self.abort_reason = False, None
             self._notified_target = None
@@ -611,9 +639,11 @@ class Registry:
                 self._said.add(step.value)
             else:
                 setattr(self, step.name, step.value)
+                if step.name == "plain":
+                    self._rescan()
         elif isinstance(step, Assign):
             w = self.workers[step.worker_id]
-            _move(w, WorkerState.RUNNING)
+            self._move(w, WorkerState.RUNNING)
             w.round, w.rank = step.round, step.info.rank
             self.members[step.info.key] = w.id
         elif isinstance(step, AbortRound):
@@ -626,6 +656,25 @@ class Registry:
     def live(self) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if not w.exited]
 
+    def _move(self, w: WorkerRecord, to: WorkerState) -> None:
+        """A worker's move (:func:`_move`), counted in ``_in``."""
+        was = w.state
+        _move(w, to)
+        self._in[was] -= 1
+        self._in[to] += 1
+        if w.bye == "exit" and to in _LIVE and not w.exited:  # its EXIT_GRACE counts from now on
+            self._now_floor = min(self._now_floor, w.bye_at + EXIT_GRACE)
+
+    def _beat_deadline(self, now: float) -> None:
+        """A worker was heard at ``now``: its silence can trip --heartbeat-timeout from then."""
+        if self.config.heartbeat_timeout is not None:
+            self._heard_floor = min(self._heard_floor, now + self.config.heartbeat_timeout)
+
+    def _rescan(self) -> None:
+        """What decides which timeouts can trip changed (first contact, a plain job, a round):
+        the next decision looks at every worker."""
+        self._heard_floor = self._now_floor = float("-inf")
+
     def final_round(self) -> list[WorkerRecord]:
         """The members of the last round formed, by rank (who returned the job's result)."""
         return sorted((self.workers[wid] for wid in self.members.values()), key=lambda w: w.rank)
@@ -637,20 +686,24 @@ class Registry:
 
     def holders(self) -> list[WorkerRecord]:
         """Live workers known to hold the newest committed state."""
+        if not self._holding:
+            return []
         return [w for w in self.workers.values() if w.holds and w.state in _LIVE]
 
     def next_deadline(self) -> float | None:
-        """When ``decide`` should next be called at the latest (None: only on events)."""
+        """When ``decide`` should next be called at the latest (None: only on events).
+
+        May be early, never late: a worker heard since the last look at every worker moves its
+        own deadline later, which is only seen at that deadline's decision (one more decision,
+        instead of a look at every worker after every decision)."""
+        if self._heard_floor == float("-inf") or self._now_floor == float("-inf"):
+            self._heard_floor, self._now_floor = self._floors()
+        times = []
         # Silence is judged on what was heard: as far behind as the driver was at the last decision.
-        behind = self._behind
-        times = [] if self.plain else [w.started_at + self.config.start_timeout + behind
-                                       for w in self.workers.values()
-                                       if w.state is WorkerState.LAUNCHING and w.last_seen is None]
-        if self.config.heartbeat_timeout is not None:
-            times += [w.last_seen + self.config.heartbeat_timeout + behind for w in self.workers.values()
-                      if w.last_seen is not None and w.state in _BEATING and w.bye is None]
-        times += [w.bye_at + EXIT_GRACE for w in self.workers.values()
-                  if w.bye == "exit" and w.state in _LIVE and not w.exited]
+        if self._heard_floor != float("inf"):
+            times.append(self._heard_floor + self._behind)
+        if self._now_floor != float("inf"):
+            times.append(self._now_floor)
         if self._wait_started is not None:
             times.append(self._wait_started + self._wait_limit())
         if self._wait_reminder is not None:
@@ -662,7 +715,7 @@ class Registry:
 
     # --- bookkeeping ---------------------------------------------------------------------
     def _succeeded(self) -> bool:
-        return any(w.state is WorkerState.SUCCEEDED for w in self.workers.values())
+        return self._in[WorkerState.SUCCEEDED] > 0
 
     def _wait_limit(self) -> float:
         return self.config.start_timeout if self.round < 0 else self.config.elastic_timeout
@@ -691,14 +744,44 @@ class Registry:
         """A worker reached the driver: the job is elastic. If it had been taken for a job of
         plain processes (every worker slower to start than --start-timeout), it is elastic
         again, and the others get a new --start-timeout to reach the driver too."""
-        self._contacted = True
+        self._first_contact()
         if self.plain and self.round < 0 and not any(w.exited for w in self.workers.values()):
             self.plain = False
+            self._rescan()
             for w in self.workers.values():
                 if w.state is WorkerState.LAUNCHING:
                     w.started_at = now
 
+    def _first_contact(self) -> None:
+        if not self._contacted:
+            self._contacted = True
+            self._rescan()  # a worker that never reached the driver now fails at --start-timeout
+
+    def _floors(self) -> tuple[float, float]:
+        """The earliest a timeout of ``_timeouts`` can trip, in heard time and in now time
+        (inf: none can), from what the workers are now."""
+        heard = now = float("inf")
+        start, limit = self.config.start_timeout, self.config.heartbeat_timeout
+        # Workers that never reached a job of plain processes are left to run (see _timeouts).
+        plain = self.plain and not self._contacted and self.round < 0
+        for w in self.workers.values():
+            if w.state is WorkerState.LAUNCHING and w.last_seen is None:
+                if not plain:
+                    heard = min(heard, w.started_at + start)
+            elif w.bye is not None:
+                if w.bye == "exit" and w.state in _LIVE and not w.exited:
+                    now = min(now, w.bye_at + EXIT_GRACE)
+            elif limit is not None and w.last_seen is not None and w.state in _BEATING:
+                heard = min(heard, w.last_seen + limit)
+        return heard, now
+
     def _timeouts(self, now: float, heard: float) -> Decision:
+        if heard < self._heard_floor and now < self._now_floor:
+            return  # no worker's timeout can have tripped yet
+        yield from self._trip_timeouts(now, heard)
+        self._heard_floor, self._now_floor = self._floors()
+
+    def _trip_timeouts(self, now: float, heard: float) -> Decision:
         for w in list(self.workers.values()):
             # A process that never reached the driver within start_timeout is a failed launch,
             # unless no worker ever did: then they are plain processes, which run to their end.
@@ -764,8 +847,15 @@ class Registry:
         order = self._assignment_order()
         key = (order, self.config.max_np, survivors)
         if self._target_cache is None or self._target_cache[0] != key:
-            self._target_cache = (key, assign(order, self.config.max_np, survivors))
+            target = assign(order, self.config.max_np, survivors)
+            self._target_cache = (key, target, frozenset(i.key for i in target))
         return self._target_cache[1]
+
+    def _target_keys(self, target: list[SlotInfo]) -> frozenset[tuple[str, int]]:
+        """The (host, slot) of every place in ``target`` (kept with the cached target)."""
+        if self._target_cache is not None and self._target_cache[1] is target:
+            return self._target_cache[2]
+        return frozenset(i.key for i in target)
 
     def _by_key(self) -> dict[tuple[str, int], WorkerRecord]:
         return {w.key: w for w in self.workers.values() if w.state not in _GONE}
@@ -799,8 +889,10 @@ class Registry:
         """Members of the current round first, by rank: the usual rank 0 leads."""
         return (self.members.get(w.key) != w.id, w.rank, w.id)
 
-    def _release_unneeded(self, keep: set[tuple[str, int]]) -> Decision:
+    def _release_unneeded(self, keep: set[tuple[str, int]] | frozenset[tuple[str, int]]) -> Decision:
         """Dismiss waiting and kill launching workers whose slot is not in ``keep``."""
+        if keep.issuperset(self._busy):
+            return  # (a waiting or launching worker has not exited: its slot is busy)
         for w in list(self.workers.values()):
             if w.key in keep:
                 continue
@@ -814,7 +906,9 @@ class Registry:
     def _launch_missing(self, target: list[SlotInfo], now: float) -> Decision:
         # A slot is busy until its last process has exited, even a failed or dismissed one:
         # two processes on one slot would share its GPU.
-        busy = {w.key for w in self.workers.values() if not w.exited}
+        busy = self._busy  # (kept as workers are recorded and exit)
+        if self._target_keys(target).issubset(busy):
+            return
         for info in target:
             if info.key not in busy:
                 wid = self._new_id()
@@ -863,7 +957,7 @@ class Registry:
         if self.aborted:
             return  # wait for every member to report; the next round is decided then
         current = set(self.members)
-        target_keys = {i.key for i in target}
+        target_keys = self._target_keys(target)
         yield from self._release_unneeded(target_keys | current)
         if target_keys == current:
             return
@@ -951,12 +1045,12 @@ class Registry:
 
     def _between_rounds(self, target: list[SlotInfo], now: float) -> Decision:
         holders = self.holders()
-        target_keys = {i.key for i in target}
+        target_keys = self._target_keys(target)
         handing_over = bool(holders) and not any(w.key in target_keys for w in holders)
         keep = target_keys | ({w.key for w in holders} if handing_over else set())
         yield from self._release_unneeded(keep)  # first: who is left decides what comes next
-        live = [w for w in self.workers.values() if w.state not in _GONE]
-        failed = [w for w in self.workers.values() if w.state is WorkerState.FAILED]
+        live = sum(self._in[s] for s in WorkerState if s not in _GONE)
+        failed = [] if live else [w for w in self.workers.values() if w.state is WorkerState.FAILED]
         if not live and failed:
             if not self._resumable(failed):
                 yield Finish(False, Reason(Cause.ALL_FAILED, {"failed": [(w.label, w.why) for w in failed[-8:]]}))
@@ -990,6 +1084,8 @@ class Registry:
         yield from self._stop_waiting()
         yield from self._launch_missing(target, now)
         if self.round < 0:  # the first round: everyone planned, so that no reset follows at once
+            if self._in[WorkerState.WAITING] < len(target_keys):
+                return  # (while thousands trickle in: not a look at each of them per decision)
             by_key = self._by_key()
             if all(k in by_key and by_key[k].state is WorkerState.WAITING for k in target_keys):
                 yield from self._form_round([(i.key, by_key[i.key]) for i in target])

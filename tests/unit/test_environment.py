@@ -14,6 +14,7 @@ from elasticrun.driver.environment import (
     driver_timeout,
     forwarded_environment,
     heartbeat_interval,
+    shared_environment,
     worker_environment,
 )
 
@@ -73,6 +74,18 @@ def test_x_variables_override_the_driver_environment_and_never_the_jobs_own(remo
     worker = _env(s, remote=remote)
     assert worker["HOME"] == "/data" and worker["NEW"] == "1"
     assert worker[env.RANK] == "3" and worker[env.JOB_ID] == "job1"
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_shared_part_computed_once_gives_every_worker_what_its_own_would(remote):
+    """The driver reads its environment once per batch of launches (``shared``), not per worker."""
+    s = dataclasses.replace(SETTINGS, extra_env={"HOME": "/data", env.RANK: "99"}, network_interface="eth1")
+    shared = shared_environment(s, DRIVER_ENV, remote)
+    before = dict(shared)
+    got = worker_environment(s, INFO, job_id="job1", worker_id="w7", control_addr="tcp://10.0.0.1:5000",
+                             base_env={}, remote=remote, shared=shared)
+    assert got == _env(s, remote=remote)
+    assert shared == before  # each worker's part goes into its own copy
 
 
 def test_network_interface_sets_gloo_socket_ifname_unless_the_driver_has_it():

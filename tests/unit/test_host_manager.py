@@ -270,6 +270,45 @@ class TestCooldown:
         assert hm.next_expiry() is None
         assert hm.blacklisted() == ["a"]  # entry kept so that the next cooldown doubles
 
+    def test_a_cooldown_that_ended_before_another_blacklisting_still_lets_its_host_back(self):
+        """refresh() skips the rebuild when no cooldown ended since the last update; a
+        blacklisting in between moves the clock on without an update, and must not hide one."""
+        hm, _ = seeded(cooldown=(10.0, 10.0))
+        hm.update({"a": 1, "b": 1, "c": 1}, now=0)
+        hm.blacklist("a", now=0)  # until 10
+        hm.blacklist("b", now=12)  # after a's cooldown ended; no refresh came between
+        assert hm.refresh(13.0) == HostChange(added=("a",))
+        assert order(hm) == ["c", "a"]
+        assert not hm.refresh(14.0)
+        assert hm.refresh(22.0) == HostChange(added=("b",))
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.tuples(st.sampled_from(["refresh", "blacklist", "update", "pardon", "drain"]),
+                              st.sampled_from(["a", "b", "c", "d"]), st.floats(0.0, 15.0)), max_size=30))
+    def test_refresh_answers_as_a_full_update_would(self, script):
+        hm = HostManager(cooldown_range=(5.0, 20.0), rng=random.Random(0))
+        ref = HostManager(cooldown_range=(5.0, 20.0), rng=random.Random(0))
+        now = 0.0
+        for m in (hm, ref):
+            m.update({"a": 1, "b": 2, "c": 1, "d": 1}, now=0.0)
+        for op, host, dt in script:
+            now += dt
+            for m in (hm, ref):
+                if op == "refresh":
+                    got = m.refresh(now) if m is hm else m.update(m.discovered(), now)
+                elif op == "blacklist":
+                    got = m.blacklist(host, now)
+                elif op == "update":
+                    got = m.update({h: 1 for h in "abcd" if h != host}, now)
+                elif op == "pardon":
+                    got = m.pardon(host, now)
+                else:
+                    got = m.drain(host, now)
+                if m is hm:
+                    mine = got
+            assert mine == got, (op, host, now)
+            assert hm.available() == ref.available()
+
     def test_expired_host_also_returns_on_update(self):
         hm, _ = seeded(cooldown=(10.0, 10.0))
         hm.update({"a": 1, "b": 1}, now=0)
