@@ -107,10 +107,14 @@ def _rss_kib() -> int:
         return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
 
 
+#: The driver's decisions so far (driver mode): how many, and the CPU of its loop's thread in them.
+_DECISIONS = {"n": 0, "cpu": 0.0}
+
+
 def _stats() -> dict:
     return {"cpu": time.process_time(), "wall": time.time(), "rss_kib": _rss_kib(),
             "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "threads": threading.active_count(),
-            "thread_cpu": thread_cpu()}
+            "thread_cpu": thread_cpu(), "decisions": _DECISIONS["n"], "decision_cpu": _DECISIONS["cpu"]}
 
 
 def _thread_split(before: dict, after: dict) -> dict:
@@ -233,6 +237,17 @@ def _run_driver(drv, JobSettings, hosts: dict, np_: int, min_np: int, send, in_c
     source = _SimSource(hosts)
     launcher = _SimLauncher(send)
     driver = drv.ElasticDriver(settings, source, launcher)  # no processes, no SSH
+    decide = driver.registry.decide
+
+    def timed_decide(*args, **kwargs):  # counted for the report (a thread_time call is ~1 us)
+        t = time.thread_time()
+        try:
+            return decide(*args, **kwargs)
+        finally:
+            _DECISIONS["n"] += 1
+            _DECISIONS["cpu"] += time.thread_time() - t
+
+    driver.registry.decide = timed_decide
 
     def control() -> None:
         while True:
@@ -944,6 +959,9 @@ def run_job(mode: str, n_hosts: int, slots: int, args, tmp: str) -> dict:
         st_r0 = sim.ask_stats("round0")
         res["cpu_round0"] = st_r0["cpu"] - hello["cpu"]
         res.update(_thread_split(hello, st_r0))
+        if "decisions" in st_r0:
+            res["decisions_round0"] = st_r0["decisions"] - hello.get("decisions", 0)
+            res["decision_cpu_round0"] = st_r0["decision_cpu"] - hello.get("decision_cpu", 0.0)
         res["rss_round0_mib"] = st_r0["rss_kib"] / 1024
 
         # (3) steady state: heartbeats only
@@ -1071,6 +1089,8 @@ ROWS = [
     ("python_round0", "  of which: Python threads (loop, ZAP, ...: one GIL)", "s", 1, None, None),
     # a thread cannot go faster than its own CPU: round 0's floor on a machine with cores to spare
     ("busiest_round0", "  busiest single thread", "s", 1, None, None),
+    ("decision_cpu_round0", "  the registry's decisions in round 0 (driver's loop CPU)", "s", 1, None, None),
+    ("decisions_round0", "  how many decisions in round 0", "", 1, None, None),
     ("cpu_steady", "server CPU, steady (heartbeats only)", "% core", 100, None, None),
     # from the end of the steady window: the driver's includes up to 1 s waiting for its discovery poll
     ("cpu_round1", "server CPU, host removal + round 1", "s", 1, None, None),
@@ -1103,8 +1123,9 @@ def print_table(n: int, bare: dict, drv: dict, args) -> list[str]:
         b, d = bare.get(key), drv.get(key)
         if b is None and d is None:
             continue
-        fmt = (lambda v: f"{v:.1f}") if unit in ("ms", "% core", "MiB") else (lambda v: f"{v:.3f}")
-        cell = lambda v, res: f"{fmt(v * scale)} {unit}" if v is not None else "failed" if res.get("error") else "-"
+        fmt = ((lambda v: f"{v:.1f}") if unit in ("ms", "% core", "MiB") else (lambda v: f"{v:.0f}") if not unit
+               else (lambda v: f"{v:.3f}"))
+        cell = lambda v, res: f"{fmt(v * scale)} {unit}".rstrip() if v is not None else "failed" if res.get("error") else "-"
         ratio = f"{d / b:.1f}x" if b and d is not None else "-"
         tgt = ""
         ran = d is not None or drv.get("error")

@@ -1,0 +1,103 @@
+"""What one registry decision costs while N workers trickle into round 0 (pure registry: no
+sockets, no threads), the driver's loop CPU per decision at 1,024 and 4,096 workers.
+
+    python benchmarks/decisions.py [--workers 1024 4096] [--batch 16] [--repeats 3]
+                                   [--baseline-tree DIR]
+
+Every worker is launched by the first decision; then they ask for their places ``--batch`` at a
+time, with a decision (and ``next_deadline``, as the driver's loop calls it) after each batch,
+until round 0 forms. ``--baseline-tree DIR``: the same measurement, in the same run, of the
+registry of another checkout (e.g. ``git worktree add /tmp/before <commit>``), as a ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def measure(n: int, batch: int) -> dict:
+    """One trickle of ``n`` workers into round 0: the first decision, then the rest's mean."""
+    from elasticrun.discovery.host_manager import HostManager
+    from elasticrun.driver.registry import Launch, Registry, RegistryConfig
+
+    ids = itertools.count()
+    config = RegistryConfig(np=n, min_np=n, max_np=None, reset_limit=None, elastic_timeout=600.0,
+                            start_timeout=60.0, heartbeat_timeout=5.0)
+    reg = Registry(config, HostManager(cooldown_range=None, rng=random.Random(0)), lambda: f"w{next(ids)}")
+    now = 0.0
+    reg.discovered({f"h{i}": 4 for i in range(n // 4)}, now)
+    t = time.perf_counter()
+    wids = [a.worker_id for a in reg.decide(now) if isinstance(a, Launch)]
+    reg.next_deadline()
+    first = time.perf_counter() - t
+    spent, decisions = 0.0, 0
+    for i in range(0, n, batch):
+        now += 0.001
+        for w in wids[i:i + batch]:
+            reg.rendezvous(w, now)
+            reg.heartbeat(w, now)
+        t = time.perf_counter()
+        reg.decide(now)
+        reg.next_deadline()
+        spent += time.perf_counter() - t
+        decisions += 1
+    if reg.round != 0:
+        raise SystemExit(f"round 0 did not form with {n} workers (round {reg.round})")
+    return {"first_ms": first * 1e3, "mean_ms": spent / decisions * 1e3, "decisions": decisions}
+
+
+def run_all(workers: list[int], batch: int, repeats: int) -> dict[int, dict]:
+    out = {}
+    for n in workers:
+        runs = [measure(n, batch) for _ in range(repeats)]
+        out[n] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--batch", type=int, default=16, help="workers asking for a place between two decisions")
+    p.add_argument("--repeats", type=int, default=3, help="trickles per size (medians shown)")
+    p.add_argument("--baseline-tree", metavar="DIR", help="also measure the registry of the checkout in DIR")
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # (how a baseline run reports)
+    p.add_argument("--tree", default=ROOT, help=argparse.SUPPRESS)  # (whose elasticrun to import)
+    a = p.parse_args()
+    if a.baseline_tree and not os.path.isfile(os.path.join(a.baseline_tree, "elasticrun", "driver", "registry.py")):
+        p.error(f"--baseline-tree {a.baseline_tree}: no elasticrun/driver/registry.py there")
+    sys.path.insert(0, a.tree)
+    if a.json:
+        print(json.dumps(run_all(a.workers, a.batch, a.repeats)))
+        return 0
+    base = None
+    if a.baseline_tree:  # a process of its own, importing that tree's elasticrun
+        cmd = [sys.executable, os.path.abspath(__file__), "--json", "--tree", os.path.abspath(a.baseline_tree),
+               "--batch", str(a.batch), "--repeats", str(a.repeats), "--workers", *map(str, a.workers)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise SystemExit(f"the baseline tree's run failed: {done.stderr.strip()[-500:]}")
+        base = {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    mine = run_all(a.workers, a.batch, a.repeats)
+    print(f"Registry decisions while N workers ask for round 0, {a.batch} between two decisions "
+          f"(medians of {a.repeats})\n")
+    print("| workers | decisions | first decision (launch all) | each decision after | baseline: each | ratio |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n, r in mine.items():
+        b = base.get(n) if base else None
+        print(f"| {n:,} | {r['decisions']:.0f} | {r['first_ms']:.1f} ms | {r['mean_ms']:.2f} ms | "
+              + (f"{b['mean_ms']:.2f} ms | {r['mean_ms'] / b['mean_ms']:.2f}x |" if b else "- | - |"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
