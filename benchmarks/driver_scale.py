@@ -959,7 +959,7 @@ def run_job(mode: str, n_hosts: int, slots: int, args, tmp: str) -> dict:
         st_r0 = sim.ask_stats("round0")
         res["cpu_round0"] = st_r0["cpu"] - hello["cpu"]
         res.update(_thread_split(hello, st_r0))
-        if "decisions" in st_r0:
+        if mode == "driver" and "decisions" in st_r0:
             res["decisions_round0"] = st_r0["decisions"] - hello.get("decisions", 0)
             res["decision_cpu_round0"] = st_r0["decision_cpu"] - hello.get("decision_cpu", 0.0)
         res["rss_round0_mib"] = st_r0["rss_kib"] / 1024
