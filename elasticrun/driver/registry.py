@@ -355,6 +355,10 @@ class Registry:
         self._wait_started: float | None = None
         self._wait_reminder: float | None = None  # when the next "still waiting" line is due
         self._said: set[str] = set()  # one-time messages of the current round
+        # The blacklistings that failures in an aborted round caused, said once the round has
+        # settled (every member reported or failed): if every worker turned out to be lost at
+        # once, they are lifted instead, and the console never said otherwise.
+        self._held: list[Event] = []
         self._empty_said = False  # an empty discovery listing was reported (until a non-empty one)
         self.durable_commit: int | None = None  # the commit of the newest durable copy (--checkpoint-dir)
         # Who ended the job early: rank, steps and how many were training (Cause.ENDED_EARLY).
@@ -553,9 +557,13 @@ class Registry:
         heard = now if heard_until is None else min(now, heard_until)
         self._behind = now - heard
         self._dirty = False
-        if self.finished is not None:
-            return acts
-        return acts + self._drive(self._decision(now, heard))
+        if self.finished is None:
+            acts += self._drive(self._decision(now, heard))
+        if self.finished is not None and self._held:  # (a job ended by an event: nothing unsaid)
+            held, self._held = self._held, []
+            end = next((i for i, a in enumerate(acts) if isinstance(a, Finish)), len(acts))
+            acts[end:end] = held
+        return acts
 
     def _decision(self, now: float, heard: float) -> Decision:
         """The decision itself: it reads the registry and yields what to do (``_drive`` applies
@@ -564,9 +572,11 @@ class Registry:
             yield Event(Kind.HOST_WHITELISTED, {"host": h, "because": "cooldown"})
         yield from self._timeouts(now, heard)
         if self.plain:
+            yield from self._say_held()
             yield from self._plain_end()
             return
         if self._succeeded():
+            yield from self._say_held()
             yield from self._finishing()
             return
         running = self._in[WorkerState.RUNNING] > 0
@@ -579,8 +589,10 @@ class Registry:
             yield from self._between_rounds(target, now)
 
     # --- applying: the one place the registry changes as it decides ---------------------------
-    #: The notes a Mark may set (and ``said``, which adds to the lines said this round).
-    _MARKS = frozenset({"plain", "_wait_started", "_wait_reminder", "_notified_target", "_device_said", "said"})
+    #: The notes a Mark may set (and ``said``, which adds to the lines said this round; ``held``,
+    #: which holds a blacklisting's line until the round settles; ``held_said``, which ends that).
+    _MARKS = frozenset({"plain", "_wait_started", "_wait_reminder", "_notified_target", "_device_said", "said",
+                        "held", "held_said"})
 
     def _drive(self, decision: Decision) -> list[Action]:
         """Run a decision: apply each step it yields, send back the answer, collect the actions."""
@@ -637,6 +649,10 @@ class Registry:
                 raise AssertionError("unknown_mark", step.name)
             if step.name == "said":
                 self._said.add(step.value)
+            elif step.name == "held":
+                self._held.append(step.value)
+            elif step.name == "held_said":
+                self._held.clear()
             else:
                 setattr(self, step.name, step.value)
                 if step.name == "plain":
@@ -723,17 +739,33 @@ class Registry:
     def _failure(self, w: WorkerRecord, why: Reason, now: float) -> Decision:
         """A worker failed: its host is blacklisted, and a round it was in is aborted."""
         was_member = w.state is WorkerState.RUNNING and w.round == self.round
+        # A failure that aborts the round (or comes while it is aborted) may be one of many:
+        # its host's blacklisting is said once the round settles (``_say_held``).
+        hold = was_member or self.aborted
         yield Move(w.id, WorkerState.FAILED, why)
         yield Event(Kind.WORKER_FAILED, {"host": w.host, "label": w.label, "rank": w.rank, "why": why})
         if not self.hosts.is_blacklisted(w.host):  # once per host: its other workers fail with it
-            yield from self._blacklist(w.host, now)
+            yield from self._blacklist(w.host, now, hold=hold)
         if was_member and not self.aborted:
             yield AbortRound(self.round, Reason(Cause.MEMBER_FAILED, {"label": w.label, "why": why}))
 
-    def _blacklist(self, host: str, now: float, straggler: bool = False) -> Decision:
+    def _blacklist(self, host: str, now: float, straggler: bool = False, hold: bool = False) -> Decision:
         until = yield Blacklist(host, now)
-        yield Event(Kind.HOST_BLACKLISTED, {"host": host, "seconds": None if until is None else until - now,
-                                            "straggler": straggler})
+        event = Event(Kind.HOST_BLACKLISTED, {"host": host, "seconds": None if until is None else until - now,
+                                              "straggler": straggler})
+        if hold:
+            yield Mark("held", event)
+        else:
+            yield event
+
+    def _say_held(self, lifted: Collection[str] = ()) -> Decision:
+        """Say the blacklistings held while the round settled, but those of ``lifted`` hosts."""
+        if self._held:
+            held = list(self._held)
+            yield Mark("held_said", None)
+            for event in held:
+                if event.fields["host"] not in lifted:
+                    yield event
 
     @staticmethod
     def _failures(failed: list[WorkerRecord]) -> list[tuple[int, str, Reason | None]]:
@@ -1053,18 +1085,24 @@ class Registry:
         failed = [] if live else [w for w in self.workers.values() if w.state is WorkerState.FAILED]
         if not live and failed:
             if not self._resumable(failed):
+                yield from self._say_held()
                 yield Finish(False, Reason(Cause.ALL_FAILED, {"failed": [(w.label, w.why) for w in failed[-8:]]}))
                 return
             if "collapse" not in self._said:
                 # Losing everything at once says nothing about any one host: let them all back.
-                for h in sorted({w.host for w in failed if w.round == self.round}):
-                    if self.hosts.is_blacklisted(h):
+                # Their blacklistings are still held, unsaid, unless a host failed apart first.
+                hosts = sorted({w.host for w in failed if w.round == self.round})
+                unsaid = {e.fields["host"] for e in self._held}
+                for h in hosts:
+                    if self.hosts.is_blacklisted(h) and h not in unsaid:
                         yield Event(Kind.HOST_WHITELISTED, {"host": h, "because": "collapse"})
                     yield Pardon(h, now)
+                yield from self._say_held(lifted=hosts)
                 target = self._target()
             yield from self._say_once("collapse", Event(Kind.WORKERS_LOST, {
                 "limit": self.config.elastic_timeout, "min_np": self.config.min_np, "commit": self.durable_commit},
                 level="warning"))
+        yield from self._say_held()  # the round has settled: nobody is still in it
         if self.hosts.all_blacklisted() and self.hosts.is_permanent():
             yield Finish(False, Reason(Cause.ALL_BLACKLISTED, {"hosts": list(self.hosts.blacklisted())}))
             return

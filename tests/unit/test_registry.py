@@ -516,17 +516,20 @@ class TestFailures:
         job.start({"a": 1, "b": 1, "c": 1})
         acts = job.exit("w1", 1, at=1, detail="CUDA error")
         assert [(a.round, why(a)) for a in of(acts, AbortRound)] == [(0, "b[0] exited with code 1: CUDA error")]
-        assert events(acts, "worker_failed") and events(acts, "host_blacklisted")
-        assert "permanently" in text(events(acts, "host_blacklisted")[0])
+        # Blacklisted at once; said once the round has settled (it may be one of many losses).
+        assert events(acts, "worker_failed") and not events(acts, "host_blacklisted")
         assert job.hosts.is_blacklisted("b")
         assert job.state("w1") is WorkerState.FAILED
         assert job.reg.aborted
 
         acts = job.exit("w2", 137, at=2)
         assert not of(acts, AbortRound)  # not twice in the same round
-        assert job.hosts.is_blacklisted("c")
+        assert job.hosts.is_blacklisted("c") and not events(acts, "host_blacklisted")
 
         acts = job.rdv("w0", at=3)
+        assert [text(e) for e in events(acts, "host_blacklisted")] == ["host b blacklisted permanently",
+                                                                        "host c blacklisted permanently"]
+        assert acts.index(events(acts, "host_blacklisted")[-1]) < acts.index(of(acts, Assign)[0])
         assigns = of(acts, Assign)
         assert ranks(assigns) == {("a", 0): ("w0", 0)}
         assert {a.round for a in assigns} == {1} and assigns[0].info.size == 1
@@ -614,9 +617,9 @@ class TestCooldown:
         job.start({"a": 1, "b": 1}, at=0)
         acts = job.exit("w1", 1, at=1)
         expected_until = 1 + cooldown_delay(1, low, high, random.Random(seed).random())
-        assert "for " in text(events(acts, "host_blacklisted")[0])
         assert job.hosts.next_expiry() == pytest.approx(expected_until)
-        job.rdv("w0", at=2)
+        acts = job.rdv("w0", at=2)
+        assert "for " in text(events(acts, "host_blacklisted")[0])
         assert job.reg.round == 1 and set(job.reg.members) == {("a", 0)}
 
         assert job.reg.next_deadline() == pytest.approx(expected_until)
@@ -1543,6 +1546,39 @@ class TestDurableCopies:
         assigns = of(acts, Assign)
         assert [(a.info.rank, a.restore, a.must_sync) for a in assigns] == [(0, True, True), (1, False, True)]
         assert not events(acts, "state_lost")
+
+    def test_losing_every_worker_at_once_never_says_a_host_was_blacklisted(self):
+        """The console must not say "host a blacklisted permanently" and then take it back: the
+        blacklistings of an aborted round's failures are said once the round has settled, and
+        a loss of every worker lifts them unsaid."""
+        job = Job(np=2, min_np=2, elastic_timeout=60.0)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.reg.durable(7)
+        acts = job.exit("w0", -9, at=1) + job.exit("w1", -9, at=1.01)
+        assert not events(acts, "host_blacklisted") and not events(acts, "host_whitelisted")
+        assert events(acts, "workers_lost") and not job.hosts.blacklisted()
+
+    def test_every_worker_lost_but_after_a_host_failed_on_its_own(self):
+        """A host that failed in an earlier round was said blacklisted; a later collapse of the
+        job lets only this round's hosts back, and says so for none it never named."""
+        job = Job(np=2, min_np=1, elastic_timeout=60.0, cooldown=(100.0, 100.0))
+        job.start({"a": 1, "b": 1, "c": 1}, at=0)
+        job.exit("w1", 1, at=1)  # b fails alone
+        acts = job.rdv_all(["w0", "w2"], at=2)
+        assert [text(e) for e in events(acts, "host_blacklisted")] == ["host b blacklisted for 100.0 s"]
+        job.reg.durable(9)
+        acts = job.exit("w0", -9, at=3) + job.exit("w2", -9, at=3)
+        assert not events(acts, "host_blacklisted") and not events(acts, "host_whitelisted")
+        assert events(acts, "workers_lost")
+        assert job.hosts.is_blacklisted("b") and not job.hosts.is_blacklisted("a")
+
+    def test_every_worker_lost_without_a_copy_names_the_blacklisted_hosts_before_the_end(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1}, at=0)
+        acts = job.exit("w0", -9, at=1) + job.exit("w1", -9, at=1)
+        names = [text(e) for e in events(acts, "host_blacklisted")]
+        assert names == ["host a blacklisted permanently", "host b blacklisted permanently"]
+        assert acts.index(events(acts, "host_blacklisted")[-1]) < acts.index(of(acts, Finish)[0])
 
     def test_every_worker_failing_by_its_own_exception_fails_the_job(self):
         job = Job(np=2, min_np=1)
