@@ -41,5 +41,6 @@ if ! [ -x /usr/sbin/sshd ] && ! command -v sshd >/dev/null && [ "$(id -u)" = 0 ]
     || echo "run_tests.sh: could not install openssh-server; the SSH tests will be skipped" >&2
 fi
 
-# -rs: every skipped test says why (a missing sshd, not root, no Ray).
-exec "$PYTHON" -m pytest -q -rs -p no:cacheprovider "$@"
+# -rs: every skipped test says why (a missing sshd, not root, no Ray); --durations: the slowest
+# tests are named at the end, so that a suite creeping past CI's time says where.
+exec "$PYTHON" -m pytest -q -rs --durations=15 -p no:cacheprovider "$@"
