@@ -925,6 +925,8 @@ class Registry:
         """Dismiss waiting and kill launching workers whose slot is not in ``keep``."""
         if keep.issuperset(self._busy):
             return  # (a waiting or launching worker has not exited: its slot is busy)
+        if not self._in[WorkerState.WAITING] and not self._in[WorkerState.LAUNCHING]:
+            return  # the busy slots outside ``keep`` are processes on their way out: none to release
         for w in list(self.workers.values()):
             if w.key in keep:
                 continue

@@ -334,6 +334,7 @@ def test_encode_refuses_oversized_message():
         json.dumps({k: v for k, v in header().items() if k != "seq"}).encode(),
         json.dumps({k: v for k, v in header().items() if k != "from"}).encode(),
         json.dumps({k: v for k, v in header().items() if k != "v"}).encode(),
+        json.dumps(header()).encode("utf-16"),  # a payload is UTF-8 (json.loads would guess)
     ],
 )
 def test_malformed_payload_rejected(payload):
