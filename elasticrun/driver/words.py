@@ -91,8 +91,10 @@ def _straggler_event(f: Mapping[str, Any]) -> str:
 
 def _whitelisted(f: Mapping[str, Any]) -> str:
     if f.get("because") == "collapse":
-        return (f"host {f['host']} is not blacklisted after all: every worker was lost at once, which is no one "
-                f"host's fault")
+        # Only a host already named blacklisted gets this line, so its failure came first, while
+        # others still trained: saying "lost at once" would be untrue.
+        return (f"host {f['host']} is let back: since it failed, every other worker has been lost too, which is "
+                f"no one host's fault")
     return f"host {f['host']} is back after its blacklist cooldown"
 
 

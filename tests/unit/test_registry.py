@@ -1572,6 +1572,23 @@ class TestDurableCopies:
         assert events(acts, "workers_lost")
         assert job.hosts.is_blacklisted("b") and not job.hosts.is_blacklisted("a")
 
+    def test_a_host_named_blacklisted_is_let_back_when_the_rest_of_its_round_is_lost_later(self):
+        """Hosts reclaimed seconds apart: the first is named blacklisted once the survivor has
+        settled; when the survivor is lost too (the round never re-formed: --min-np), the job
+        lets the first back and says why without claiming they were lost at once."""
+        job = Job(np=2, min_np=2, elastic_timeout=60.0, cooldown=(100.0, 100.0))
+        job.start({"a": 1, "b": 1}, at=0)
+        job.reg.durable(9)
+        job.exit("w0", -9, at=1)
+        acts = job.rdv_all(["w1"], at=1.1)  # b settles: a's line is said; no round without a
+        assert [text(e) for e in events(acts, "host_blacklisted")] == ["host a blacklisted for 100.0 s"]
+        assert job.reg.round == 0
+        acts = job.exit("w1", -9, at=4)
+        assert [text(e) for e in events(acts, "host_whitelisted")] == [
+            "host a is let back: since it failed, every other worker has been lost too, which is no one host's fault"]
+        assert not events(acts, "host_blacklisted") and events(acts, "workers_lost")
+        assert not job.hosts.blacklisted()
+
     def test_every_worker_lost_without_a_copy_names_the_blacklisted_hosts_before_the_end(self):
         job = Job(np=2, min_np=1)
         job.start({"a": 1, "b": 1}, at=0)
