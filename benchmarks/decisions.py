@@ -18,11 +18,10 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import _trees
 
 
 def measure(n: int, batch: int) -> dict:
@@ -69,24 +68,17 @@ def main() -> int:
     p.add_argument("--workers", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--batch", type=int, default=16, help="workers asking for a place between two decisions")
     p.add_argument("--repeats", type=int, default=3, help="trickles per size (medians shown)")
-    p.add_argument("--baseline-tree", metavar="DIR", help="also measure the registry of the checkout in DIR")
-    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # (how a baseline run reports)
-    p.add_argument("--tree", default=ROOT, help=argparse.SUPPRESS)  # (whose elasticrun to import)
+    _trees.add_arguments(p, "the registry")
     a = p.parse_args()
-    if a.baseline_tree and not os.path.isfile(os.path.join(a.baseline_tree, "elasticrun", "driver", "registry.py")):
-        p.error(f"--baseline-tree {a.baseline_tree}: no elasticrun/driver/registry.py there")
-    sys.path.insert(0, a.tree)
+    _trees.setup(p, a, os.path.join("elasticrun", "driver", "registry.py"))
     if a.json:
         print(json.dumps(run_all(a.workers, a.batch, a.repeats)))
         return 0
     base = None
     if a.baseline_tree:  # a process of its own, importing that tree's elasticrun
-        cmd = [sys.executable, os.path.abspath(__file__), "--json", "--tree", os.path.abspath(a.baseline_tree),
-               "--batch", str(a.batch), "--repeats", str(a.repeats), "--workers", *map(str, a.workers)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            raise SystemExit(f"the baseline tree's run failed: {done.stderr.strip()[-500:]}")
-        base = {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+        got = _trees.measure_in(__file__, a.baseline_tree, ["--batch", str(a.batch), "--repeats", str(a.repeats),
+                                                            "--workers", *map(str, a.workers)])
+        base = {int(k): v for k, v in got.items()}
     mine = run_all(a.workers, a.batch, a.repeats)
     print(f"Registry decisions while N workers ask for round 0, {a.batch} between two decisions "
           f"(medians of {a.repeats})\n")

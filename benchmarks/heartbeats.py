@@ -22,11 +22,10 @@ import hmac
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import _trees
 
 
 def _best(fn, repeats: int, n: int) -> float:
@@ -102,25 +101,17 @@ def main() -> int:
     p.add_argument("--beats", type=int, default=30000, help="heartbeats per run")
     p.add_argument("--repeats", type=int, default=5, help="runs (the fastest is shown)")
     p.add_argument("--rounds", type=int, default=3, help="measurements of each tree, alternating (medians)")
-    p.add_argument("--baseline-tree", metavar="DIR", help="also measure the driver of the checkout in DIR")
-    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # (how a baseline run reports)
-    p.add_argument("--tree", default=ROOT, help=argparse.SUPPRESS)  # (whose elasticrun to import)
+    _trees.add_arguments(p, "the driver's handler")
     a = p.parse_args()
     if a.workers < 4 or a.workers % 4 or a.beats < 1 or a.repeats < 1 or a.rounds < 1:
         p.error("--workers must be a positive multiple of 4; --beats, --repeats and --rounds at least 1")
-    if a.baseline_tree and not os.path.isfile(os.path.join(a.baseline_tree, "elasticrun", "driver", "driver.py")):
-        p.error(f"--baseline-tree {a.baseline_tree}: no elasticrun/driver/driver.py there")
-    sys.path.insert(0, a.tree)
+    _trees.setup(p, a, os.path.join("elasticrun", "driver", "driver.py"))
     if a.json:
         print(json.dumps(measure_driver(a.workers, a.beats, a.repeats)))
         return 0
     def child(tree: str) -> float:  # one measurement, in a process importing ``tree``'s elasticrun
-        cmd = [sys.executable, os.path.abspath(__file__), "--json", "--tree", os.path.abspath(tree),
-               "--workers", str(a.workers), "--beats", str(a.beats), "--repeats", str(a.repeats)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            raise SystemExit(f"the measurement of {tree} failed: {done.stderr.strip()[-500:]}")
-        return float(done.stdout.strip().splitlines()[-1])
+        return float(_trees.measure_in(__file__, tree, ["--workers", str(a.workers), "--beats", str(a.beats),
+                                                         "--repeats", str(a.repeats)]))
 
     runs: dict[str, list[float]] = {"mine": [], "base": []}
     for _ in range(a.rounds):  # alternating, so that a slower minute of the machine hits both
