@@ -23,6 +23,7 @@ from conftest import (
     SCRIPTS,
     assert_each_sample_once,
     assert_nothing_left,
+    tagged_pids,
 )
 
 pytestmark = pytest.mark.timeout(240)
@@ -138,6 +139,50 @@ def test_every_worker_lost_then_resumed_from_the_durable_copy(job):
     assert resumed["commit"] > 0 and resumed["steps_back"] >= 0
     assert_exactly_once(history)
     assert len(list(ckpt.glob("ckpt-*"))) == 2  # the newest two are kept
+
+
+def _host_of(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for item in f.read().split(b"\0"):
+                if item.startswith(b"ELASTICRUN_HOSTNAME="):
+                    return item.split(b"=", 1)[1].decode()
+    except OSError:
+        pass
+    return None
+
+
+def test_hosts_reclaimed_seconds_apart_the_first_named_then_let_back_truthfully(job):
+    """A spot pool takes one host, then, while the survivor waits for a second slot
+    (--min-np 2), the other. The first is named blacklisted once the survivor has settled;
+    losing the second lets it back with a line that does not claim they were lost at once,
+    and the job resumes from the durable copy, every committed sample once."""
+    ckpt, ev_path = job.tmp / "ckpt", job.tmp / "events.jsonl"
+    job.start(["-np", "2", "--min-np", "2", "-H", "localhost:1,127.0.0.1:1", "--checkpoint-dir", str(ckpt),
+               "--checkpoint-interval", "0.3", "--events", str(ev_path)],
+              sample_cmd(job, "--commit-every", "2", "--kill", "127.0.0.1:0@1:3", "--sleep", "0.03"))
+    wait_for(lambda: any(e["kind"] == "host_blacklisted" for e in events(ev_path)), 90,
+             "127.0.0.1 to be named blacklisted")
+    victims = [pid for pid in tagged_pids(job.tag) if _host_of(pid) == "localhost"]  # its worker (and template)
+    assert victims
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    r = job.finish(180)
+    assert r.returncode == 0, r.output
+    err = r.stderr
+    assert "host 127.0.0.1 blacklisted permanently" in err, err
+    assert ("host 127.0.0.1 is let back: since it failed, every other worker has been lost too, which is no one "
+            "host's fault") in err, err
+    assert "at once" not in err and "host localhost blacklisted" not in err, err
+    assert err.index("blacklisted permanently") < err.index("is let back") < err.index("every worker is gone")
+    assert "blacklisted hosts: none" in err, err
+    assert re.search(RESUMED, err), err
+    history, resumed = committed_history(entries(job.tmp / "samples"), events(ev_path))
+    assert resumed["commit"] > 0
+    assert_exactly_once(history)
 
 
 def test_without_a_checkpoint_dir_losing_every_worker_fails_as_before(job):
