@@ -12,7 +12,9 @@ the same run and interleaved:
 
   null        no security: the baseline, what accepting a TCP connection and one frame cost
   curve       CURVE without a ZAP handler (any client key gets in: not what the driver runs)
-  curve+zap   what the driver runs: CURVE, and the ZAP handler admits only the job's key
+  curve+zap   CURVE, and the ZAP handler admits only the job's key, on a thread of its own
+  zap-inline  what the driver runs: the same, the ZAP requests answered by the echo loop
+              itself (ZapAuthenticator.start_inline), as the driver's loop answers them
 
 A worker opens three such connections (requests, heartbeats, notifications), so round 0 of N
 workers costs the driver's I/O threads about 3 N times the curve+zap figure
@@ -37,12 +39,17 @@ from _threads import spent, thread_cpu  # noqa: E402
 
 from elasticrun.common import auth  # noqa: E402
 
-MODES = ("null", "curve", "curve+zap")
+MODES = ("null", "curve", "curve+zap", "zap-inline")
 
 
 def _server(mode: str, keys: auth.JobKeys, n: int, io_threads: int, conn) -> None:
     ctx = zmq.Context(io_threads=io_threads)
-    zap = auth.ZapAuthenticator(ctx, [keys.worker.client_public]).start() if mode == "curve+zap" else None
+    zap = auth.ZapAuthenticator(ctx, [keys.worker.client_public]) if mode in ("curve+zap", "zap-inline") else None
+    zap_sock = None  # the handler's socket, when this loop answers it
+    if mode == "zap-inline":
+        zap_sock = zap.start_inline()
+    elif zap is not None:
+        zap.start()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.BACKLOG, 4096)
@@ -50,11 +57,24 @@ def _server(mode: str, keys: auth.JobKeys, n: int, io_threads: int, conn) -> Non
         auth.secure_server(sock, keys, 1 << 20)
     conn.send(sock.bind_to_random_port("tcp://127.0.0.1"))
     before = thread_cpu()
-    for _ in range(n):
-        if not sock.poll(60_000):
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    if zap_sock is not None:
+        poller.register(zap_sock, zmq.POLLIN)
+    echoed = 0
+    while echoed < n:
+        ready = dict(poller.poll(60_000))
+        if not ready:
             conn.send(None)
             break
-        sock.send_multipart(sock.recv_multipart())
+        if zap_sock in ready:
+            zap.serve()
+        while echoed < n:
+            try:
+                sock.send_multipart(sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            echoed += 1
     else:
         by_thread = spent(before, thread_cpu()).values()
         io = sum(cpu for name, cpu in by_thread if name.startswith("ZMQbg/IO"))

@@ -274,7 +274,8 @@ def _run_bare(hosts: dict, send, in_conn) -> int:
     keys, job_id = auth.JobKeys.generate(), "bare" + os.urandom(4).hex()
     secret, blob = keys.secret, keys.worker.encode()
     ctx = zmq.Context()
-    zap = auth.ZapAuthenticator(ctx, [keys.worker.client_public]).start()
+    zap = auth.ZapAuthenticator(ctx, [keys.worker.client_public])
+    zap_sock = zap.start_inline()  # answered by this loop, as the driver's loop answers it
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     auth.secure_server(router, keys, MAX_FRAME_BYTES)
@@ -300,6 +301,7 @@ def _run_bare(hosts: dict, send, in_conn) -> int:
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     poller.register(in_conn.fileno(), zmq.POLLIN)
+    poller.register(zap_sock, zmq.POLLIN)
 
     def reply(identity: bytes, to: str, req, type_: str, body: dict) -> None:
         try:
@@ -310,6 +312,8 @@ def _run_bare(hosts: dict, send, in_conn) -> int:
     try:
         while live or round_ < 0:
             events = dict(poller.poll(500))
+            if zap_sock in events:
+                zap.serve()
             while in_conn.poll():
                 msg = in_conn.recv()
                 if msg[0] == "exit":
@@ -1086,7 +1090,8 @@ ROWS = [
     ("round1_after_last_request", "  of which: last request -> all assigned", "s", 1, None, None),
     ("cpu_round0", "server CPU, launch + round 0", "s", 1, None, None),
     ("io_round0", "  of which: ZeroMQ's I/O threads", "s", 1, None, None),
-    ("python_round0", "  of which: Python threads (loop, ZAP, ...: one GIL)", "s", 1, None, None),
+    ("python_round0", "  of which: Python threads (the loop, which answers ZAP; discovery, ...: one GIL)", "s", 1,
+     None, None),
     # a thread cannot go faster than its own CPU: round 0's floor on a machine with cores to spare
     ("busiest_round0", "  busiest single thread", "s", 1, None, None),
     ("decision_cpu_round0", "  the registry's decisions in round 0 (driver's loop CPU)", "s", 1, None, None),

@@ -167,9 +167,12 @@ def zap_reply(frames: list[bytes], allowed: Iterable[bytes]) -> tuple[list[bytes
 
 
 class ZapAuthenticator:
-    """Answers libzmq's authentication requests for one context, on a thread of its own.
+    """Answers libzmq's authentication requests for one context: on a thread of its own
+    (``start()``), or from the caller's poll loop (``start_inline()``, then ``serve()``: the
+    driver's loop, which could otherwise trade the GIL with this thread up to a dozen times per
+    handshake).
 
-    Admits only the given CURVE client public keys (Z85). ``start()`` returns once the
+    Admits only the given CURVE client public keys (Z85). Either start returns once the
     handler is bound (before that, libzmq would admit everyone), ``stop()`` before the
     context is terminated. Refusals are logged, at most ``log_limit`` of them, then counted.
     """
@@ -185,6 +188,7 @@ class ZapAuthenticator:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._log_limit = log_limit
+        self._inline: Any = None  # the socket, when served from the caller's loop (start_inline)
         self.refused = 0
         self.admitted = 0
 
@@ -207,17 +211,66 @@ class ZapAuthenticator:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
 
+    def _bind(self) -> Any:
+        """The handler's REP socket, bound (raises zmq.ZMQError, e.g. another handler is bound)."""
+        import zmq
+
+        sock = self._ctx.socket(zmq.REP)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(ZAP_ENDPOINT)
+        except zmq.ZMQError:
+            sock.close(0)  # or the context could never be terminated
+            raise
+        return sock
+
+    def start_inline(self) -> Any:
+        """Serve from the caller's own poll loop instead of a thread: bind now (in the calling
+        thread, which must be the one that polls) and return the socket to poll; call
+        :meth:`serve` when it is readable, :meth:`stop` from the same thread at the end.
+
+        Why: a handshake's ZAP request read and answered on a thread of its own can cost up to
+        a dozen GIL hand-overs between that thread and the loop (pyzmq gives up the GIL around
+        every frame sent or received: 7 in, 6 out), so while thousands of workers connect, the
+        loop waits on the handler's thread and the other way round. Served from the loop, the
+        same work runs without them (benchmarks/README.md: round 0 at 4,096 workers, the
+        Python threads' CPU 0.84x)."""
+        import zmq
+
+        try:
+            self._inline = self._bind()
+        except zmq.ZMQError as exc:
+            self._close_pipe()
+            raise RuntimeError(f"cannot bind the ZAP authentication handler ({ZAP_ENDPOINT}): {exc}") from exc
+        return self._inline
+
+    def serve(self, sock: Any = None) -> None:
+        """Answer every request that is queued (a thousand workers connecting at once are three
+        thousand handshakes waiting for this), then return."""
+        import zmq
+
+        sock = sock if sock is not None else self._inline
+        for _ in range(10_000):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            reply, why = zap_reply(frames, self._allowed)
+            sock.send_multipart(reply)
+            if why is None:
+                self.admitted += 1
+                continue
+            self.refused += 1
+            if self.refused <= self._log_limit:
+                log.warning("refused a connection to the driver: %s%s", why, " (further refusals are "
+                            "only counted)" if self.refused == self._log_limit else "")
+
     def _run(self) -> None:
         import zmq
 
-        sock = None
         try:
-            sock = self._ctx.socket(zmq.REP)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(ZAP_ENDPOINT)
-        except zmq.ZMQError as exc:  # e.g. another handler is bound in this context
-            if sock is not None:
-                sock.close(0)  # or the context could never be terminated
+            sock = self._bind()
+        except zmq.ZMQError as exc:
             self._error = exc
             self._ready.set()
             return
@@ -227,24 +280,8 @@ class ZapAuthenticator:
         poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if sock not in dict(poller.poll(1000)):
-                    continue
-                # Answer everything that is queued before polling again: a thousand workers
-                # connecting at once are three thousand handshakes waiting for this thread.
-                for _ in range(10_000):
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    reply, why = zap_reply(frames, self._allowed)
-                    sock.send_multipart(reply)
-                    if why is None:
-                        self.admitted += 1
-                        continue
-                    self.refused += 1
-                    if self.refused <= self._log_limit:
-                        log.warning("refused a connection to the driver: %s%s", why, " (further refusals are "
-                                    "only counted)" if self.refused == self._log_limit else "")
+                if sock in dict(poller.poll(1000)):
+                    self.serve(sock)
         except zmq.ZMQError as exc:  # the context is going away
             log.debug("ZAP handler stopped: %s", exc)
         finally:
@@ -252,6 +289,9 @@ class ZapAuthenticator:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the handler (its socket is closed when this returns) before the context ends."""
+        if self._inline is not None:  # served inline: the caller's thread closes it
+            self._inline.close(0)
+            self._inline = None
         if self._wake_w < 0:
             return  # stopped already
         self._stop.set()

@@ -235,7 +235,9 @@ class ElasticDriver:
         # Only the job's workers get in: the socket is a CURVE server, and this ZAP handler
         # (bound before it) admits only the job's client key, so no frame of anyone else ever
         # reaches it. MAXMSGSIZE also bounds the handshake's frames.
-        self._zap = ZapAuthenticator(ctx, [self._keys.worker.client_public]).start()
+        # (Served by the loop itself, see ZapAuthenticator.start_inline.)
+        self._zap = ZapAuthenticator(ctx, [self._keys.worker.client_public])
+        self._zap_sock = self._zap.start_inline()
         self._router = ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         # Hundreds of workers connect at once; the default accept queue (100) drops
@@ -369,6 +371,7 @@ class ElasticDriver:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._zap_sock, zmq.POLLIN)
         # Events only update the registry; it decides once per drained batch, or when one of
         # its deadlines is due: with 1024 workers a round costs O(N), and heartbeats O(1) each.
         # A decision costs O(N): when messages trickle in (N workers asking for round 0 one by
@@ -393,6 +396,8 @@ class ElasticDriver:
             # Workers' messages first: what a worker sent before it died (its last heartbeat, its
             # failure report) is read before the death its launcher posts.
             polled = time.monotonic()
+            if self._zap_sock in events:  # handshakes first: a worker connecting waits on them
+                self._zap.serve()
             if self._router not in events:
                 heard_until = polled
             else:

@@ -88,17 +88,46 @@ def test_zap_answers_malformed_requests_with_500(request_):
 
 
 # --- real sockets: a CURVE server behind the ZAP handler ----------------------------------------
-@pytest.fixture
-def server():
+class _Served:
+    """Whoever answers the ZAP requests: the handler's own thread, or (``inline``) this test's
+    thread, as the driver's loop does (``pump`` answers what is queued, as the loop would
+    when the handler's socket is readable)."""
+
+    def __init__(self, zap: auth.ZapAuthenticator, inline: bool):
+        self.zap = zap
+        self.sock = None
+        if inline:
+            self.sock = zap.start_inline()
+        else:
+            zap.start()
+
+    def pump(self) -> None:
+        if self.sock is not None:
+            self.zap.serve()
+
+    def poll(self, sock: zmq.Socket, ms: int) -> bool:
+        """``sock.poll(ms)``, answering ZAP requests meanwhile."""
+        end = time.monotonic() + ms / 1000
+        while True:
+            self.pump()
+            if sock.poll(5):
+                return True
+            if time.monotonic() >= end:
+                return False
+
+
+@pytest.fixture(params=["thread", "inline"])
+def server(request):
     """A ROUTER set up as the driver's, behind the ZAP handler, on loopback."""
     keys = auth.JobKeys.generate()
     ctx = zmq.Context()
-    zap = auth.ZapAuthenticator(ctx, [keys.worker.client_public], log_limit=2).start()
+    zap = auth.ZapAuthenticator(ctx, [keys.worker.client_public], log_limit=2)
+    served = _Served(zap, request.param == "inline")
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     auth.secure_server(router, keys, 1 << 20)
     control = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
-    yield keys, ctx, zap, router, control
+    yield keys, ctx, served, router, control
     router.close(0)
     zap.stop()
     ctx.term()
@@ -113,7 +142,7 @@ def _client(ctx, kind: int, addr: str, keys: auth.WorkerKeys | None) -> zmq.Sock
     return sock
 
 
-def _exchange(router, dealer, seconds: float) -> tuple[int, int]:
+def _exchange(served: _Served, router, dealer, seconds: float) -> tuple[int, int]:
     """Let the dealer send for ``seconds``, the router answering each frame as the driver
     answers a heartbeat; (frames the router got, answers the dealer got)."""
     got_router = got_dealer = 0
@@ -123,7 +152,7 @@ def _exchange(router, dealer, seconds: float) -> tuple[int, int]:
             dealer.send(b"hello", zmq.NOBLOCK)
         except zmq.Again:
             pass
-        while router.poll(10):
+        while served.poll(router, 10):
             identity, _ = router.recv_multipart()
             router.send_multipart([identity, b"note"])
             got_router += 1
@@ -134,7 +163,8 @@ def _exchange(router, dealer, seconds: float) -> tuple[int, int]:
 
 
 def test_the_jobs_key_gets_in_and_any_other_is_refused(server, caplog):
-    keys, ctx, zap, router, control = server
+    keys, ctx, served, router, control = server
+    zap = served.zap
     other_pub, other_sec = zmq.curve_keypair()
     strangers = {  # none of them may get a frame in or out
         "no CURVE": None,
@@ -148,10 +178,10 @@ def test_the_jobs_key_gets_in_and_any_other_is_refused(server, caplog):
             for what, k in strangers.items():  # two connections each (requests and heartbeats)
                 for _ in range(2):
                     dealer = _client(cctx, zmq.DEALER, control, k)
-                    assert _exchange(router, dealer, 0.3) == (0, 0), what
+                    assert _exchange(served, router, dealer, 0.3) == (0, 0), what
                     dealer.close(0)
             dealer = _client(cctx, zmq.DEALER, control, keys.worker)
-            got_router, got_dealer = _exchange(router, dealer, 0.6)
+            got_router, got_dealer = _exchange(served, router, dealer, 0.6)
             assert got_router > 0 and got_dealer > 0
     finally:
         cctx.destroy(0)
@@ -182,18 +212,20 @@ def test_without_the_zap_handler_curve_admits_any_client_key():
 
 
 def test_an_oversized_frame_drops_its_connection_and_a_zap_handler_binds_once(server):
-    keys, ctx, zap, router, control = server
+    keys, ctx, served, router, control = server
     with pytest.raises(RuntimeError, match="cannot bind the ZAP authentication handler"):
         auth.ZapAuthenticator(ctx, [keys.worker.client_public]).start()
+    with pytest.raises(RuntimeError, match="cannot bind the ZAP authentication handler"):
+        auth.ZapAuthenticator(ctx, [keys.worker.client_public]).start_inline()
     cctx = zmq.Context()
     try:
         big = _client(cctx, zmq.DEALER, control, keys.worker)
         big.send(b"a" * (2 << 20))  # over the limit: the connection is dropped, the frame never stored
         small = _client(cctx, zmq.DEALER, control, keys.worker)
         small.send(b"in")
-        assert router.poll(5000)
+        assert served.poll(router, 5000)
         assert router.recv_multipart()[1] == b"in"
-        assert not router.poll(300)
+        assert not served.poll(router, 300)
     finally:
         cctx.destroy(0)
 
