@@ -16,8 +16,9 @@ the same run and interleaved:
   zap-inline  what the driver runs: the same, the ZAP requests answered by the echo loop
               itself (ZapAuthenticator.start_inline), as the driver's loop answers them
 
-A worker opens three such connections (requests, heartbeats, notifications), so round 0 of N
-workers costs the driver's I/O threads about 3 N times the curve+zap figure
+A worker opens two such connections (requests; heartbeats, which also carry notifications),
+three with --checkpoint-dir (durable copies), so round 0 of N workers costs the driver's I/O
+threads about 2 N to 3 N times the zap-inline figure
 (benchmarks/driver_scale.py splits its CPU by thread to compare).
 """
 

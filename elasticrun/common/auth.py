@@ -245,8 +245,8 @@ class ZapAuthenticator:
         return self._inline
 
     def serve(self, sock: Any = None) -> None:
-        """Answer every request that is queued (a thousand workers connecting at once are three
-        thousand handshakes waiting for this), then return."""
+        """Answer every request that is queued (a thousand workers connecting at once are two
+        to three thousand handshakes waiting for this), then return."""
         import zmq
 
         sock = sock if sock is not None else self._inline

@@ -50,6 +50,16 @@ def tagged_pids(tag: str) -> list[int]:
 
 
 
+def env_of(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` started with ({} once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            pairs = [e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e]
+        return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+    except OSError:
+        return {}
+
+
 def assert_each_sample_once(history: Iterable[dict], epochs: int, samples: int) -> None:
     """Every index of every epoch appears exactly once in the committed sample entries
     (``{"epoch", "indices"}`` each), and the history covers epochs 0..epochs-1."""

@@ -23,6 +23,7 @@ from conftest import (
     SCRIPTS,
     assert_each_sample_once,
     assert_nothing_left,
+    env_of,
     tagged_pids,
 )
 
@@ -141,17 +142,6 @@ def test_every_worker_lost_then_resumed_from_the_durable_copy(job):
     assert len(list(ckpt.glob("ckpt-*"))) == 2  # the newest two are kept
 
 
-def _host_of(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            for item in f.read().split(b"\0"):
-                if item.startswith(b"ELASTICRUN_HOSTNAME="):
-                    return item.split(b"=", 1)[1].decode()
-    except OSError:
-        pass
-    return None
-
-
 def test_hosts_reclaimed_seconds_apart_the_first_named_then_let_back_truthfully(job):
     """A spot pool takes one host, then, while the survivor waits for a second slot
     (--min-np 2), the other. The first is named blacklisted once the survivor has settled;
@@ -163,7 +153,8 @@ def test_hosts_reclaimed_seconds_apart_the_first_named_then_let_back_truthfully(
               sample_cmd(job, "--commit-every", "2", "--kill", "127.0.0.1:0@1:3", "--sleep", "0.03"))
     wait_for(lambda: any(e["kind"] == "host_blacklisted" for e in events(ev_path)), 90,
              "127.0.0.1 to be named blacklisted")
-    victims = [pid for pid in tagged_pids(job.tag) if _host_of(pid) == "localhost"]  # its worker (and template)
+    # The other host is reclaimed: its worker, and its warm-start template if it has one.
+    victims = [pid for pid in tagged_pids(job.tag) if env_of(pid).get("ELASTICRUN_HOSTNAME") == "localhost"]
     assert victims
     for pid in victims:
         try:

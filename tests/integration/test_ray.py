@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, assert_nothing_left, tagged_pids
+from conftest import SCRIPTS, assert_nothing_left, env_of, tagged_pids
 from test_durable import assert_exactly_once, entries, events, progress, sample_cmd, wait_for
 
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'ray==2.60.0' 'pynacl>=1.5' to run the Ray tests")
@@ -62,7 +62,7 @@ class RayTestCluster:
 
     def kill(self, node, tag: str) -> None:
         """The node dies: its Ray processes and everything running there go at once."""
-        victims = [pid for pid in tagged_pids(tag) if _env_of(pid).get("ELASTICRUN_HOSTNAME") == node.node_id]
+        victims = [pid for pid in tagged_pids(tag) if env_of(pid).get("ELASTICRUN_HOSTNAME") == node.node_id]
         for actor in live_agents():
             if actor["node_id"] == node.node_id and actor.get("pid"):
                 victims.append(actor["pid"])
@@ -94,15 +94,6 @@ class RayTestCluster:
     def shutdown(self) -> None:
         ray.shutdown()
         self.cluster.shutdown()
-
-
-def _env_of(pid: int) -> dict[str, str]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            pairs = [e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e]
-        return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
-    except OSError:
-        return {}
 
 
 def agents() -> list[dict]:
