@@ -70,6 +70,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     def finish() -> torch.Tensor:
         if held is not tensor:
             tensor.copy_(held)
+        elif r.rank != root_rank:  # gloo wrote it behind torch's back: say so, as an in-place op would
+            torch.autograd.graph.increment_version(tensor)
         return tensor
     return waiting.handle(work, what, finish, None if trusted else name)
 

@@ -175,12 +175,12 @@ class TorchState(ObjectState):
                 isinstance(h, ModelStateHandler) for h in self._handlers.values()):
             prefetch.serve(self)
 
-    def _save_local(self, background: bool = False, keep: dict[str, frozenset[str]] | None = None) -> None:
+    def _save_local(self, background: bool = False, keep: dict[str, frozenset[Any]] | None = None) -> None:
         self.wait_for_commit()  # the buffers are about to be overwritten
         self._before_commit_copy()  # ... and a durable copy may still be reading them on the GPU
-        if keep:  # a sync that skipped tensors every rank held: their commits are current too
+        if keep:  # tensors whose committed copies are current already (see sync)
             for name, handler in self._handlers.items():
-                if name in keep and isinstance(handler, ModelStateHandler):
+                if name in keep and isinstance(handler, (ModelStateHandler, OptimizerStateHandler)):
                     handler.save(keep[name])
                 else:
                     handler.save()
@@ -269,7 +269,17 @@ class TorchState(ObjectState):
         if self._object_keys:
             for name, value in collectives.broadcast_object(self._live(), root_rank=root, trusted=True).items():
                 setattr(self, name, value)
-        self._save_local(keep=keep)  # just synced: nothing to merge
+        # Committed again below (just synced: nothing to merge), but for the root, whose tensors
+        # the sync only read: what a restore copied from its committed copies and nothing wrote
+        # since is not copied back (after a failure, the root saves what changed, not the model).
+        unchanged = {name: h.unchanged_since_restore() for name, h in self._handlers.items()
+                     if isinstance(h, (ModelStateHandler, OptimizerStateHandler))}
+        saved_as: dict[str, frozenset[Any]] = dict(keep)
+        if root == rounds.current().rank:
+            for name, names in unchanged.items():
+                if names:
+                    saved_as[name] = saved_as.get(name, frozenset()) | names
+        self._save_local(keep=saved_as)
         self.__dict__["_synced"] = True
         self._serve_newcomers()
 

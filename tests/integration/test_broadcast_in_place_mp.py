@@ -54,3 +54,37 @@ def test_large_tensors_arrive_exactly_in_their_own_storage(tmp_path):
             got = result["values"][name]
             assert got.dtype == want.dtype and got.shape == want.shape, name
             assert torch.equal(got, want), (rank, name)
+
+
+def after_restore(rank: int, size: int, workdir: Path) -> dict[str, Any]:
+    """Every rank restores a commit of its own, then (1) a broadcast writes into the live tensors
+    of rank 1 and (2) a sync: what each rank names unchanged since the restore, and whether each
+    rank's committed copies end up as the root's."""
+    import elasticrun.torch as hvd
+
+    torch.manual_seed(rank)  # the ranks' commits differ, as a newcomer's from a survivor's
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.BatchNorm1d(1024))  # 4 MiB: in place
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    state = hvd.elastic.TorchState(model, opt)
+    mh = state._handlers["model"]
+    state.restore()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    unchanged = sorted(mh.unchanged_since_restore())
+    state.restore()
+    state.sync()
+    committed = {k: b.clone() for k, b in mh._buffers.items()}
+    return {"unchanged": unchanged, "committed": committed,
+            "live": {k: t.detach().clone() for k, t in model.state_dict().items()}}
+
+
+def test_what_a_collective_writes_after_a_restore_is_committed_again(tmp_path):
+    root, receiver = gloo_world.run_world(HERE, "after_restore", 2, tmp_path)
+    every = sorted(root["live"])
+    assert root["unchanged"] == every  # the root's broadcast wrote nothing of its own
+    assert receiver["unchanged"] == []  # large (in place) and small (packed) tensors were written
+    for result in (root, receiver):
+        for name in every:
+            assert torch.equal(result["live"][name], root["live"][name]), name
+            assert torch.equal(result["committed"][name], root["live"][name]), name

@@ -123,6 +123,72 @@ def test_sync_in_a_world_of_one_commits() -> None:
     assert same(snapshot(model), live) and state.batch == 4
 
 
+def test_a_restore_names_what_still_holds_its_committed_copy_until_written() -> None:
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    train_step(model, opt, 1)
+    state = TorchState(model, opt)
+    mh, oh = state._handlers["model"], state._handlers["optimizer"]
+    assert mh.unchanged_since_restore() == frozenset()  # no restore yet
+    train_step(model, opt, 2)
+    state.restore()
+    every_tensor = frozenset(k for k, v in model.state_dict().items() if v.numel())
+    assert mh.unchanged_since_restore() == every_tensor
+    assert mh.unchanged_since_restore() == frozenset()  # asked once per restore
+    assert len(oh.unchanged_since_restore()) == 3 * len(list(model.parameters()))  # step, exp_avg, exp_avg_sq
+
+    state.restore()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # in place: its version counter moves
+    named = mh.unchanged_since_restore()
+    assert "0.weight" not in named and len(named) == len(every_tensor) - 1
+
+    state.restore()
+    hvd.broadcast_(model[0].weight, root_rank=0)  # a collective writes it (gloo: no counter of its own)
+    opt.state[model[0].weight]["exp_avg"].mul_(2.0)
+    oh_named = oh.unchanged_since_restore()
+    assert mh.unchanged_since_restore() == every_tensor  # the root's broadcast reads, writes nothing
+    assert (0, "exp_avg") not in oh_named and (0, "exp_avg_sq") in oh_named
+
+    state.restore()
+    model[0].bias = nn.Parameter(model[0].bias.detach().clone())  # another object: the save walks anew
+    assert mh.unchanged_since_restore() == frozenset()
+
+    state.restore()
+    state.commit()  # a save forgets the restore: the commit copied everything anyway
+    assert mh.unchanged_since_restore() == frozenset() and oh.unchanged_since_restore() == frozenset()
+
+
+def test_the_sync_after_a_restore_copies_back_only_what_changed_since() -> None:
+    """The root of a sync (here the only rank) saves what a restore left alone by not copying
+    it: its committed copy is what it holds. What changed since is copied. (White-box: the
+    committed copies are spoiled behind the state's back to see which ones a save rewrites.)"""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_step(model, opt, 1)
+    state = TorchState(model, opt, batch=3)
+    state.commit()
+    train_step(model, opt, 2)
+    state.restore()
+    committed = snapshot(model)
+    mh, oh = state._handlers["model"], state._handlers["optimizer"]
+    with torch.no_grad():
+        model[3].weight.mul_(3.0)  # a reset callback's change: must reach the commit
+        mh._buffers["0.weight"].add_(100.0)  # spoiled: left so by a skipping save
+        mh._buffers["3.weight"].add_(100.0)  # spoiled, but its tensor changed: rewritten
+        next(iter(oh._buffers.values())).add_(100.0)
+    state.sync()
+    assert torch.equal(mh._buffers["3.weight"], model[3].weight.detach())
+    assert torch.equal(mh._buffers["0.weight"], committed["0.weight"] + 100.0)  # not copied
+    assert torch.equal(next(iter(oh._buffers.values())), opt.state[model[0].weight]["momentum_buffer"] + 100.0)
+
+    # Without a restore before it, a sync copies everything, as a commit does.
+    with torch.no_grad():
+        mh._buffers["0.weight"].add_(100.0)
+    state.sync()
+    assert torch.equal(mh._buffers["0.weight"], model[0].weight.detach())
+
+
 # --------------------------------------------------------------------------- assignment
 
 
