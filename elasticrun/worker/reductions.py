@@ -57,8 +57,6 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
         issuing.scale(data, postscale_factor / size if op == Average else postscale_factor)
         if data is not tensor:
             tensor.copy_(data)
-        else:  # gloo wrote it behind torch's back: say so, as an in-place op would
-            torch.autograd.graph.increment_version(tensor)
         return tensor
     return waiting.handle(work, what, finish, None if trusted else name)
 

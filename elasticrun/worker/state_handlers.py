@@ -289,12 +289,12 @@ class ModelStateHandler(StateHandler):
         recovery's path (about 0.2 s on the CPU).
 
         How: a tensor counts if it is still the same object and its version counter has not
-        moved. Every in-place torch operation moves it, and so does every collective of
-        ``elasticrun.torch`` on a receiving rank (torch.distributed's do not). The counter
-        cannot see writes that bypass torch's in-place operations: through ``.data``, a numpy
-        view, or a raw ``torch.distributed`` call. Such a write on the root, made between the
-        restore and the sync (in a reset callback), reaches the committed copy only at the
-        next commit."""
+        moved. Every in-place torch operation moves it, and so does every broadcast of
+        ``elasticrun.torch`` on a receiving rank (as the sync's). The counter cannot see
+        writes that bypass torch's in-place operations: through ``.data``, a numpy view, an
+        in-place allreduce, or a raw ``torch.distributed`` call. Such a write on the root,
+        made between the restore and the sync (in a reset callback), reaches the committed
+        copy at the next commit; a failure before it runs the callback again."""
         with self._lock:
             restored, self._restored = self._restored, {}
             if not restored or self._plan is None or not self._plan_is_current():
