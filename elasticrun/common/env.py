@@ -19,6 +19,7 @@ CROSS_SIZE = "ELASTICRUN_CROSS_SIZE"
 # How to reach the driver, and who this worker is.
 JOB_ID = "ELASTICRUN_JOB_ID"
 SECRET_FD = "ELASTICRUN_SECRET_FD"  # read end of the pipe holding the keys; read once, then closed
+DEATH_FD = "ELASTICRUN_DEATH_FD"  # a memfd the worker's main thread arms (common/deathnotice.py)
 CONTROL_ADDR = "ELASTICRUN_CONTROL_ADDR"  # driver ROUTER: rendezvous, store, heartbeats, notifications
 WORKER_ID = "ELASTICRUN_WORKER_ID"
 DURABLE_ADDR = "ELASTICRUN_DURABLE_ADDR"  # driver ROUTER for durable copies (only with --checkpoint-dir)

@@ -42,8 +42,8 @@ VERSION = 1
 MAX_REQUEST_BYTES = 16 << 20
 #: The first line a template prints on its standard output once it serves, before JSON.
 READY_PREFIX = "elasticrun-template ready "
-#: Descriptors a request carries, in order; the fourth (the key pipe) is optional.
-FD_NAMES = ("stdin", "stdout", "stderr", "keys")
+#: Descriptors a request carries, in order; the key pipe and the death notice are optional.
+FD_NAMES = ("stdin", "stdout", "stderr", "keys", "notice")
 
 _PYTHON_NAME = re.compile(r"python(3(\.\d+)?)?")
 
@@ -212,10 +212,14 @@ class WireError(ValueError):
 
 
 def encode_request(command: Sequence[str], env: Mapping[str, str], cwd: str, grace: float,
-                   keys: bool) -> bytes:
-    """A request: the length prefix and the JSON. ``keys``: a fourth descriptor is the key pipe."""
-    body = json.dumps({"v": VERSION, "command": list(command), "env": dict(env), "cwd": cwd,
-                       "grace": float(grace), "keys": bool(keys)}, sort_keys=True).encode("ascii")
+                   keys: bool, notice: bool = False) -> bytes:
+    """A request: the length prefix and the JSON. ``keys``: a fourth descriptor is the key pipe;
+    ``notice``: the next one is the worker's death notice (``common/deathnotice.py``)."""
+    fields: dict[str, Any] = {"v": VERSION, "command": list(command), "env": dict(env), "cwd": cwd,
+                              "grace": float(grace), "keys": bool(keys)}
+    if notice:  # absent otherwise: remote_bootstrap.py's copy of this function never sends one
+        fields["notice"] = True
+    body = json.dumps(fields, sort_keys=True).encode("ascii")
     return struct.pack(">I", len(body)) + body
 
 
@@ -242,8 +246,9 @@ def decode_request(body: bytes, fds: int) -> dict[str, Any]:
         raise WireError("the environment must map strings to strings")
     if not isinstance(cwd, str) or not isinstance(req.get("grace"), (int, float)):
         raise WireError("cwd must be a string and grace a number")
-    if fds != 3 + bool(req.get("keys")):
-        raise WireError(f"{fds} descriptors came with a request that needs {3 + bool(req.get('keys'))}")
+    need = 3 + bool(req.get("keys")) + bool(req.get("notice"))
+    if fds != need:
+        raise WireError(f"{fds} descriptors came with a request that needs {need}")
     return req
 
 

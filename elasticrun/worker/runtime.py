@@ -38,7 +38,7 @@ import torch.distributed as dist
 import zmq
 
 from elasticrun.common.events import Kind
-from elasticrun.common import env, settings
+from elasticrun.common import deathnotice, env, settings
 from elasticrun.common.protocol import Message, copy_id
 from elasticrun.worker import collectives, devices, durable, prefetch, rounds, trace
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
@@ -618,6 +618,7 @@ def init() -> Runtime:
             if level:
                 logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
             _start_timeline_from_environment()
+            deathnotice.arm_from_environment()  # before anything can fail: the launcher hears at once
             rt = Runtime()
             if not rt.standalone:
                 warm_up()

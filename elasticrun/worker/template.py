@@ -526,9 +526,13 @@ class Template:
                 if worker_env.get(name) == self.startup_env.get(name):
                     worker_env[name] = value
             worker_env.pop(envvars.SECRET_FD, None)  # only the pipe sent with the request may be named
-            if len(fds) > 3:
-                os.set_inheritable(fds[3], True)  # as subprocess's pass_fds leaves it
-                worker_env[envvars.SECRET_FD] = str(fds[3])
+            worker_env.pop(envvars.DEATH_FD, None)  # and only the notice sent with it
+            extra = fds[3:]
+            for name, sent in ((envvars.SECRET_FD, req.get("keys")), (envvars.DEATH_FD, req.get("notice"))):
+                if sent and extra:
+                    fd = extra.pop(0)
+                    os.set_inheritable(fd, True)  # as subprocess's pass_fds leaves it
+                    worker_env[name] = str(fd)
             cwd = req["cwd"]
             os.chdir(cwd)
             os.environ.clear()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from elasticrun.common import secretpipe, warmstart
+from elasticrun.common import deathnotice, env as envvars, secretpipe, warmstart
 from elasticrun.driver.output import Output, pump
 from elasticrun.driver.launch.warm import LocalTemplate, Unavailable, WarmWorker, start_worker
 
@@ -53,11 +53,18 @@ class _Proc:
     pid: int | None = None  # also its process group (its own session), once known
     cancel: int | None = None  # a signal asked for before the pid was known
     threads: list[threading.Thread] = field(default_factory=list)
-    finished: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)  # reaped
+    notice: deathnotice.Notice | None = None  # hears of its death before it is reaped
+    reported: bool = False  # on_exit was called (once: by the notice or by the reaper)
 
 
 class LocalLauncher:
     """Runs workers as child processes; reports each exit through ``on_exit(worker_id, code)``.
+
+    Exactly once per worker, and as early as the kernel lets anyone know: a worker that armed
+    its death notice (``common/deathnotice.py``, at ``hvd.init()``) is reported dying
+    0.2-0.5 ms after it was killed, before its address space is torn down, which takes
+    8-35 ms for a torch process; ``finished`` is set only once it is reaped.
 
     With a :class:`~elasticrun.driver.launch.warm.LocalTemplate`, a worker whose command the template
     can run (``python script.py``, ``python -m module``) is forked by it instead of started as
@@ -104,12 +111,22 @@ class LocalLauncher:
 
     def _start_fresh(self, proc: _Proc, command: list[str], env: dict[str, str], keys: bytes | None) -> None:
         fd = secretpipe.hand_over(keys) if keys is not None else None
+        notice = deathnotice.Notice.create()
         try:
+            pass_fds = [] if fd is None else [fd]
+            env = {k: v for k, v in env.items() if k != envvars.DEATH_FD}
             if fd is not None:
-                env = dict(env, **{secretpipe.FD_VAR: str(fd)})
+                env[secretpipe.FD_VAR] = str(fd)
+            if notice is not None and notice.fd is not None:
+                env[envvars.DEATH_FD] = str(notice.fd)
+                pass_fds.append(notice.fd)
             popen = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True,
-                                     pass_fds=() if fd is None else (fd,))
+                                     stderr=subprocess.PIPE, start_new_session=True, pass_fds=pass_fds)
+        except BaseException:
+            if notice is not None:
+                notice.wake()
+                notice.wait(0, lambda: True)  # unmaps it
+            raise
         finally:
             if fd is not None:
                 os.close(fd)  # the worker holds the only reference now
@@ -117,12 +134,40 @@ class LocalLauncher:
         assert popen.stdout is not None and popen.stderr is not None
         proc.threads += [pump(popen.stdout, proc.worker_id, "stdout", self._sink),
                          pump(popen.stderr, proc.worker_id, "stderr", self._sink)]
+        self._await_death(proc, notice)
+
+    def _await_death(self, proc: _Proc, notice: deathnotice.Notice | None) -> None:
+        """Start the thread that reports the worker's death from its notice, before it is reaped."""
+        if notice is None:
+            return
+        proc.notice = notice
+
+        def run() -> None:
+            assert proc.pid is not None
+            code = notice.wait(proc.pid, proc.finished.is_set)
+            if code is not None:
+                log.debug("%s: dying with %d (death notice)", proc.worker_id, code)
+                self._report(proc, code)
+
+        threading.Thread(target=run, name=f"elasticrun-notice-{proc.worker_id}", daemon=True).start()
+
+    def _report(self, proc: _Proc, code: int) -> None:
+        """``on_exit`` exactly once per worker, from whichever hears first: its notice or its reaper."""
+        with self._lock:
+            if proc.reported:
+                return
+            proc.reported = True
+        self._on_exit(proc.worker_id, code)
+
+    def _reaped(self, proc: _Proc, code: int) -> None:
+        proc.finished.set()
+        if proc.notice is not None:
+            proc.notice.wake()  # its notice may still wait for an arming that will never come
+        self._report(proc, code)
 
     def _watch(self, proc: _Proc) -> None:
         assert proc.popen is not None
-        code = proc.popen.wait()
-        proc.finished.set()
-        self._on_exit(proc.worker_id, code)
+        self._reaped(proc, proc.popen.wait())
 
     def _launch_warm(self, proc: _Proc, command: list[str], env: dict[str, str], keys: bytes | None) -> None:
         """On the worker's thread: start it warm (or fresh), then wait for its exit."""
@@ -166,8 +211,7 @@ class LocalLauncher:
         except Exception as exc:  # a bug here must still end in exactly one on_exit
             log.error("%s: %s: %s", proc.worker_id, type(exc).__name__, exc)
         finally:
-            proc.finished.set()
-            self._on_exit(proc.worker_id, code)
+            self._reaped(proc, code)
 
     def _warn_gone(self, exc: Exception | None) -> None:
         """One warning line, the first time a launch finds this machine's template gone."""
@@ -186,21 +230,30 @@ class LocalLauncher:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         theirs = [os.open(os.devnull, os.O_RDONLY), out_w, err_w]
+        notice = deathnotice.Notice.create()
         try:
             if keys is not None:
                 theirs.append(secretpipe.hand_over(keys))
-            worker_env = {k: v for k, v in env.items() if k != secretpipe.FD_VAR}
-            warm = start_worker(path, command, worker_env, os.getcwd(), theirs, self._grace)
+            if notice is not None and notice.fd is not None:
+                theirs.append(notice.fd)
+            worker_env = {k: v for k, v in env.items() if k not in (secretpipe.FD_VAR, envvars.DEATH_FD)}
+            warm = start_worker(path, command, worker_env, os.getcwd(), theirs, self._grace,
+                                keys=keys is not None, notice=notice is not None)
         except BaseException:
             os.close(out_r)
             os.close(err_r)
+            if notice is not None:
+                notice.wake()
+                notice.wait(0, lambda: True)  # unmaps it (and closes its descriptor)
             raise
         finally:
             for fd in theirs:  # sent: the template (and then the worker) holds its own copies
-                os.close(fd)
+                if notice is None or fd != notice.fd:
+                    os.close(fd)
         proc.pid = warm.pid
         proc.threads += [pump(os.fdopen(out_r, "rb"), proc.worker_id, "stdout", self._sink),
                          pump(os.fdopen(err_r, "rb"), proc.worker_id, "stderr", self._sink)]
+        self._await_death(proc, notice)
         return warm
 
     def pid(self, worker_id: str) -> int | None:

@@ -201,13 +201,18 @@ def _read_line(sock: socket.socket, buf: bytes, deadline: float | None) -> bytes
 
 
 def start_worker(socket_path: str, command: Sequence[str], env: Mapping[str, str], cwd: str, fds: Sequence[int],
-                 grace: float, timeout: float = 10.0) -> WarmWorker:
+                 grace: float, timeout: float = 10.0, *, keys: bool | None = None,
+                 notice: bool = False) -> WarmWorker:
     """Ask the template at ``socket_path`` to fork a worker running ``command``.
 
-    ``fds``: the worker's stdin, stdout and stderr, and optionally the job's key pipe (its
-    number goes in ``ELASTICRUN_SECRET_FD``, set by the template). They are sent, not given
-    away: the caller closes its copies. Unavailable when the template cannot or will not.
+    ``fds``: the worker's stdin, stdout and stderr, then the job's key pipe if ``keys`` (its
+    number goes in ``ELASTICRUN_SECRET_FD``, set by the template), then the worker's death
+    notice if ``notice`` (``ELASTICRUN_DEATH_FD``); ``keys`` defaults to "a fourth descriptor
+    came". They are sent, not given away: the caller closes its copies. Unavailable when the
+    template cannot or will not.
     """
+    if keys is None:
+        keys = len(fds) > 3 + notice
     deadline = time.monotonic() + timeout
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     handed = False  # the socket is the worker's once the template answered
@@ -215,7 +220,7 @@ def start_worker(socket_path: str, command: Sequence[str], env: Mapping[str, str
         sock.settimeout(timeout)
         try:
             sock.connect(socket_path)
-            data = warmstart.encode_request(command, env, cwd, grace, keys=len(fds) > 3)
+            data = warmstart.encode_request(command, env, cwd, grace, keys=keys, notice=notice)
             sent = sock.sendmsg([data[:1 << 16]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
             if sent < len(data):  # (an empty send to a template that already answered is EPIPE)
                 sock.sendall(data[sent:])
