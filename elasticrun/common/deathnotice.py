@@ -10,9 +10,10 @@ died" and wakes a waiter (``futex_exit_release``), 0.2 ms after the kill. So:
 
 * the launcher puts a process-shared robust mutex and a semaphore in a memfd and hands it to
   the worker (its descriptor number in ``ELASTICRUN_DEATH_FD``);
-* the worker's main thread locks the mutex in ``hvd.init()`` and posts the semaphore
-  (:func:`arm_from_environment`);
-* a launcher thread (:meth:`Notice.wait`) waits for the semaphore, then for the mutex.
+* the worker's main thread locks the mutex in ``hvd.init()``, writes its pid and posts the
+  semaphore (:func:`arm_from_environment`);
+* a launcher thread (:meth:`Notice.wait`) waits for the semaphore, checks that the worker
+  itself armed it (not a process a wrapper script started), then waits for the mutex.
   ``EOWNERDEAD`` means the worker's main thread is exiting, and its exit status is already
   in ``/proc/PID/stat`` (field 52, set before ``exit_mm``). A nonzero status is reported at
   once; status 0 (a clean exit, or an ``exec``, which releases robust mutexes too) is left to
@@ -44,6 +45,7 @@ log = logging.getLogger("elasticrun")
 _SIZE = 4096
 _MUTEX_AT = 0  # pthread_mutex_t: 40 bytes (x86-64), 48 (aarch64); 128 reserved
 _SEM_AT = 128  # sem_t: 32 bytes; 64 reserved
+_PID_AT = 192  # the pid of the process that armed it (int)
 _ATTR_BYTES = 64  # pthread_mutexattr_t: 4 or 8 bytes
 _CLOCK_MONOTONIC = 1
 _PTHREAD_PROCESS_SHARED = 1
@@ -181,6 +183,13 @@ class Notice:
                     break
                 if ctypes.get_errno() not in (errno.ETIMEDOUT, errno.EINTR):
                     return None
+            with self._lock:
+                assert self._view is not None
+                armed_by = ctypes.c_int.from_address(ctypes.addressof(self._view) + _PID_AT).value
+            if armed_by != pid:
+                # Armed by another process: a wrapper (``bash run.sh``) passed the descriptor on to
+                # the python it ran. Its death is not the worker's exit: waitpid's to report.
+                return None
             while not done():  # for the mutex: the kernel hands it over as the worker dies
                 rc = self._lib.pthread_mutex_clocklock(self._mutex, _CLOCK_MONOTONIC, _deadline(SLICE_SECONDS))
                 if rc == errno.ETIMEDOUT:
@@ -230,5 +239,6 @@ def arm_from_environment() -> bool:
     if lib.pthread_mutex_trylock(ctypes.c_void_p(base + _MUTEX_AT)) != 0:
         return False  # (the mapping stays: 4 KiB, once per process)
     _armed = base
+    ctypes.c_int.from_address(base + _PID_AT).value = os.getpid()
     lib.sem_post(ctypes.c_void_p(base + _SEM_AT))
     return True

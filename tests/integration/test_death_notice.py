@@ -219,3 +219,24 @@ def test_a_warm_worker_arms_the_notice_the_driver_sent(tmp_path):
     finally:
         t.stop(10)
     assert not Path(t.info["socket"]).parent.exists()
+
+
+def test_a_notice_armed_by_a_process_the_worker_started_is_not_the_workers_death():
+    """``bash run.sh`` -> ``python train.py``: the python inherits the descriptor and arms it; its
+    death is not the worker's exit (the shell decides that), so only waitpid reports."""
+    notice = deathnotice.Notice.create()
+    assert notice is not None and notice.fd is not None
+    environ = dict(os.environ, **{envvars.DEATH_FD: str(notice.fd)}, HOW="9")
+    p = subprocess.Popen(["/bin/sh", "-c", f'"{sys.executable}" -c "$ARM"; echo "shell after $?"'],
+                         env=dict(environ, ARM=ARM), pass_fds=(notice.fd,), stdout=subprocess.PIPE, text=True)
+    notice.close_fd()
+    try:
+        w = Waiter(notice, p)
+        w.join()
+        assert w.code is None
+        out, _ = p.communicate(timeout=20)
+        assert out.splitlines() == ["armed", "shell after 9"] and p.returncode == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
