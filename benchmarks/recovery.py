@@ -1,7 +1,7 @@
 """Recovery time of a real elastic job, split into phases from the job's event log.
 
     python benchmarks/recovery.py [--trials 20] [--slots 1] [--state-mb 0] [--commit-every 1] [--prepare-s 0]
-                                  [--no-prefetch]
+                                  [--no-prefetch] [--ssh]
 
 One long job on two hosts (``localhost``, ``127.0.0.1``; ``--slots`` workers each) trains a
 tiny model, committing every step. Each trial:
@@ -17,6 +17,10 @@ Then ``--graceful`` trials remove the second host from discovery and add it back
 
 * **remove**: from the notification to the first step on the new world (no rollback), and the
   survivors' stall.
+
+``--ssh``: the same on two hosts reached over SSH (``127.0.0.2``, ``127.0.0.3``: a throwaway
+sshd of the test suite's, ``tests/integration/sshd.py``, needs ``openssh-server``), so each worker
+is started and watched by the SSH launcher's remote watchdog instead of the local launcher.
 
 Phases of a kill (medians): detect (kill -> a survivor's collective fails), decide (kill -> the
 driver forms the next round), rendezvous + process group, restore + sync, first step. The
@@ -39,9 +43,14 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 HERE = os.path.abspath(__file__)
+# The host whose workers survive and the one whose worker each trial kills (--ssh: two loopback
+# addresses an sshd listens on). The workers read them from their environment too.
+SURVIVOR = os.environ.get("RECOVERY_SURVIVOR_HOST", "localhost")
+VICTIM = os.environ.get("RECOVERY_VICTIM_HOST", "127.0.0.1")
 
 
 # --- the training worker --------------------------------------------------------------------
@@ -53,7 +62,7 @@ def worker(stop_file: str, state_mb: int = 0, commit_every: int = 1, prepare_s: 
 
     torch.set_num_threads(1)
     hvd.init()
-    if prepare_s and os.environ.get("ELASTICRUN_HOSTNAME") != "localhost":
+    if prepare_s and os.environ.get("ELASTICRUN_HOSTNAME") != SURVIVOR:
         # Every worker of the second host (the one that leaves and comes back) loads its data
         # before its first sync; round 0's too, which only delays the start.
         time.sleep(prepare_s)
@@ -66,7 +75,7 @@ def worker(stop_file: str, state_mb: int = 0, commit_every: int = 1, prepare_s: 
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     # The first host's worker (a survivor in every trial) notes when each step ended: the
     # benchmark reads its slowest step while a newcomer fetched.
-    survivor = os.environ.get("ELASTICRUN_HOSTNAME") == "localhost"
+    survivor = os.environ.get("ELASTICRUN_HOSTNAME") == SURVIVOR
     ended: list[float] = []
 
     @hvd.elastic.run
@@ -209,14 +218,14 @@ def run_job(args) -> dict[str, list[float]]:
     with open(script, "w") as f:
         f.write(f"#!/bin/sh\ncat {hosts_file}\n")
     os.chmod(script, 0o755)
-    both = f"localhost:{args.slots}\n127.0.0.1:{args.slots}\n"
+    both = f"{SURVIVOR}:{args.slots}\n{VICTIM}:{args.slots}\n"
     with open(hosts_file, "w") as f:
         f.write(both)
     n = 2 * args.slots
     cmd = [sys.executable, "-m", "elasticrun", "-np", str(n), "--min-np", str(args.slots), "--max-np", str(n),
            "--host-discovery-script", script, "--discovery-interval", "0.1", "--events", events,
            "--blacklist-cooldown-range", "1", "1", "--log-level", "WARNING",
-           *(["--no-prefetch"] if getattr(args, "no_prefetch", False) else []),
+           *(["--no-prefetch"] if getattr(args, "no_prefetch", False) else []), *getattr(args, "ssh_args", []),
            sys.executable, HERE, "--worker", stop_file, "--state-mb", str(args.state_mb),
            "--commit-every", str(args.commit_every), "--prepare-s", str(args.prepare_s)]
     # The driver's console goes to a file: a pipe nobody reads fills (64 KiB) and blocks it.
@@ -243,7 +252,7 @@ def run_job(args) -> dict[str, list[float]]:
                          60, "training to start")
         for trial in range(args.trials):
             journal.poll()
-            victims = [e for e in journal.events if e["kind"] == "worker_started" and e["host"] == "127.0.0.1"]
+            victims = [e for e in journal.events if e["kind"] == "worker_started" and e["host"] == VICTIM]
             pid = _pid_of(victims[-1]["worker"])
             time.sleep(0.2)  # let training run a little
             t_kill = time.time()
@@ -251,7 +260,7 @@ def run_job(args) -> dict[str, list[float]]:
             formed = journal.wait_for(lambda e: e["kind"] == "round_formed" and e["t"] > t_kill, 30, "the next round")
             step = first_step_of(formed["round"])
             journal.poll()
-            mine = [e for e in journal.events if e["t"] >= t_kill and e.get("host") == "localhost"
+            mine = [e for e in journal.events if e["t"] >= t_kill and e.get("host") == SURVIVOR
                     and e["source"] == "worker"]
 
             def at(kind: str) -> dict:
@@ -352,11 +361,34 @@ def main() -> None:
                    help="the second host's workers sleep this long after hvd.init() (loading their data)")
     p.add_argument("--no-prefetch", action="store_true",
                    help="run the job with --no-prefetch: the join's sync carries the whole state")
+    p.add_argument("--ssh", action="store_true",
+                   help="both hosts over SSH: a throwaway sshd (tests/integration/sshd.py) on 127.0.0.2 and "
+                        "127.0.0.3 of this machine, workers started by the SSH launcher and its remote watchdog")
     p.add_argument("--worker", metavar="STOP_FILE", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args.worker, args.state_mb, args.commit_every, args.prepare_s)
         return
+    if args.ssh:
+        with tempfile.TemporaryDirectory(prefix="elasticrun-recovery-sshd-") as d:
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests", "integration"))
+            from sshd import SSHServer  # a dev tool: the test suite's real sshd
+
+            server = SSHServer(Path(d), ["127.0.0.2", "127.0.0.3"]).start()
+            try:
+                global SURVIVOR, VICTIM
+                SURVIVOR, VICTIM = "127.0.0.2", "127.0.0.3"
+                os.environ.update(RECOVERY_SURVIVOR_HOST=SURVIVOR, RECOVERY_VICTIM_HOST=VICTIM)  # the workers'
+                args.ssh_args = server.ssh_args()
+                report(args)
+            finally:
+                server.stop()
+        return
+    report(args)
+
+
+def report(args: argparse.Namespace) -> None:
+    """Run the job (or the sweep) and print its table."""
     if args.sweep:
         sweep(args)
         return

@@ -20,11 +20,12 @@ import pytest
 
 from elasticrun.common import deathnotice
 from elasticrun.common import env as envvars
+from elasticrun.driver.launch import remote_bootstrap as rb
 from elasticrun.driver.launch import warm
 from elasticrun.driver.launch.local import LocalLauncher
 
 pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(not deathnotice.supported(), reason="needs Linux and glibc >= 2.30")]
+              pytest.mark.skipif(rb.notice_libc() is None, reason="needs Linux and glibc >= 2.30")]
 
 ARM = textwrap.dedent("""\
     import os, sys, time
@@ -49,7 +50,7 @@ ARM = textwrap.dedent("""\
 """)
 
 
-def _start(notice: deathnotice.Notice | None, **env: str) -> subprocess.Popen:
+def _start(notice: rb.DeathNotice | None, **env: str) -> subprocess.Popen:
     environ = dict(os.environ, **env)
     fds: tuple[int, ...] = ()
     if notice is not None:
@@ -66,14 +67,14 @@ def _start(notice: deathnotice.Notice | None, **env: str) -> subprocess.Popen:
 class Waiter:
     """``Notice.wait`` on a thread, with the moment it returned."""
 
-    def __init__(self, notice: deathnotice.Notice, p: subprocess.Popen):
+    def __init__(self, notice: rb.DeathNotice, p: subprocess.Popen):
         self.code: int | None = None
         self.at: float | None = None
         self.done = threading.Event()
         self._t = threading.Thread(target=self._run, args=(notice, p), daemon=True)
         self._t.start()
 
-    def _run(self, notice: deathnotice.Notice, p: subprocess.Popen) -> None:
+    def _run(self, notice: rb.DeathNotice, p: subprocess.Popen) -> None:
         self.code = notice.wait(p.pid, lambda: p.returncode is not None)
         self.at = time.monotonic()
         self.done.set()
@@ -84,7 +85,7 @@ class Waiter:
 
 
 def test_a_killed_worker_is_heard_of_before_it_can_be_reaped():
-    notice = deathnotice.Notice.create()
+    notice = rb.DeathNotice.create()
     assert notice is not None
     p = _start(notice, HOLD_MB="1024")
     try:
@@ -110,7 +111,7 @@ def test_a_killed_worker_is_heard_of_before_it_can_be_reaped():
 @pytest.mark.parametrize("how, code", [("3", 3), ("exit0", None), ("exec", None)])
 def test_only_a_nonzero_status_is_reported_early(how, code):
     """Status 0 (a clean exit) and an ``exec`` (which also releases the lock) are waitpid's to report."""
-    notice = deathnotice.Notice.create()
+    notice = rb.DeathNotice.create()
     assert notice is not None
     p = _start(notice, HOW=how)
     try:
@@ -129,7 +130,7 @@ def test_only_a_nonzero_status_is_reported_early(how, code):
 
 
 def test_a_worker_that_never_arms_ends_the_wait_when_reaped():
-    notice = deathnotice.Notice.create()
+    notice = rb.DeathNotice.create()
     assert notice is not None
     notice.close_fd()
     p = _start(None, HOW="0")  # no notice handed over: it cannot arm
@@ -147,7 +148,7 @@ def test_arming_needs_the_main_thread_and_a_valid_descriptor(monkeypatch):
     monkeypatch.setenv(envvars.DEATH_FD, "not a number")
     assert deathnotice.arm_from_environment() is False
     assert envvars.DEATH_FD not in os.environ  # consumed: a child of the worker never sees it
-    notice = deathnotice.Notice.create()
+    notice = rb.DeathNotice.create()
     assert notice is not None and notice.fd is not None
     monkeypatch.setenv(envvars.DEATH_FD, str(os.dup(notice.fd)))
     result: list[bool] = []
@@ -155,8 +156,7 @@ def test_arming_needs_the_main_thread_and_a_valid_descriptor(monkeypatch):
     t.start()
     t.join(10)
     assert result == [False]
-    notice.wake()
-    assert notice.wait(0, lambda: True) is None
+    notice.discard()
 
 
 class _Discard:
@@ -196,7 +196,7 @@ def test_a_warm_worker_arms_the_notice_the_driver_sent(tmp_path):
         t.wait_ready(30)
         script = tmp_path / "arm.py"
         script.write_text(ARM)
-        notice = deathnotice.Notice.create()
+        notice = rb.DeathNotice.create()
         assert notice is not None and notice.fd is not None
         stdin_r, stdin_w = os.pipe()
         out_r, out_w = os.pipe()
@@ -224,7 +224,7 @@ def test_a_warm_worker_arms_the_notice_the_driver_sent(tmp_path):
 def test_a_notice_armed_by_a_process_the_worker_started_is_not_the_workers_death():
     """``bash run.sh`` -> ``python train.py``: the python inherits the descriptor and arms it; its
     death is not the worker's exit (the shell decides that), so only waitpid reports."""
-    notice = deathnotice.Notice.create()
+    notice = rb.DeathNotice.create()
     assert notice is not None and notice.fd is not None
     environ = dict(os.environ, **{envvars.DEATH_FD: str(notice.fd)}, HOW="9")
     p = subprocess.Popen(["/bin/sh", "-c", f'"{sys.executable}" -c "$ARM"; echo "shell after $?"'],

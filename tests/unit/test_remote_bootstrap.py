@@ -254,11 +254,11 @@ def test_main_reports_why_it_cannot_start_the_worker(tmp_path, monkeypatch):
 
 # --- the whole bootstrap, run as a remote shell would run it --------------------------------------
 def _start(command: list[str], env: dict[str, str], cwd: str = "/", grace: float = 2.0,
-           keys: bytes | None = None) -> subprocess.Popen:
+           keys: bytes | None = None, notice: bool = False) -> subprocess.Popen:
     line = ssh.remote_command(sys.executable, "job1", "w1")
     proc = subprocess.Popen(["sh", "-c", line], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
-    proc.stdin.write(ssh.launch_payload(command, env, cwd, grace, MARK, keys))
+    proc.stdin.write(ssh.launch_payload(command, env, cwd, grace, MARK, keys, notice=notice))
     proc.stdin.flush()
     return proc
 
@@ -383,3 +383,39 @@ def test_a_worker_never_outlives_a_watchdog_killed_with_sigkill(tmp_path):
     while _alive(worker):
         assert time.monotonic() < deadline, "the worker outlived its watchdog"
         time.sleep(0.02)
+
+
+def test_the_notice_layout_is_the_workers():
+    from elasticrun.common import deathnotice
+
+    assert (rb.DEATH_FD, rb.NOTICE_BYTES, rb.NOTICE_MUTEX_AT, rb.NOTICE_SEM_AT, rb.NOTICE_PID_AT) == (
+        envvars.DEATH_FD, deathnotice.NOTICE_BYTES, deathnotice.NOTICE_MUTEX_AT, deathnotice.NOTICE_SEM_AT,
+        deathnotice.NOTICE_PID_AT)
+
+
+ARM_AND = ("import os, sys; from elasticrun.common import deathnotice; "
+           "print(deathnotice.arm_from_environment(), os.environ.get('ELASTICRUN_DEATH_FD')); sys.stdout.flush(); ")
+
+
+@pytest.mark.skipif(rb.notice_libc() is None, reason="needs Linux and glibc >= 2.30")
+@pytest.mark.parametrize("then, dying, code", [("os.kill(os.getpid(), 9)", [-9], -9), ("sys.exit(0)", [], 0),
+                                               ("os._exit(4)", [4], 4)])
+def test_the_watchdog_reports_a_dying_worker_before_its_exit(then, dying, code):
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = _start([sys.executable, "-c", ARM_AND + then], env, notice=True)
+    out, err = _finish(proc)
+    reports, lines = _reports(out)
+    assert lines == ["True None"], err  # armed; the descriptor's number gone from its environment
+    said = [r["dying"] for r in reports if "dying" in r]
+    assert said == dying
+    assert reports[-1] == {"exit": code}  # and the watchdog's own report after it, as before
+
+
+def test_without_a_notice_asked_for_the_worker_has_none():
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path),
+           "ELASTICRUN_DEATH_FD": "0"}  # forwarded from somewhere: never passed on
+    proc = _start([sys.executable, "-c", ARM_AND], env)
+    out, err = _finish(proc)
+    reports, lines = _reports(out)
+    assert lines == ["False None"], err
+    assert not any("dying" in r for r in reports)

@@ -105,6 +105,9 @@ def test_requests_round_trip_and_the_bootstrap_encodes_them_alike():
     env = {"A": "b", "BAD": "\udcff", "UNI": "\u00e9"}
     data = warmstart.encode_request(["python", "t.py"], env, "/w", 5, True)
     assert data == rb.encode_request(["python", "t.py"], env, "/w", 5.0, True)
+    with_notice = warmstart.encode_request(["python", "t.py"], env, "/w", 5, True, notice=True)
+    assert with_notice == rb.encode_request(["python", "t.py"], env, "/w", 5.0, True, True)
+    assert warmstart.decode_request(with_notice[4:], 5)["notice"] is True
     data[4:].decode("ascii")
     n = warmstart.request_length(data[:4])
     assert n == len(data) - 4

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from elasticrun.common import deathnotice, env as envvars, secretpipe, warmstart
+from elasticrun.common import env as envvars, secretpipe, warmstart
 from elasticrun.driver.output import Output, pump
+from elasticrun.driver.launch.remote_bootstrap import DeathNotice
 from elasticrun.driver.launch.warm import LocalTemplate, Unavailable, WarmWorker, start_worker
 
 log = logging.getLogger("elasticrun")
@@ -54,7 +55,7 @@ class _Proc:
     cancel: int | None = None  # a signal asked for before the pid was known
     threads: list[threading.Thread] = field(default_factory=list)
     finished: threading.Event = field(default_factory=threading.Event)  # reaped
-    notice: deathnotice.Notice | None = None  # hears of its death before it is reaped
+    notice: DeathNotice | None = None  # hears of its death before it is reaped
     reported: bool = False  # on_exit was called (once: by the notice or by the reaper)
 
 
@@ -111,7 +112,7 @@ class LocalLauncher:
 
     def _start_fresh(self, proc: _Proc, command: list[str], env: dict[str, str], keys: bytes | None) -> None:
         fd = secretpipe.hand_over(keys) if keys is not None else None
-        notice = deathnotice.Notice.create()
+        notice = DeathNotice.create()
         try:
             pass_fds = [] if fd is None else [fd]
             env = {k: v for k, v in env.items() if k != envvars.DEATH_FD}
@@ -124,8 +125,7 @@ class LocalLauncher:
                                      stderr=subprocess.PIPE, start_new_session=True, pass_fds=pass_fds)
         except BaseException:
             if notice is not None:
-                notice.wake()
-                notice.wait(0, lambda: True)  # unmaps it
+                notice.discard()
             raise
         finally:
             if fd is not None:
@@ -136,7 +136,7 @@ class LocalLauncher:
                          pump(popen.stderr, proc.worker_id, "stderr", self._sink)]
         self._await_death(proc, notice)
 
-    def _await_death(self, proc: _Proc, notice: deathnotice.Notice | None) -> None:
+    def _await_death(self, proc: _Proc, notice: DeathNotice | None) -> None:
         """Start the thread that reports the worker's death from its notice, before it is reaped."""
         if notice is None:
             return
@@ -230,7 +230,7 @@ class LocalLauncher:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         theirs = [os.open(os.devnull, os.O_RDONLY), out_w, err_w]
-        notice = deathnotice.Notice.create()
+        notice = DeathNotice.create()
         try:
             if keys is not None:
                 theirs.append(secretpipe.hand_over(keys))
@@ -243,8 +243,7 @@ class LocalLauncher:
             os.close(out_r)
             os.close(err_r)
             if notice is not None:
-                notice.wake()
-                notice.wait(0, lambda: True)  # unmaps it (and closes its descriptor)
+                notice.discard()
             raise
         finally:
             for fd in theirs:  # sent: the template (and then the worker) holds its own copies

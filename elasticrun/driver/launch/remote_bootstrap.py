@@ -42,7 +42,10 @@ could not be reaped, 125 for a bug here.
 """
 
 import array
+import ctypes
+import errno
 import json
+import mmap
 import os
 import shutil
 import signal
@@ -57,15 +60,189 @@ from typing import IO, Any, Callable, Dict, List, Mapping, Optional, Tuple
 SECRET_FD = "ELASTICRUN_SECRET_FD"
 #: After SIGKILL, how long to wait for the worker to be reaped.
 REAP_SECONDS = 10.0
+#: elasticrun.common.env.DEATH_FD: the worker's death notice (below).
+DEATH_FD = "ELASTICRUN_DEATH_FD"
+
+
+# --- the death notice: hearing that the worker is dying before it is torn down ---------------
+# What it is and why: elasticrun/common/deathnotice.py, which holds the worker's side (and this
+# layout, checked equal by tests/unit/test_remote_bootstrap.py). This is the side of whoever
+# watches the worker: the local launcher (driver/launch/local.py) and this watchdog.
+NOTICE_BYTES = 4096
+NOTICE_MUTEX_AT = 0  # pthread_mutex_t: 40 bytes (x86-64), 48 (aarch64); 128 reserved
+NOTICE_SEM_AT = 128  # sem_t: 32 bytes; 64 reserved
+NOTICE_PID_AT = 192  # the pid of the process that armed it (int)
+_CLOCK_MONOTONIC = 1
+#: Longest single wait of a notice; every wait also ends when ``done()`` turns true.
+NOTICE_SLICE_SECONDS = 5.0
+_notice_lib = []  # type: List[Any]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def notice_libc() -> Any:
+    """The C library if it has every call a notice needs (Linux, glibc >= 2.30), else None."""
+    if _notice_lib:
+        return _notice_lib[0]
+    lib = None
+    if sys.platform.startswith("linux"):
+        try:
+            lib = ctypes.CDLL(None, use_errno=True)
+        except OSError:
+            lib = None
+    vp, ts, i = ctypes.c_void_p, ctypes.POINTER(_Timespec), ctypes.c_int
+    calls = (("pthread_mutexattr_init", [vp]), ("pthread_mutexattr_setpshared", [vp, i]),
+             ("pthread_mutexattr_setrobust", [vp, i]), ("pthread_mutex_init", [vp, vp]),
+             ("pthread_mutex_trylock", [vp]), ("pthread_mutex_clocklock", [vp, i, ts]),
+             ("pthread_mutex_unlock", [vp]), ("sem_init", [vp, i, ctypes.c_uint]), ("sem_post", [vp]),
+             ("sem_clockwait", [vp, i, ts]), ("memfd_create", [ctypes.c_char_p, ctypes.c_uint]),
+             ("mmap", [vp, ctypes.c_size_t, i, i, i, ctypes.c_long]))
+    if lib is not None and all(hasattr(lib, name) for name, _ in calls):
+        for name, args in calls:
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+        lib.mmap.restype = ctypes.c_void_p
+    else:
+        lib = None
+    _notice_lib.append(lib)
+    return lib
+
+
+def _deadline(seconds: float) -> _Timespec:
+    t = time.clock_gettime(time.CLOCK_MONOTONIC) + seconds
+    return _Timespec(int(t), int((t % 1) * 1e9))
+
+
+def dying_status(pid: int) -> Optional[int]:
+    """The exit status the kernel has set for dying process ``pid`` (as ``subprocess`` gives
+    it: negative for a signal), or None if it is 0, unreadable, or ``pid`` is gone."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        status = int(fields[49])  # field 52 (exit_code); fields[0] is field 3 (state)
+    except (OSError, IndexError, ValueError):
+        return None
+    return exit_code(status) if status else None
+
+
+class DeathNotice(object):
+    """A process-shared robust mutex and a semaphore in a memfd, handed to one worker.
+
+    Make one with :meth:`create` (None where this machine cannot), hand :attr:`fd` to the
+    worker (``ELASTICRUN_DEATH_FD``), close your copy (:meth:`close_fd`) once it has it, then
+    call :meth:`wait` once, from one thread: it returns as the worker dies and unmaps the
+    memory. :meth:`wake` (any thread) ends a wait still waiting for the worker to arm, e.g.
+    once ``waitpid`` has reaped it."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        self._lock = threading.Lock()
+        self.fd = lib.memfd_create(b"elasticrun-death-notice", 1)  # type: Optional[int]  # 1: MFD_CLOEXEC
+        if self.fd is None or self.fd < 0:
+            raise OSError(ctypes.get_errno(), "memfd_create failed")
+        self._base = None  # type: Optional[int]
+        try:
+            os.ftruncate(self.fd, NOTICE_BYTES)
+            self._map = mmap.mmap(self.fd, NOTICE_BYTES)  # type: Optional[mmap.mmap]
+            self._view = ctypes.c_char.from_buffer(self._map)  # type: Any
+            base = self._base = ctypes.addressof(self._view)
+            attr = ctypes.create_string_buffer(64)  # pthread_mutexattr_t: 4 or 8 bytes
+            mutex, sem = ctypes.c_void_p(base + NOTICE_MUTEX_AT), ctypes.c_void_p(base + NOTICE_SEM_AT)
+            if (lib.pthread_mutexattr_init(attr) or lib.pthread_mutexattr_setpshared(attr, 1)  # 1: SHARED
+                    or lib.pthread_mutexattr_setrobust(attr, 1)  # 1: PTHREAD_MUTEX_ROBUST
+                    or lib.pthread_mutex_init(mutex, attr) or lib.sem_init(sem, 1, 0)):
+                raise OSError("cannot set up a process-shared robust mutex")
+        except BaseException:
+            self._unmap()
+            self.close_fd()
+            raise
+        self._mutex, self._sem = mutex, sem
+
+    @classmethod
+    def create(cls) -> "Optional[DeathNotice]":
+        """A new notice, or None where this machine cannot give one."""
+        lib = notice_libc()
+        if lib is None:
+            return None
+        try:
+            return cls(lib)
+        except (OSError, ValueError):
+            return None
+
+    def close_fd(self) -> None:
+        """Close this process's copy of the descriptor (the worker holds its own)."""
+        fd, self.fd = self.fd, None
+        if fd is not None and fd >= 0:
+            os.close(fd)
+
+    def _unmap(self) -> None:
+        with self._lock:
+            self._base = None
+            self._view = None  # releases the buffer export; the mapping may close now
+            m = getattr(self, "_map", None)  # (not there if the constructor failed before it)
+            if m is not None:
+                m.close()
+                self._map = None
+
+    def wake(self) -> None:
+        """End a wait for the worker to arm (harmless once the wait is over)."""
+        with self._lock:
+            if self._base is not None:
+                self._lib.sem_post(self._sem)
+
+    def discard(self) -> None:
+        """Give the notice up without waiting (a worker that never started)."""
+        self.close_fd()
+        self._unmap()
+
+    def wait(self, pid: int, done: Callable[[], bool]) -> Optional[int]:
+        """Block until worker ``pid``'s main thread is dying: its exit status (negative for a
+        signal). None if it exited with status 0 (or ``exec``-ed), never armed the notice, a
+        process it started armed it instead, or ``done()`` turned true first."""
+        try:
+            self.close_fd()
+            while True:  # for the worker to lock the mutex (or a wake)
+                if done():
+                    return None
+                if self._lib.sem_clockwait(self._sem, _CLOCK_MONOTONIC, _deadline(NOTICE_SLICE_SECONDS)) == 0:
+                    break
+                if ctypes.get_errno() not in (errno.ETIMEDOUT, errno.EINTR):
+                    return None
+            with self._lock:
+                if self._base is None:
+                    return None
+                armed_by = ctypes.c_int.from_address(self._base + NOTICE_PID_AT).value
+            if armed_by != pid:
+                # Armed by another process: a wrapper (``bash run.sh``) passed the descriptor on to
+                # the python it ran. Its death is not the worker's exit: waitpid's to report.
+                return None
+            while not done():  # for the mutex: the kernel hands it over as the worker dies
+                rc = self._lib.pthread_mutex_clocklock(self._mutex, _CLOCK_MONOTONIC,
+                                                       _deadline(NOTICE_SLICE_SECONDS))
+                if rc == errno.ETIMEDOUT:
+                    continue
+                if rc == errno.EOWNERDEAD:
+                    return dying_status(pid)
+                if rc == 0:  # not locked: a wake, not an arming
+                    self._lib.pthread_mutex_unlock(self._mutex)
+                return None
+            return None
+        finally:
+            self._unmap()
 
 
 def reporter(mark: str, stream: IO[str]) -> Callable[..., None]:
     """``report(**fields)``: one ``mark + JSON`` line on ``stream``, never raising."""
 
+    lock = threading.Lock()  # the notice's thread reports too
+
     def report(**fields: object) -> None:
         try:
-            stream.write(mark + json.dumps(fields) + "\n")
-            stream.flush()
+            with lock:
+                stream.write(mark + json.dumps(fields) + "\n")
+                stream.flush()
         except (OSError, ValueError):
             pass  # the driver is gone; the exit status is all that is left
 
@@ -118,13 +295,15 @@ def die_with(parent: int) -> None:
         os._exit(127)
 
 
-def spawn(program: str, argv: List[str], env: Dict[str, str], keys: Optional[str]) -> Tuple[int, int, int]:
+def spawn(program: str, argv: List[str], env: Dict[str, str], keys: Optional[str],
+          notice: "Optional[DeathNotice]" = None) -> Tuple[int, int, int]:
     """Fork the worker as the leader of a new process group, held before ``exec``.
 
     Returns (pid, gate, errors): the worker runs ``program`` (``execve``) once :func:`release`
     opens ``gate``, and ``errors`` tells whether that failed. ``keys`` (ASCII) reach it through a
-    fresh pipe named by ``ELASTICRUN_SECRET_FD``.
+    fresh pipe named by ``ELASTICRUN_SECRET_FD``; ``notice``, through ``ELASTICRUN_DEATH_FD``.
     """
+    env.pop(DEATH_FD, None)  # only the notice this bootstrap makes may be named there
     gate_r, gate_w = os.pipe()
     err_r, err_w = os.pipe()  # close-on-exec: EOF without data means the exec succeeded
     watchdog = os.getpid()
@@ -148,6 +327,9 @@ def spawn(program: str, argv: List[str], env: Dict[str, str], keys: Optional[str
                 os.close(key_w)
                 os.set_inheritable(key_r, True)
                 env[SECRET_FD] = str(key_r)
+            if notice is not None and notice.fd is not None:
+                os.set_inheritable(notice.fd, True)
+                env[DEATH_FD] = str(notice.fd)
             os.execve(program, argv, env)
         except BaseException as exc:
             try:
@@ -159,6 +341,8 @@ def spawn(program: str, argv: List[str], env: Dict[str, str], keys: Optional[str
 
     os.close(gate_r)
     os.close(err_w)
+    if notice is not None:
+        notice.close_fd()  # the worker holds its own
     try:
         os.setpgid(pid, pid)  # also here, so the group exists before anyone signals it
     except OSError:
@@ -212,17 +396,39 @@ def until_stopped(stop: threading.Event, waiter: Callable[[], None], name: str, 
         pass
 
 
-def watch(pid: int, grace: float, stop: threading.Event, driver_fd: int = 0) -> Optional[int]:
+def hear_death(notice: "Optional[DeathNotice]", pid: int, done: threading.Event,
+               report: Optional[Callable[..., None]]) -> None:
+    """On a thread: ``report(dying=code)`` as soon as the worker's notice says it is dying
+    (before the kernel has torn it down: the driver counts the worker gone at once)."""
+    if notice is None or report is None:
+        return
+
+    def run() -> None:
+        code = notice.wait(pid, done.is_set)
+        if code is not None:
+            report(dying=code)
+
+    threading.Thread(target=run, name="bootstrap-notice", daemon=True).start()
+
+
+def watch(pid: int, grace: float, stop: threading.Event, driver_fd: int = 0,
+          notice: "Optional[DeathNotice]" = None, report: Optional[Callable[..., None]] = None) -> Optional[int]:
     """Wait for the worker ``pid`` to exit, ``driver_fd`` to reach EOF or ``stop``; then clean up.
 
     If the worker is still running: SIGTERM to its group, SIGKILL after ``grace``. Either
     way, SIGKILL to whatever is left of the group (the worker's own children). Returns the
-    worker's wait status, or None if it was not reaped within REAP_SECONDS.
+    worker's wait status, or None if it was not reaped within REAP_SECONDS. With a ``notice``,
+    ``report(dying=code)`` may come first (:func:`hear_death`).
     """
     status: List[int] = []
+    reaped = threading.Event()
+    hear_death(notice, pid, reaped, report)
 
     def wait_child() -> None:
         status.append(os.waitpid(pid, 0)[1])
+        reaped.set()
+        if notice is not None:
+            notice.wake()
         stop.set()
 
     until_stopped(stop, wait_child, "bootstrap-wait", driver_fd)
@@ -238,30 +444,38 @@ def watch(pid: int, grace: float, stop: threading.Event, driver_fd: int = 0) -> 
     return status[0] if status else None
 
 
-def encode_request(command: List[str], env: Mapping[str, str], cwd: str, grace: float, keys: bool) -> bytes:
+def encode_request(command: List[str], env: Mapping[str, str], cwd: str, grace: float, keys: bool,
+                   notice: bool = False) -> bytes:
     """A template request (elasticrun.common.warmstart.encode_request, byte for byte)."""
-    body = json.dumps({"v": 1, "command": list(command), "env": dict(env), "cwd": cwd, "grace": float(grace),
-                       "keys": bool(keys)}, sort_keys=True).encode("ascii")
+    fields = {"v": 1, "command": list(command), "env": dict(env), "cwd": cwd, "grace": float(grace),
+              "keys": bool(keys)}  # type: Dict[str, Any]
+    if notice:
+        fields["notice"] = True
+    body = json.dumps(fields, sort_keys=True).encode("ascii")
     return struct.pack(">I", len(body)) + body
 
 
 def warm_spawn(path: str, command: List[str], env: Dict[str, str], cwd: str, grace: float,
-               keys: Optional[str], timeout: float = 10.0) -> Any:
+               keys: Optional[str], timeout: float = 10.0, notice: "Optional[DeathNotice]" = None) -> Any:
     """Ask the template at ``path`` to fork the worker: (connection, pid, what followed the
     answer) or, when it will not, why (a string; then the worker starts fresh)."""
     null = os.open(os.devnull, os.O_RDONLY)
     fds = [null, 1, 2]  # the worker's stdin; stdout and stderr are this channel's
+    ours = [null]  # to close once sent
     if keys is not None:  # tiny: fits the pipe's buffer
         key_r, key_w = os.pipe()
         os.write(key_w, keys.encode("ascii"))
         os.close(key_w)
         fds.append(key_r)
+        ours.append(key_r)
+    if notice is not None and notice.fd is not None:
+        fds.append(notice.fd)  # the notice closes its own copy when it waits
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     handed = False  # the socket is the watchdog's once the template answered
     try:
         sock.settimeout(timeout)
         sock.connect(path)
-        data = encode_request(command, env, cwd, grace, keys is not None)
+        data = encode_request(command, env, cwd, grace, keys is not None, len(fds) > len(ours) + 2)
         sent = sock.sendmsg([data[:65536]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         if sent < len(data):
             sock.sendall(data[sent:])
@@ -281,18 +495,20 @@ def warm_spawn(path: str, command: List[str], env: Dict[str, str], cwd: str, gra
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return "cannot use the template at %s: %s" % (path, exc)
     finally:
-        for fd in fds[:1] + fds[3:]:
+        for fd in ours:
             os.close(fd)
         if not handed:
             sock.close()
 
 
 def watch_warm(pid: int, conn: socket.socket, rest: bytes, grace: float, stop: threading.Event,
-               driver_fd: int = 0) -> Optional[int]:
+               driver_fd: int = 0, notice: "Optional[DeathNotice]" = None,
+               report: Optional[Callable[..., None]] = None) -> Optional[int]:
     """:func:`watch` for a worker the template forked: its exit status (``subprocess``-style)
     comes from ``conn``. None if the template went away first (the worker is then killed)."""
     status = []  # type: List[int]
     gone = threading.Event()  # the template answered, or is gone
+    hear_death(notice, pid, gone, report)
 
     def wait_template() -> None:
         buf = rest
@@ -308,6 +524,8 @@ def watch_warm(pid: int, conn: socket.socket, rest: bytes, grace: float, stop: t
         except (OSError, ValueError, KeyError, TypeError):
             pass
         gone.set()
+        if notice is not None:
+            notice.wake()
         stop.set()
 
     until_stopped(stop, wait_template, "bootstrap-template", driver_fd)
@@ -343,9 +561,11 @@ def main(stdin: IO[str], stdout: IO[str]) -> int:
     if cfg.get("template"):  # become the host's warm-start template
         return become(found, command, env, report)
 
+    notice = DeathNotice.create() if cfg.get("notice") else None
     warm = cfg.get("warm")
     if warm:
-        started = warm_spawn(str(warm["socket"]), command, env, os.getcwd(), grace, keys)
+        env.pop(DEATH_FD, None)  # only the notice sent with the request may be named there
+        started = warm_spawn(str(warm["socket"]), command, env, os.getcwd(), grace, keys, notice=notice)
         if isinstance(started, str):
             report(fallback=started)
         else:
@@ -354,7 +574,7 @@ def main(stdin: IO[str], stdout: IO[str]) -> int:
             report(pid=pid, pgid=pid, watchdog=os.getpid(), warm=True)
             stop = threading.Event()
             stop_on_signals(stop)
-            code = watch_warm(pid, conn, rest, grace, stop)
+            code = watch_warm(pid, conn, rest, grace, stop, notice=notice, report=report)
             if code is None:
                 sys.stderr.write("elasticrun: the warm-start template on this host went away while the worker "
                                  "ran; the worker was stopped\n")
@@ -362,18 +582,22 @@ def main(stdin: IO[str], stdout: IO[str]) -> int:
             report(exit=code)
             return code if code >= 0 else 128 - code
 
-    pid, gate, errors = spawn(found, command, env, keys)
+    if notice is not None and notice.fd is None:  # a template that fell back had it
+        notice = DeathNotice.create()
+    pid, gate, errors = spawn(found, command, env, keys, notice)
     keys = cfg = None  # the watchdog keeps no copy
     report(pid=pid, pgid=pid, watchdog=os.getpid())
     failed = release(gate, errors)
     if failed:
         os.waitpid(pid, 0)
+        if notice is not None:
+            notice.discard()
         report(error="exec", detail=failed.decode("utf-8", "replace"))
         return 126
 
     stop = threading.Event()
     stop_on_signals(stop)
-    status = watch(pid, grace, stop)
+    status = watch(pid, grace, stop, notice=notice, report=report)
     if status is None:
         return 255
     code = exit_code(status)

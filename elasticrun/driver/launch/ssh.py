@@ -120,13 +120,16 @@ def remote_command(python: str, job_id: str, worker_id: str) -> str:
 
 
 def launch_payload(command: list[str], env: Mapping[str, str], cwd: str, grace: float, mark: str,
-                   keys: bytes | None = None, warm: str | None = None, template: bool = False) -> bytes:
+                   keys: bytes | None = None, warm: str | None = None, template: bool = False,
+                   notice: bool = False) -> bytes:
     """What the driver writes to the channel's stdin: the bootstrap source, then the request.
 
     ASCII-only JSON (``ensure_ascii``), so the remote locale cannot garble it, and values that
     are not valid UTF-8 (lone surrogates from ``os.environ``) come out byte-for-byte the same.
     ``keys`` (the job's key blob, ASCII) reach the worker through a pipe, not its environment.
     ``warm``: the socket of the host's warm-start template; ``template``: the command *is* it.
+    ``notice``: the watchdog hands the worker a death notice and reports ``{"dying"}`` as soon
+    as it fires (``common/deathnotice.py``).
     """
     request = {"mark": mark, "command": list(command), "env": dict(env), "cwd": cwd, "grace": grace,
                "keys": keys.decode("ascii") if keys is not None else None}
@@ -134,6 +137,8 @@ def launch_payload(command: list[str], env: Mapping[str, str], cwd: str, grace: 
         request["warm"] = {"socket": warm}
     if template:  # this command is the host's template: the bootstrap becomes it
         request["template"] = True
+    elif notice:
+        request["notice"] = True
     return (json.dumps(bootstrap_source()) + "\n" + json.dumps(request) + "\n").encode("ascii")
 
 
@@ -326,7 +331,8 @@ class _Remote:
     exit_report: int | None = None  # the worker's status, as reported by the watchdog
     cancel: int | None = None  # a signal asked for before the worker's group was known
     started: threading.Event = field(default_factory=threading.Event)  # reported, or gone
-    finished: threading.Event = field(default_factory=threading.Event)  # on_exit was called
+    finished: threading.Event = field(default_factory=threading.Event)  # the watchdog is done
+    reported: bool = False  # on_exit was called (once: on the watchdog's "dying" or at the end)
     stderr_tail: deque = field(default_factory=lambda: deque(maxlen=6))
     threads: list[threading.Thread] = field(default_factory=list)
     stderr_pump: threading.Thread | None = None
@@ -406,7 +412,16 @@ class SSHLauncher:
             if r.channel is not None:
                 r.channel.close()
             r.finished.set()
-            self._on_exit(r.worker_id, code)
+            self._report_exit(r, code)
+
+    def _report_exit(self, r: _Remote, code: int) -> None:
+        """``on_exit`` exactly once per worker: when the watchdog's notice says it is dying
+        (before the kernel has torn it down), or when the watchdog is done."""
+        with self._lock:
+            if r.reported:
+                return
+            r.reported = True
+        self._on_exit(r.worker_id, code)
 
     def _start_and_wait(self, r: _Remote, command: list[str], env: dict[str, str], keys: bytes | None) -> int:
         import paramiko
@@ -426,7 +441,8 @@ class SSHLauncher:
             return -(r.cancel or 15)
         try:
             chan.exec_command(remote_command(self.opts.python, job_id, r.worker_id))
-            chan.sendall(launch_payload(command, env, cwd, self.opts.stop_grace, r.mark, keys, warm=warm))
+            chan.sendall(launch_payload(command, env, cwd, self.opts.stop_grace, r.mark, keys, warm=warm,
+                                        notice=True))
         except (OSError, EOFError, paramiko.SSHException) as exc:
             raise LaunchError(f"{conns.target} did not run the bootstrap: {exc or type(exc).__name__}") from None
         out = threading.Thread(target=self._pump_stdout, args=(r, chan.makefile("rb")),
@@ -505,6 +521,8 @@ class SSHLauncher:
                         r.started.set()
                     elif "exit" in msg:
                         r.exit_report = int(msg["exit"])
+                    elif "dying" in msg:
+                        self._report_exit(r, int(msg["dying"]))
                     continue
                 self._sink.write(r.worker_id, "stdout", line)
         except Exception as exc:  # the connection died under us
