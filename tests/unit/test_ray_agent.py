@@ -205,3 +205,31 @@ def test_an_agent_that_hears_nothing_from_the_driver_stops_its_worker_and_exits(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert _gone([worker, child], within=10)
+
+
+ARMS = textwrap.dedent("""
+    import os, sys, time
+    from elasticrun.common import deathnotice
+    print("armed", deathnotice.arm_from_environment(), flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_killed_worker_is_said_dying_once_by_its_exit_at_the_latest(agents, tmp_path):
+    from elasticrun.driver.launch import remote_bootstrap as rb
+
+    if rb.notice_libc() is None:
+        pytest.skip("needs Linux and glibc >= 2.30")
+    agent = agents("w1")
+    agent.hello()
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path)}
+    assert "pgid" in agent.start([sys.executable, "-c", ARMS], env, str(tmp_path), 2.0, None)
+    lines, _ = _collect(agent, lambda lines: ("stdout", "armed True") in lines)
+    assert agent.signal(signal.SIGKILL)
+    replies = []
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (not replies or replies[-1]["exit"] is None):
+        replies.append(agent.poll(0.5))
+    assert replies[-1]["exit"] == -signal.SIGKILL
+    said = [(i, r["dying"]) for i, r in enumerate(replies) if "dying" in r]
+    assert [code for _, code in said] == [-signal.SIGKILL]  # once, with the exit's reply at the latest

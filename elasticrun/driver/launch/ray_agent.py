@@ -20,7 +20,9 @@ What the agent does, in order:
    the process group of this actor, so when Ray kills the actor (the job's driver died, the
    actor was killed) it does not kill the watchdog with it. The watchdog then sees its stdin
    reach EOF and stops the worker's whole group: SIGTERM, SIGKILL after the grace period.
-4. :meth:`poll` hands the driver the worker's output lines and, at the end, its exit status.
+4. :meth:`poll` hands the driver the worker's output lines and, at the end, its exit status;
+   before that, once, ``dying`` with the status, as soon as the watchdog's death notice fires
+   (``common/deathnotice.py``: the kernel says so before it has torn the worker down).
    The driver calls it continuously; each call is its heartbeat. A watchdog thread here
    stops the worker and ends this process when no call came for ``silence_limit`` seconds
    (the driver is gone but Ray has not noticed, or a network partition).
@@ -76,6 +78,8 @@ class WorkerAgent:
         self._lines: deque[tuple[str, str]] = deque()
         self._dropped = 0
         self._exit: int | None = None
+        self._dying: int | None = None  # the watchdog's death notice fired: the worker's status
+        self._dying_told = False  # a poll has handed it to the driver
         self._done = False  # the watchdog's output has ended: nothing more will come
         self._open_streams = 2
         self._stdin: Any = None
@@ -110,7 +114,7 @@ class WorkerAgent:
                 merged[name] = os.environ[name]
         merged.pop("ELASTICRUN_SECRET_FD", None)
         request = json.dumps({"mark": self._mark, "command": list(command), "env": merged, "cwd": cwd,
-                              "grace": grace, "keys": keys})
+                              "grace": grace, "keys": keys, "notice": True})
         keys = None
         try:
             # The watchdog runs in this actor's environment; the worker's travels in the request
@@ -156,14 +160,20 @@ class WorkerAgent:
         driver's heartbeat too). Waits up to ``wait`` seconds for something to say."""
         self._contact()
         with self._cv:
-            self._cv.wait_for(lambda: self._lines or self._done, timeout=max(0.0, wait))
+            self._cv.wait_for(lambda: self._lines or self._done or (self._dying is not None and not self._dying_told),
+                              timeout=max(0.0, wait))
             n = min(len(self._lines), LINES_PER_POLL)
             lines = [self._lines.popleft() for _ in range(n)]
             dropped, self._dropped = self._dropped, 0
             done = self._done and not self._lines
+            dying = self._dying if not self._dying_told else None
+            self._dying_told = self._dying_told or dying is not None
         self._contact()
-        return {"lines": lines, "dropped": dropped, "exit": (self._exit if self._exit is not None else 255)
-                if done else None}
+        reply = {"lines": lines, "dropped": dropped, "exit": (self._exit if self._exit is not None else 255)
+                 if done else None}
+        if dying is not None:  # once: the worker is dying (its status); its exit and last output follow
+            reply["dying"] = dying
+        return reply
 
     def signal(self, sig: int) -> bool:
         """Send ``sig`` to the worker's process group; False if it is gone."""
@@ -233,6 +243,10 @@ class WorkerAgent:
                     continue
                 if "exit" in report:
                     self._exit = int(report["exit"])
+                elif "dying" in report:
+                    with self._cv:
+                        self._dying = int(report["dying"])
+                        self._cv.notify_all()
                 else:
                     self._report = report
                     self._started.set()

@@ -108,6 +108,7 @@ class _Agent:
     cancel: int | None = None  # a signal asked for before the worker started
     killed: bool = False  # the actor was killed on purpose
     finished: threading.Event = field(default_factory=threading.Event)
+    reported: bool = False  # on_exit was called (once: on its agent's "dying" or at its end)
     thread: threading.Thread | None = None
 
 
@@ -181,11 +182,19 @@ class RayLauncher:
             code = self._lost(a, exc)
         finally:
             a.finished.set()
-            assert self._on_exit is not None
             try:  # the driver hears of the exit first: recovery does not wait for Ray's bookkeeping
-                self._on_exit(a.worker_id, code)
+                self._report_exit(a, code)
             finally:
                 self._kill_actor(a)
+
+    def _report_exit(self, a: _Agent, code: int) -> None:
+        """``on_exit`` exactly once per worker: when its agent says it is dying, or at its end."""
+        with self._lock:
+            if a.reported:
+                return
+            a.reported = True
+        assert self._on_exit is not None
+        self._on_exit(a.worker_id, code)
 
     def _start_and_watch(self, a: _Agent, command: list[str], env: dict[str, str], keys: bytes | None) -> int:
         ray = self._ray
@@ -228,6 +237,8 @@ class RayLauncher:
                 self._sink.write(a.worker_id, stream, line)
             if reply.get("dropped"):
                 self._sink.write(a.worker_id, "stderr", f"[elasticrun: {reply['dropped']} lines of output dropped]")
+            if reply.get("dying") is not None:  # before the kernel has torn it down: recovery starts now
+                self._report_exit(a, int(reply["dying"]))
             if reply["exit"] is not None:
                 return int(reply["exit"])
 
