@@ -224,6 +224,10 @@ class DeathNotice(object):
                 if rc == errno.ETIMEDOUT:
                     continue
                 if rc == errno.EOWNERDEAD:
+                    # Ours now: unlock it before the mapping goes, so that it leaves this
+                    # thread's robust list (the kernel walks that list when the thread ends,
+                    # and the address may hold another notice by then).
+                    self._lib.pthread_mutex_unlock(self._mutex)
                     return dying_status(pid)
                 if rc == 0:  # not locked: a wake, not an arming
                     self._lib.pthread_mutex_unlock(self._mutex)
