@@ -30,6 +30,7 @@ __all__ = ["broadcast_", "broadcast_async", "broadcast_async_", "broadcast_objec
 _ALIGN = 16  # byte offsets stay aligned so that views of the flat buffer can be any dtype
 _BCAST_CHUNK_BYTES = 64 << 20
 _IN_PLACE_BYTES = 1 << 20  # tensors this large are broadcast from and into their own storage
+_OBJECT_HEAD = 4096  # broadcast_object's first broadcast: a length and up to this much of the pickle
 
 
 # ------------------------------------------------------------------- a tensor, an object
@@ -96,13 +97,30 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         issuing.agree(r, dict(collective="broadcast_object", name=name, root=root_rank,
                               process_set=issuing.ps_id(process_set)), f"broadcast_object {name or ''}", process_set)
     is_root = r.rank == root_rank
+    if is_root and r.size == 1 and issuing.is_global(process_set):  # nobody to send it to
+        waiting.solo(r, f"broadcast_object {name or ''}")
+        return obj
     payload = cloudpickle.dumps(obj) if is_root else b""
-    length = torch.tensor([len(payload)], dtype=torch.int64)
-    broadcast_(length, root_rank, f"{name or 'object'}.size", process_set, trusted=True)
-    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if is_root
-            else torch.empty(int(length.item()), dtype=torch.uint8))
+    # One broadcast carries the length and, when they fit, the bytes too (an object is usually
+    # small, and every sync broadcasts one: a round trip saved); a second carries the rest.
+    head = bytearray(_OBJECT_HEAD)
+    if is_root:
+        head[:8] = len(payload).to_bytes(8, "little")
+        if len(payload) <= _OBJECT_HEAD - 8:
+            head[8:8 + len(payload)] = payload
+    broadcast_(torch.frombuffer(head, dtype=torch.uint8), root_rank, f"{name or 'object'}.head", process_set,
+               trusted=True)  # (gloo writes into ``head`` itself: the tensor shares its memory)
+    if is_root:
+        if len(payload) > _OBJECT_HEAD - 8:
+            broadcast_(torch.frombuffer(bytearray(payload), dtype=torch.uint8), root_rank, name or "object",
+                       process_set, trusted=True)
+        return obj
+    length = int.from_bytes(head[:8], "little")
+    if length <= _OBJECT_HEAD - 8:
+        return cloudpickle.loads(bytes(head[8:8 + length]))
+    data = torch.empty(length, dtype=torch.uint8)
     broadcast_(data, root_rank, name or "object", process_set, trusted=True)
-    return obj if is_root else cloudpickle.loads(issuing.tensor_bytes(data))
+    return cloudpickle.loads(issuing.tensor_bytes(data))
 
 
 # ------------------------------------------------------------------- a model's or an optimizer's state

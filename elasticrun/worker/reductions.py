@@ -80,9 +80,12 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 def allreduce_inplace(tensor: torch.Tensor, op: Any, what: str) -> None:
     """Reduce ``tensor`` in place with a torch ReduceOp and wait (check_host_updates, the
     state's sync, barrier)."""
+    r = rounds.current()
+    if r.size == 1 and not issuing.on_device(r, tensor):  # every op of one rank is the identity
+        waiting.solo(r, what)
+        return
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
-    r = rounds.current()
     started = trace.now()
     desc = ops.Allreduce(tensor.shape, tensor.dtype, issuing.TORCH_OP_NAMES[op])
     waiting.wait(r, issuing.issue(r, lambda pg: pg.allreduce([tensor], opts), what, desc, on=tensor), what)

@@ -25,7 +25,7 @@ from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
 from elasticrun.worker.rounds import Round
 
 __all__ = ["DONE", "Done", "Handle", "Polled", "Works", "handle", "join_key", "look_for_join", "poll", "publish",
-           "synchronize", "traced", "wait"]
+           "solo", "synchronize", "traced", "wait"]
 
 _POLL = 0.0001
 _SLOW_POLL = 0.001
@@ -77,6 +77,16 @@ def wait(r: Round, work: Any, what: str) -> None:
             raise _timeout(r, what, f" ({exc})") from exc
         raise HorovodInternalError(f"{what} failed: {exc}") from exc
     if r.awaiting_first_step:  # the first collective after a reset: training moves again
+        r.step_completed(what)
+
+
+def solo(r: Round, what: str) -> None:
+    """An operation a world of one completes without its group (nothing to send, nothing to
+    wait for): it still fails on an aborted round and still ends a reset, as a collective would."""
+    reason = r.abort_reason()
+    if reason:
+        raise HorovodInternalError(f"round {r.number} was aborted: {reason}")
+    if r.awaiting_first_step:
         r.step_completed(what)
 
 

@@ -127,6 +127,9 @@ def main_world(rank: int, size: int, workdir: Path) -> dict[str, Any]:
     ps["both_gather"] = hvd.allgather(torch.tensor([rank]), process_set=both)
     ps["both_bcast"] = hvd.broadcast(torch.tensor([rank * 1.0]), root_rank=1, process_set=both)
     ps["object"] = hvd.broadcast_object({"from": rank}, root_rank=1, process_set=both)
+    # Objects whose pickle fits the first broadcast, just does not, and far exceeds it.
+    ps["objects_by_size"] = [hvd.broadcast_object(b"x" * n if rank == 0 else None, root_rank=0, name=f"sized{n}")
+                             for n in (4060, 4100, 300_000)]
     hvd.barrier(process_set=both)
     ps["removed"] = hvd.remove_process_set(solo)
     ps["removed_ranks"] = solo.ranks
@@ -302,6 +305,8 @@ def test_process_sets(world: list[dict[str, Any]]) -> None:
         assert ps["included"] == (r == 1) and ps["rank_in_solo"] == (0 if r == 1 else None)
         assert ps["both_gather"].tolist() == [0, 1] and ps["both_bcast"].tolist() == [1.0]
         assert ps["object"] == {"from": 1}
+        assert [len(o) for o in ps["objects_by_size"]] == [4060, 4100, 300_000]
+        assert all(o == b"x" * len(o) for o in ps["objects_by_size"])
         assert ps["removed"] and ps["removed_ranks"] is None
         assert w["ps_next_round"].tolist() == [2.0]  # re-formed in the new round
     assert world[1]["process_sets"]["solo_sum"].tolist() == [7.0]
