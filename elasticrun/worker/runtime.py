@@ -148,6 +148,9 @@ class Runtime:
         self._driver_stopping = False  # the driver said it stops the job (its SIGTERM is no reclaim)
         self._leaving_heard = threading.Event()  # the driver answered our "leaving"
         self._aborted: dict[int, str] = {}
+        # The group of every round this worker is alone in: one rank has no peer that could die
+        # or hang it, so it outlives rounds (forming one costs a millisecond of a recovery).
+        self._solo_pg: Any = None
         # Events for the driver's event log: appended here, shipped by the control thread.
         self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=10_000)
         # Round -1: the place the launcher gave, until the first rendezvous (not installed).
@@ -259,8 +262,9 @@ class Runtime:
         and then forms the group; tests that form their own group pass it as ``pg`` (and the
         store it was formed on, for process sets and join)."""
         old = self._round
-        if old.pg is not None or old.subgroups:
-            _drop_in_background((old.pg, dict(old.subgroups)))
+        kept = old.pg if old.pg is not self._solo_pg else None
+        if kept is not None or old.subgroups:
+            _drop_in_background((kept, dict(old.subgroups)))
         for group in list(old.device_groups.values()):  # never waited on: the old round may hold a hung kernel
             devices.abort_soon(group, f"round {old.number} is over")
         old.device_groups.clear()
@@ -464,10 +468,14 @@ class Runtime:
         assert self._client is not None
         if r.size == 1:
             # A world of one has no peer to meet: its group, store and MASTER_PORT are local
-            # (the driver's store would cost round trips on the recovery path for nothing).
-            store: dist.Store = dist.HashStore()
-            r.pg = dist.ProcessGroupGloo(store, 0, 1, rounds.group_timeout(self.collective_timeout))
-            r.store = store
+            # (the driver's store would cost round trips on the recovery path for nothing), and
+            # its group is the one it had the last time it was alone. The store is the round's
+            # own (process sets form their groups on it, under keys a later round reuses).
+            if self._solo_pg is None:
+                self._solo_pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1,
+                                                      rounds.group_timeout(self.collective_timeout))
+            r.pg = self._solo_pg
+            r.store = dist.HashStore()
             self.export_environment(f"{self.hostname}:{_free_port()}")
             if r.device_backend == "nccl" and devices.requested() == "nccl":
                 device = self.device if self.device is not None else devices.rank_device(self.slot)
