@@ -605,6 +605,15 @@ class ElasticDriver:
     # --- carrying out the registry's decisions ----------------------------------------------
     def _execute(self, actions: list[reg.Action]) -> None:
         shared: dict[bool, dict[str, str]] = {}  # the environment every worker gets, local and remote
+        if not any(isinstance(act, reg.Notify) for act in actions):
+            # Workers waiting for their place first: the console and the event log can wait, they
+            # cannot (on the recovery's path, the round's lines cost as long as the reply). An
+            # assignment carries the newest notification's timestamp: a batch that notifies keeps
+            # its order.
+            for act in actions:
+                if isinstance(act, reg.Assign):
+                    self._assign(act)
+            actions = [act for act in actions if not isinstance(act, reg.Assign)]
         for act in actions:
             if isinstance(act, reg.Event):
                 message = words.event(act)
@@ -618,12 +627,7 @@ class ElasticDriver:
                                     rank=act.info.rank)
                 self._launch(act, shared)
             elif isinstance(act, reg.Assign):
-                pending = self._pending_rdzv.pop(act.worker_id, None)
-                if pending is not None:
-                    self._reply(pending.identity, pending, "assignment", dict(
-                        act.info.as_dict(), round=act.round, notify_ts=self._notifications.last_ts,
-                        must_sync=act.must_sync, restore=act.restore, device_backend=act.device_backend))
-
+                self._assign(act)
             elif isinstance(act, reg.ForgetRounds):
                 self._send_store_replies(self._store.keep_only(f"round{act.round}/"))
             elif isinstance(act, reg.Dismiss):
@@ -653,6 +657,13 @@ class ElasticDriver:
             elif isinstance(act, reg.Finish):
                 self._journal.write(Kind.JOB_END, round=self.registry.round, ok=act.ok, reason=words.reason(act.why),
                                     cause=act.why.cause)
+
+    def _assign(self, act: reg.Assign) -> None:
+        pending = self._pending_rdzv.pop(act.worker_id, None)
+        if pending is not None:
+            self._reply(pending.identity, pending, "assignment", dict(
+                act.info.as_dict(), round=act.round, notify_ts=self._notifications.last_ts,
+                must_sync=act.must_sync, restore=act.restore, device_backend=act.device_backend))
 
     def _where(self, worker_id: str) -> dict[str, Any]:
         w = self.registry.workers.get(worker_id)

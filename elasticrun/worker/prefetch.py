@@ -68,6 +68,10 @@ log = logging.getLogger("elasticrun.worker")
 #: The store's namespace for fetches. Outside every round's, so the driver forgets it at
 #: each new round: a fetch that spans one fails (and the join sends everything).
 KEY = "elasticrun/prefetch"
+_REQUEST_WAIT_S = 1.0  # rank 0's wait for the next fetch request (then it looks again)
+#: How long rank 0 leaves the driver alone after it forgot the namespace (a new round forms):
+#: a reset takes milliseconds; a fetch asked meanwhile is answered this much later.
+_AFTER_FORGET_S = 0.05
 MAX_SESSIONS = 4  # fetches rank 0 serves at once; more are told to go without
 LAYOUT_WAIT_S = 5.0  # a newcomer's wait for rank 0's answer (it arrives in milliseconds)
 GO_WAIT_S = 10.0  # rank 0's wait for the newcomer's choice
@@ -157,10 +161,15 @@ class Server(threading.Thread):
                 if conn is None:
                     conn = _Conn("prefetch", self._stopping)
                 key = f"{KEY}/req/{following}"
+                asked = time.monotonic()
                 try:
-                    conn.store.wait([key], timedelta(seconds=1.0))
+                    conn.store.wait([key], timedelta(seconds=_REQUEST_WAIT_S))
                     raw = conn.store.get(key)
                 except (RuntimeError, DriverTimeout, Aborted):  # none yet, or the namespace was forgotten
+                    if time.monotonic() - asked < _REQUEST_WAIT_S / 2:
+                        # Forgotten: a new round is forming. Its reset is on the job's critical
+                        # path (this rank and the driver answer its requests): ask again after it.
+                        self._halt.wait(_AFTER_FORGET_S)
                     try:
                         if conn.store.add(f"{KEY}/bell", 0) < following - 1:
                             following = 1  # forgotten (a new round): requests count from 1 again
