@@ -179,3 +179,67 @@ def test_the_runtime_installs_a_round_per_rendezvous(monkeypatch: pytest.MonkeyP
         runtime.shutdown()
     with pytest.raises(ValueError, match="call hvd.init"):
         rounds.current()
+
+
+def _alone(monkeypatch: pytest.MonkeyPatch) -> Any:
+    import os
+
+    from elasticrun.worker import runtime
+
+    for name in list(os.environ):
+        if name.startswith("ELASTICRUN_"):
+            monkeypatch.delenv(name)
+    runtime.shutdown()
+    return runtime.init()
+
+
+def test_a_world_of_one_agrees_and_broadcasts_without_a_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sync's collectives in a round of one rank need no group (none is given here), yet
+    still end a reset and still fail on an aborted round."""
+    import torch
+
+    from elasticrun.worker import broadcast, reductions, runtime
+
+    rt = _alone(monkeypatch)
+    try:
+        r = rt.enter_round(1, 0, 1, pg=None)
+        t = torch.tensor([3, 7])
+        reductions.allreduce_inplace(t, torch.distributed.ReduceOp.MAX, "state.newest_commit")
+        obj = {"step": 4}
+        assert t.tolist() == [3, 7] and broadcast.broadcast_object(obj, 0, trusted=True) is obj
+        events: list[tuple[str, dict[str, Any]]] = []
+        r._emit = lambda kind, **f: events.append((kind, f))
+        r.mark_reset()
+        reductions.allreduce_inplace(t, torch.distributed.ReduceOp.SUM, "check_host_updates")
+        assert events == [("first_step", {"what": "check_host_updates"})]
+        rt._aborted[1] = "127.0.0.1[0] exited with code -9"
+        with pytest.raises(HorovodInternalError, match="round 1 was aborted"):
+            reductions.allreduce_inplace(t, torch.distributed.ReduceOp.MAX, "state.newest_commit")
+        with pytest.raises(HorovodInternalError, match="round 1 was aborted"):
+            broadcast.broadcast_object(obj, 0, trusted=True)
+    finally:
+        runtime.shutdown()
+
+
+def test_a_worker_alone_again_keeps_its_group_and_gets_a_new_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from elasticrun.worker import runtime
+
+    rt = _alone(monkeypatch)
+    try:
+        rt._client = object()  # (a world of one never talks to the driver to form its group)
+        rt.enter_round(5, 0, 1)
+        rt._form_group()
+        first = rt.current_round
+        rt.enter_round(6, 0, 1)
+        rt._form_group()
+        second = rt.current_round
+        assert second.pg is first.pg is not None and second.store is not first.store
+        assert not any(first.pg in (h[0] if h else ()) for _t, h in runtime._pending_drops)  # not torn down
+        t = torch.ones(2)
+        second.pg.allreduce([t]).wait()
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        rt._client = None
+        runtime.shutdown()
