@@ -93,6 +93,22 @@ def test_an_exit_status_reaches_the_driver_as_for_a_fresh_worker(job):
     assert r.returncode != 0 and "exited with code 3" in r.stderr, r.output
 
 
+@pytest.mark.parametrize("where", ["local", "ssh"])
+def test_a_missing_script_fails_as_python_says_it(job, where, request):
+    """The template will not run a script it cannot find: the worker starts fresh and python
+    says what is wrong (the local launcher once closed the death notice's descriptor twice on
+    that path: "OSError: [Errno 9] Bad file descriptor", code 255, python's line never shown)."""
+    if where == "local":
+        hosts = ["-H", "localhost:1"]
+    else:
+        hosts = ["-H", "127.0.0.2:1", *request.getfixturevalue("sshd_clean").ssh_args()]
+    missing = job.tmp / "no_such_train.py"
+    r = job.run(["-np", "1", *hosts], [sys.executable, str(missing)])
+    assert r.returncode != 0, r.output
+    assert f"can't open file '{missing}'" in r.stdout + r.stderr, r.output
+    assert "exited with code 2" in r.stderr and "Bad file descriptor" not in r.output, r.output
+
+
 def test_a_template_that_dies_means_fresh_workers_and_one_warning(job):
     out = _out(job)
     dying = job.tmp / "dies_on_import.py"

@@ -231,11 +231,14 @@ class LocalLauncher:
         err_r, err_w = os.pipe()
         theirs = [os.open(os.devnull, os.O_RDONLY), out_w, err_w]
         notice = DeathNotice.create()
+        # The notice's descriptor is the notice's to close (discard() or its wait), never ours:
+        # closed twice, the number may by then be another thread's socket or pipe.
+        notice_fd = notice.fd if notice is not None else None
         try:
             if keys is not None:
                 theirs.append(secretpipe.hand_over(keys))
-            if notice is not None and notice.fd is not None:
-                theirs.append(notice.fd)
+            if notice_fd is not None:
+                theirs.append(notice_fd)
             worker_env = {k: v for k, v in env.items() if k not in (secretpipe.FD_VAR, envvars.DEATH_FD)}
             warm = start_worker(path, command, worker_env, os.getcwd(), theirs, self._grace,
                                 keys=keys is not None, notice=notice is not None)
@@ -247,7 +250,7 @@ class LocalLauncher:
             raise
         finally:
             for fd in theirs:  # sent: the template (and then the worker) holds its own copies
-                if notice is None or fd != notice.fd:
+                if fd != notice_fd:
                     os.close(fd)
         proc.pid = warm.pid
         proc.threads += [pump(os.fdopen(out_r, "rb"), proc.worker_id, "stdout", self._sink),
