@@ -18,6 +18,7 @@ import time
 from typing import IO, Callable, Protocol
 
 from elasticrun.common.diagnostics import DiagnosticFile
+from elasticrun.common.lines import lines
 from elasticrun.common.ratelimit import LimitedLog
 
 
@@ -75,12 +76,13 @@ class OutputSink:
 
 
 def pump(pipe: IO[bytes], worker_id: str, stream: str, sink: Output) -> threading.Thread:
-    """Copy ``pipe`` line by line into ``sink`` on a daemon thread (ends at EOF)."""
+    """Copy ``pipe`` line by line into ``sink`` on a daemon thread (ends at EOF); a line over
+    :data:`~elasticrun.common.lines.LINE_LIMIT` bytes in pieces."""
 
     def run() -> None:
         with pipe:
-            for raw in iter(pipe.readline, b""):
-                sink.write(worker_id, stream, raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+            for line in lines(pipe):
+                sink.write(worker_id, stream, line)
 
     thread = threading.Thread(target=run, name=f"elasticrun-output-{worker_id}-{stream}", daemon=True)
     thread.start()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SCRIPTS
+from sshd import ssh_server, sshd_clean  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -85,3 +86,35 @@ print("driver peak kB:", status.split("VmHWM:")[1].split()[0])"""
     failed = [line for line in r.stderr.splitlines() if "printed more than 1 MiB" in line]
     assert failed == [f"[elasticrun] discovery failed, keeping the last known hosts: {path} printed more than "
                       f"1 MiB; it was killed (a discovery script prints one host per line)"], r.stderr[-3000:]
+
+
+def test_a_worker_line_of_200_mb_keeps_the_driver_small_and_loses_nothing(job):
+    """A line is handed on in pieces of 64 KiB (it was held whole: 1.4 GB of driver for this one)."""
+    worker = """import os, sys
+for _ in range(200):
+    sys.stdout.write("x" * (1 << 20))
+sys.stdout.flush()
+status = open(f"/proc/{os.getppid()}/status").read()
+print("\\ndriver peak kB:", status.split("VmHWM:")[1].split()[0])"""
+    r = job.run(["-np", "1", "-H", "localhost:1"], [sys.executable, "-c", worker])
+    assert r.returncode == 0, r.output[-3000:]
+    peak_kb = int(re.search(r"driver peak kB: (\d+)", r.stdout).group(1))
+    assert peak_kb < 120_000, peak_kb
+    pieces = [line for line in r.stdout.splitlines() if line.startswith("[0]<stdout>:x")]
+    assert sum(len(p) - len("[0]<stdout>:") for p in pieces) == 200 << 20
+    assert max(len(p) for p in pieces) <= len("[0]<stdout>:") + (64 << 10)
+
+
+@pytest.mark.parametrize("where", ["local", "ssh"])
+def test_a_report_after_a_long_unended_line_still_reaches_the_driver(job, where, request):
+    """Over SSH the launcher's reports share the worker's stdout: one that follows 300 KiB with no
+    newline must not be cut between two pieces (the worker's exit status would be lost)."""
+    if where == "local":
+        hosts = ["-H", "localhost:1"]
+    else:
+        hosts = ["-H", "127.0.0.2:1", *request.getfixturevalue("sshd_clean").ssh_args()]
+    worker = "import os, sys; sys.stdout.write('x' * 300_001); sys.stdout.flush(); os._exit(3)"
+    r = job.run(["-np", "1", *hosts, "--no-warm-start"], [sys.executable, "-c", worker])
+    assert "exited with code 3" in r.stderr, r.stderr[-3000:]
+    pieces = [line for line in r.stdout.splitlines() if line.startswith("[0]<stdout>:")]
+    assert "".join(p[len("[0]<stdout>:"):] for p in pieces) == "x" * 300_001, [p[:40] for p in pieces]

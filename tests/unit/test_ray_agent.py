@@ -233,3 +233,26 @@ def test_a_killed_worker_is_said_dying_once_by_its_exit_at_the_latest(agents, tm
     assert replies[-1]["exit"] == -signal.SIGKILL
     said = [(i, r["dying"]) for i, r in enumerate(replies) if "dying" in r]
     assert [code for _, code in said] == [-signal.SIGKILL]  # once, with the exit's reply at the latest
+
+
+def test_output_waiting_for_the_driver_is_bounded_in_characters_and_each_poll_too(agents):
+    """Lines are up to 64 KiB now (common/lines.py): 20,000 of them would be 1.3 GB held here and
+    2,000 per reply 128 MB. The oldest go first, counted; nothing is dropped unsaid."""
+    from elasticrun.driver.launch import ray_agent
+
+    agent = agents("w1")
+    line = "y" * (64 << 10)
+    n = ray_agent.MAX_BUFFERED_CHARS // len(line) * 2
+    for i in range(n):
+        agent._add("stdout", f"{i:08d}" + line[8:])
+    got: list[str] = []
+    dropped = 0
+    while True:
+        reply = agent.poll(0)
+        if not reply["lines"]:
+            break
+        assert sum(len(x[1]) for x in reply["lines"]) <= ray_agent.CHARS_PER_POLL
+        got += [x[1] for x in reply["lines"]]
+        dropped += reply["dropped"]
+    assert len(got) * len(line) <= ray_agent.MAX_BUFFERED_CHARS
+    assert dropped + len(got) == n and [int(x[:8]) for x in got] == list(range(dropped, n))  # the newest kept

@@ -44,6 +44,8 @@ import time
 from collections import deque
 from typing import Any
 
+from elasticrun.common.lines import lines
+
 #: The watchdog that starts one worker (the file the SSH launcher sends to remote hosts).
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote_bootstrap.py")
 #: Runs its arguments as a detached process: fork, and the parent exits at once, so the
@@ -51,8 +53,11 @@ BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote_boo
 DETACH = "import os,sys\nif os.fork(): os._exit(0)\nos.execv(sys.executable, [sys.executable] + sys.argv[1:])"
 #: Lines kept for the driver between two polls; beyond this the oldest are dropped (counted).
 MAX_BUFFERED_LINES = 20_000
-#: Lines handed over per poll (a Ray reply stays small).
+#: ... and characters kept (a line is up to 64 KiB: ``common/lines.py``).
+MAX_BUFFERED_CHARS = 16 << 20
+#: Lines handed over per poll, and characters (a Ray reply stays small).
 LINES_PER_POLL = 2_000
+CHARS_PER_POLL = 2 << 20
 #: Variables Ray sets for the actor that must win over the forwarded environment.
 RAY_OWNED = ("CUDA_VISIBLE_DEVICES",)
 
@@ -77,6 +82,7 @@ class WorkerAgent:
         self._cv = threading.Condition()
         self._lines: deque[tuple[str, str]] = deque()
         self._dropped = 0
+        self._chars = 0  # in self._lines
         self._exit: int | None = None
         self._dying: int | None = None  # the watchdog's death notice fired: the worker's status
         self._dying_told = False  # a poll has handed it to the driver
@@ -162,8 +168,13 @@ class WorkerAgent:
         with self._cv:
             self._cv.wait_for(lambda: self._lines or self._done or (self._dying is not None and not self._dying_told),
                               timeout=max(0.0, wait))
-            n = min(len(self._lines), LINES_PER_POLL)
-            lines = [self._lines.popleft() for _ in range(n)]
+            lines: list[tuple[str, str]] = []
+            size = 0
+            while self._lines and len(lines) < LINES_PER_POLL and (
+                    not lines or size + len(self._lines[0][1]) <= CHARS_PER_POLL):
+                lines.append(self._lines.popleft())
+                size += len(lines[-1][1])
+            self._chars -= size
             dropped, self._dropped = self._dropped, 0
             done = self._done and not self._lines
             dying = self._dying if not self._dying_told else None
@@ -221,16 +232,17 @@ class WorkerAgent:
 
     def _add(self, stream: str, line: str) -> None:
         with self._cv:
-            if len(self._lines) >= MAX_BUFFERED_LINES:
-                self._lines.popleft()
+            while self._lines and (len(self._lines) >= MAX_BUFFERED_LINES
+                                   or self._chars + len(line) > MAX_BUFFERED_CHARS):
+                self._chars -= len(self._lines.popleft()[1])
                 self._dropped += 1
             self._lines.append((stream, line))
+            self._chars += len(line)
             self._cv.notify_all()
 
     def _read_stdout(self, f: Any) -> None:
         try:
-            for raw in iter(f.readline, b""):
-                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            for line in lines(f, hold=self._mark):
                 if self._mark not in line:
                     self._add("stdout", line)
                     continue
@@ -257,8 +269,8 @@ class WorkerAgent:
 
     def _read_stderr(self, f: Any) -> None:
         try:
-            for raw in iter(f.readline, b""):
-                self._add("stderr", raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+            for line in lines(f):
+                self._add("stderr", line)
         finally:
             f.close()
             self._stream_ended()

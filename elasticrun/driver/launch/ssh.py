@@ -76,6 +76,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from elasticrun.common import env as envvars
 from elasticrun.common import warmstart
+from elasticrun.common.lines import lines
 from elasticrun.driver.output import Output
 from elasticrun.driver.launch.warm import parse_ready, template_argv
 
@@ -500,8 +501,7 @@ class SSHLauncher:
 
     def _pump_stdout(self, r: _Remote, f: Any) -> None:
         try:
-            for raw in iter(f.readline, b""):
-                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            for line in lines(f, hold=r.mark):
                 if r.mark in line:
                     before, _, rest = line.partition(r.mark)
                     if before:
@@ -532,8 +532,7 @@ class SSHLauncher:
 
     def _pump_stderr(self, r: _Remote, f: Any) -> None:
         try:
-            for raw in iter(f.readline, b""):
-                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            for line in lines(f):
                 if r.pgid is None:
                     r.stderr_tail.append(line)
                 self._sink.write(r.worker_id, "stderr", line)
@@ -586,8 +585,7 @@ class SSHLauncher:
             err = threading.Thread(target=self._template_stderr, args=(t, chan.makefile_stderr("rb")), daemon=True,
                                    name=f"elasticrun-template-{t.host}-err")
             err.start()
-            for raw in iter(chan.makefile("rb").readline, b""):
-                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            for line in lines(chan.makefile("rb"), hold=mark):
                 info = parse_ready(line)
                 if info is not None and t.socket is None:
                     t.socket = info["socket"]
@@ -618,8 +616,7 @@ class SSHLauncher:
 
     def _template_stderr(self, t: _Template, f: Any) -> None:
         try:
-            for raw in iter(f.readline, b""):
-                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            for line in lines(f):
                 t.stderr_tail.append(line)
                 log.debug("%s: template: %s", t.host, line)
         except Exception as exc:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from elasticrun.common import warmstart
+from elasticrun.common.lines import lines
 from elasticrun.common.warmstart import PythonCommand
 
 log = logging.getLogger("elasticrun")
@@ -86,8 +87,8 @@ class LocalTemplate:
 
     def _read_stdout(self) -> None:
         assert self.proc.stdout is not None
-        for raw in iter(self.proc.stdout.readline, b""):
-            info = parse_ready(raw.decode("utf-8", "replace").rstrip("\n"))
+        for line in lines(self.proc.stdout):
+            info = parse_ready(line)
             if info is not None and self.info is None:
                 self.info = info
                 log.debug("warm start: this machine's template (pid %d) is ready after %.2f s (its own count: "
@@ -102,8 +103,7 @@ class LocalTemplate:
 
     def _read_stderr(self) -> None:
         assert self.proc.stderr is not None
-        for raw in iter(self.proc.stderr.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
+        for line in lines(self.proc.stderr):
             self._stderr.append(line)
             log.debug("warm start: template: %s", line)
 
