@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from conftest import SCRIPTS
+from sshd import ssh_server, sshd_clean  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -99,3 +100,21 @@ def test_a_slow_teardown_after_the_script_is_no_hang(job):
     assert r.returncode == 0, r.output
     assert "post-processing done" in r.stdout, r.output
     assert "no heartbeat" not in r.stderr and "training finished" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("where", ["local", "local, no warm start", "ssh"])
+def test_what_a_worker_starts_in_a_session_of_its_own_ends_with_it(job, where, request):
+    """A worker's child in a new session (`setsid`, `start_new_session=True`, a daemon) is out of
+    reach of every signal to the worker's process group: it used to outlive the job."""
+    hosts = ["-H", "localhost:1"] if where.startswith("local") else \
+        ["-H", "127.0.0.2:1", *request.getfixturevalue("sshd_clean").ssh_args()]
+    flags = ["--no-warm-start"] if "no warm" in where else []
+    script = job.tmp / "escape.py"
+    script.write_text("import subprocess\n"
+                      "p = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+                      "print('escaped', p.pid, flush=True)\n")
+    r = job.run(["-np", "1", *hosts, *flags], [sys.executable, str(script)])  # (asserts nothing is left)
+    assert r.returncode == 0, r.output
+    pid = int(r.stdout.split("escaped ", 1)[1].split()[0])
+    said = [line for line in r.stderr.splitlines() if "left running outside its process group" in line]
+    assert len(said) == 1 and f"stopped 1 process(es)" in said[0] and f"{pid} (sleep 300)" in said[0], r.stderr

@@ -419,3 +419,50 @@ def test_without_a_notice_asked_for_the_worker_has_none():
     reports, lines = _reports(out)
     assert lines == ["False None"], err
     assert not any("dying" in r for r in reports)
+
+
+# --- what a worker leaves outside its process group -------------------------------------------------
+def _escaped(tmp_path: Path, env: dict[str, str], name: str) -> int:
+    """A sleep in a session of its own (no signal to the worker's group reaches it), with ``env``."""
+    pids = tmp_path / name
+    subprocess.run(["sh", "-c", f"setsid sleep 300 < /dev/null > /dev/null 2>&1 & echo $! > {pids}"],
+                   env=dict(os.environ, **env), check=True, timeout=10)
+    _wait_for(lambda: pids.exists() and pids.read_text().strip(), 5, "the sleep's pid")
+    return int(pids.read_text())
+
+
+def test_the_ids_named_in_a_workers_environment_are_elasticruns():
+    assert (rb.JOB_ID, rb.WORKER_ID) == (envvars.JOB_ID, envvars.WORKER_ID)
+
+
+def test_a_sweep_stops_what_the_worker_left_in_a_session_of_its_own_and_nothing_else(tmp_path):
+    mine = _escaped(tmp_path, {rb.JOB_ID: "job1", rb.WORKER_ID: "w3"}, "mine")
+    other_worker = _escaped(tmp_path, {rb.JOB_ID: "job1", rb.WORKER_ID: "w33"}, "other_worker")
+    other_job = _escaped(tmp_path, {rb.JOB_ID: "job2", rb.WORKER_ID: "w3"}, "other_job")
+    try:
+        assert rb.left_behind("job1", "w3") == [mine]
+        stopped = rb.sweep("job1", "w3")
+        assert stopped == [(mine, "sleep 300")]
+        _wait_for(lambda: not _alive(mine), 5, "the escaped sleep to die")
+        assert _alive(other_worker) and _alive(other_job)
+        assert rb.sweep(None, "w3") == [] and rb.sweep("job1", None) == []
+        line = rb.said_swept(stopped)
+        assert line.startswith("stopped 1 process(es)") and f"{mine} (sleep 300)" in line
+    finally:
+        for pid in (mine, other_worker, other_job):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def test_the_watchdog_stops_what_its_worker_left_in_a_session_of_its_own_and_says_so(tmp_path):
+    pids = tmp_path / "pids"
+    env = {"PATH": os.environ["PATH"], rb.JOB_ID: "jobx", rb.WORKER_ID: "w1"}
+    proc = _start(["sh", "-c", f"setsid sleep 300 < /dev/null > /dev/null 2>&1 & echo $! > {pids}; exit 4"], env)
+    out, err = _finish(proc)
+    escaped = int(pids.read_text())
+    assert _reports(out)[0][-1] == {"exit": 4}
+    _wait_for(lambda: not _alive(escaped), 5, "the escaped sleep to die")
+    assert f"stopped 1 process(es) the worker left running outside its process group (started in a new " \
+           f"session): {escaped} (sleep 300)" in err.decode(), err

@@ -140,13 +140,14 @@ def test_each_room_of_the_driver_looks_only_down():
 
 def test_no_one_imports_the_bootstrap():
     """It is sent as text and runs alone on the remote host. One exception: the local launcher
-    takes its ``DeathNotice`` (standard library only), so that the watcher's side of a death
-    notice is written once, for the local launcher and the remote watchdog alike."""
+    takes its ``DeathNotice`` and its sweep of what a worker left behind (standard library
+    only), so that the watcher's side of both is written once, for the local launcher and the
+    remote watchdog alike."""
     g = graph()
     importers = sorted(m for m, targets in g.items() if "elasticrun.driver.launch.remote_bootstrap" in targets)
     assert importers in ([], ["elasticrun.driver.launch.local"])
     source = (PKG / "driver" / "launch" / "local.py").read_text()
-    assert "from elasticrun.driver.launch.remote_bootstrap import DeathNotice\n" in source
+    assert "from elasticrun.driver.launch.remote_bootstrap import DeathNotice, said_swept, sweep\n" in source
 
 
 ALLOWED = {

@@ -23,7 +23,7 @@ from typing import Callable
 
 from elasticrun.common import env as envvars, secretpipe, warmstart
 from elasticrun.driver.output import Output, pump
-from elasticrun.driver.launch.remote_bootstrap import DeathNotice
+from elasticrun.driver.launch.remote_bootstrap import DeathNotice, said_swept, sweep
 from elasticrun.driver.launch.warm import LocalTemplate, Unavailable, WarmWorker, start_worker
 
 log = logging.getLogger("elasticrun")
@@ -46,6 +46,9 @@ def is_local_host(host: str) -> bool:
     return any(ipaddress.ip_address(a.split("%")[0]).is_loopback or a in own for a in addresses)
 
 
+_CLEAN_UP_AFTER_S = 0.25  # after a worker's exit, before what it left behind is stopped
+
+
 @dataclass
 class _Proc:
     worker_id: str
@@ -57,6 +60,8 @@ class _Proc:
     finished: threading.Event = field(default_factory=threading.Event)  # reaped
     notice: DeathNotice | None = None  # hears of its death before it is reaped
     reported: bool = False  # on_exit was called (once: by the notice or by the reaper)
+    job_id: str | None = None  # (its environment's ELASTICRUN_JOB_ID: what it left behind names it)
+    cleaned: threading.Event = field(default_factory=threading.Event)  # what it left behind is stopped
 
 
 class LocalLauncher:
@@ -94,7 +99,7 @@ class LocalLauncher:
         ``keys``: the job's key blob, handed over through an inherited pipe (its descriptor
         number in ``ELASTICRUN_SECRET_FD``), never through the environment.
         """
-        proc = _Proc(worker_id)
+        proc = _Proc(worker_id, job_id=env.get(envvars.JOB_ID))
         if self._template is not None and not self._template.usable and warmstart.python_command(command)[0]:
             self._warn_gone(None)
         if self._template is not None and self._template.usable and warmstart.python_command(command)[0]:
@@ -164,6 +169,23 @@ class LocalLauncher:
         if proc.notice is not None:
             proc.notice.wake()  # its notice may still wait for an arming that will never come
         self._report(proc, code)
+        try:
+            self._clean_up(proc)
+        finally:
+            proc.cleaned.set()
+
+    def _clean_up(self, proc: _Proc) -> None:
+        """After the driver has heard of the exit: stop what the worker left running, as a
+        remote watchdog does: its process group, then its descendants in sessions of their own.
+
+        A moment later (at once when the job stops): the exit of a killed worker starts a
+        recovery, and on a machine with few cores the scan of /proc (10 us a process) would
+        compete with the survivors' first steps (measured: kill -> first step p95 +3 ms)."""
+        self._stop_event.wait(_CLEAN_UP_AFTER_S)
+        self._killpg(proc, signal.SIGKILL)
+        stopped = sweep(proc.job_id, proc.worker_id, proc.pid)
+        if stopped:  # on the worker's stderr, as a remote watchdog says it
+            self._sink.write(proc.worker_id, "stderr", "elasticrun: " + said_swept(stopped))
 
     def _watch(self, proc: _Proc) -> None:
         assert proc.popen is not None
@@ -298,6 +320,8 @@ class LocalLauncher:
         deadline = time.monotonic() + 5.0
         for proc in procs:
             proc.finished.wait(max(0.0, deadline - time.monotonic()))
+        for proc in procs:  # (their sweeps: a /proc scan each)
+            proc.cleaned.wait(max(0.0, deadline - time.monotonic()))
 
     def drain(self, timeout: float) -> None:
         """Wait (bounded) for the output of exited workers to be copied out."""

@@ -62,6 +62,10 @@ SECRET_FD = "ELASTICRUN_SECRET_FD"
 REAP_SECONDS = 10.0
 #: elasticrun.common.env.DEATH_FD: the worker's death notice (below).
 DEATH_FD = "ELASTICRUN_DEATH_FD"
+#: elasticrun.common.env.JOB_ID and WORKER_ID: every worker's environment names both, and so
+#: does that of every process it starts, unless that process clears it (:func:`sweep`).
+JOB_ID = "ELASTICRUN_JOB_ID"
+WORKER_ID = "ELASTICRUN_WORKER_ID"
 
 
 # --- the death notice: hearing that the worker is dying before it is torn down ---------------
@@ -382,6 +386,60 @@ def killpg(pgid: int, sig: int) -> None:
         pass
 
 
+def left_behind(job_id: str, worker_id: str) -> List[int]:
+    """The processes (this user's: others' environments cannot be read) whose environment
+    names worker ``worker_id`` of job ``job_id``: the worker's descendants, wherever they are,
+    also those that left its process group (``setsid``, a daemon)."""
+    want = [("%s=%s" % (JOB_ID, job_id)).encode(), ("%s=%s" % (WORKER_ID, worker_id)).encode()]
+    me = os.getpid()
+    found = []  # type: List[int]
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open("/proc/%s/environ" % name, "rb") as f:
+                entries = f.read().split(b"\0")
+        except OSError:  # gone, or not ours
+            continue
+        if all(w in entries for w in want):
+            found.append(int(name))
+    return found
+
+
+def sweep(job_id: Optional[str], worker_id: Optional[str], group: Optional[int] = None) -> List[Tuple[int, str]]:
+    """SIGKILL what worker ``worker_id`` left running once it and its process group (``group``,
+    already sent SIGKILL) are gone: processes it started in a session of their own (``setsid``,
+    ``start_new_session=True``, a daemon that forked twice), which no signal to its group
+    reaches. Each would otherwise outlive the job, holding its CPUs, memory or GPU. Returns
+    them as (pid, command); not those already exiting (their command line is gone)."""
+    if not job_id or not worker_id:
+        return []
+    stopped = []  # type: List[Tuple[int, str]]
+    for pid in left_behind(job_id, worker_id):
+        try:
+            if group is not None and os.getpgid(pid) == group:
+                continue  # dying of the group's SIGKILL
+            with open("/proc/%d/cmdline" % pid, "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone meanwhile
+            continue
+        if command:
+            stopped.append((pid, command[:80]))
+    return stopped
+
+
+def said_swept(stopped: List[Tuple[int, str]]) -> str:
+    """One line naming what :func:`sweep` stopped (at most five of them)."""
+    shown = ", ".join("%d (%s)" % s for s in stopped[:5]) + (", ..." if len(stopped) > 5 else "")
+    return ("stopped %d process(es) the worker left running outside its process group (started in a new "
+            "session): %s" % (len(stopped), shown))
+
+
 def until_stopped(stop: threading.Event, waiter: Callable[[], None], name: str, driver_fd: int) -> None:
     """Run ``waiter`` (which sets ``stop`` once the worker is done) and a reader of ``driver_fd``
     (which sets it at EOF: the driver's connection is gone, or it closed this channel) on
@@ -547,6 +605,17 @@ def exit_code(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
+def swept(job_id: Optional[str], worker_id: Optional[str], group: int) -> None:
+    """:func:`sweep`, said on the worker's stderr (the driver shows it with the worker's rank)."""
+    stopped = sweep(job_id, worker_id, group)
+    if stopped:
+        try:
+            sys.stderr.write("elasticrun: %s\n" % said_swept(stopped))
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def main(stdin: IO[str], stdout: IO[str]) -> int:
     """Read the launch request, start the worker, watch it; the watchdog's exit status."""
     cfg = json.loads(stdin.readline())
@@ -554,6 +623,7 @@ def main(stdin: IO[str], stdout: IO[str]) -> int:
     env = worker_env(os.environ, cfg["env"])
     keys = cfg.pop("keys", None)  # the job's keys: through a pipe, never the environment
     command, cwd, grace = cfg["command"], cfg["cwd"], float(cfg["grace"])
+    ids = env.get(JOB_ID), env.get(WORKER_ID)
     problem = enter_directory(cwd, env)
     if problem is not None:
         report(error="cwd", detail=problem)
@@ -579,6 +649,7 @@ def main(stdin: IO[str], stdout: IO[str]) -> int:
             stop = threading.Event()
             stop_on_signals(stop)
             code = watch_warm(pid, conn, rest, grace, stop, notice=notice, report=report)
+            swept(*ids, group=pid)
             if code is None:
                 sys.stderr.write("elasticrun: the warm-start template on this host went away while the worker "
                                  "ran; the worker was stopped\n")
@@ -602,6 +673,7 @@ def main(stdin: IO[str], stdout: IO[str]) -> int:
     stop = threading.Event()
     stop_on_signals(stop)
     status = watch(pid, grace, stop, notice=notice, report=report)
+    swept(*ids, group=pid)
     if status is None:
         return 255
     code = exit_code(status)
