@@ -35,7 +35,7 @@ class TimelineError(Exception):
 def load_events(path: str) -> list[dict[str, Any]]:
     """The events of a log, by time; lines that are not JSON objects (a job killed mid-write) are skipped."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:  # (not text: no events, said below)
             lines = f.readlines()
     except OSError as exc:
         raise TimelineError(f"cannot read the event log {path}: {exc.strerror or exc}") from None

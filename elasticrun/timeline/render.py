@@ -444,10 +444,13 @@ def write(events: list[dict[str, Any]], path: str, title: str = "elasticrun job 
     if ext not in FORMATS:
         raise TimelineError(f"{path}: unknown output format {ext or '(no extension)'!r}; use one of "
                             f"{', '.join(FORMATS)}")
-    if ext == ".png":
-        write_png(events, path, title)
-        return
-    text = (json.dumps(to_chrome_trace(events), separators=(",", ":")) if ext == ".json"
-            else to_svg(events, title) if ext == ".svg" else to_html(events, title))
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    try:
+        if ext == ".png":
+            write_png(events, path, title)
+            return
+        text = (json.dumps(to_chrome_trace(events), separators=(",", ":")) if ext == ".json"
+                else to_svg(events, title) if ext == ".svg" else to_html(events, title))
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:  # a missing directory, no permission, a full disk
+        raise TimelineError(f"cannot write {path}: {exc.strerror or exc}") from None

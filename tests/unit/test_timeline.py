@@ -238,6 +238,21 @@ def test_command_rejects_unknown_formats_and_empty_logs(tmp_path, capsys):
     assert "cannot read the event log" in capsys.readouterr().err
 
 
+def test_command_says_one_line_for_a_binary_log_and_an_unwritable_output(tmp_path, capsys):
+    """Both were tracebacks (UnicodeDecodeError, FileNotFoundError)."""
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(bytes(range(256)) * 4)
+    assert timeline.main([str(binary)]) == 2
+    assert capsys.readouterr().err == (f"elasticrun timeline: {binary} holds no events (write one with "
+                                       f"`elasticrun --events {binary} ...`)\n")
+    log = tmp_path / "events.jsonl"
+    log.write_text("\n".join([json.dumps(e) for e in hand_written()] + ["\xff\xfe not json"]) + "\n")
+    for ext in (".svg", ".png"):
+        out = tmp_path / "no" / "such" / f"t{ext}"
+        assert timeline.main([str(log), "-q", "-o", str(out)]) == 2
+        assert capsys.readouterr().err == f"elasticrun timeline: cannot write {out}: No such file or directory\n"
+
+
 # --- recorded logs --------------------------------------------------------------------------
 def test_recorded_demo_log():
     events = timeline.load_events(str(DEMO))
