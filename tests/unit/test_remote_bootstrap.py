@@ -450,10 +450,7 @@ def test_a_sweep_stops_what_the_worker_left_in_a_session_of_its_own_and_nothing_
         assert line.startswith("stopped 1 process(es)") and f"{mine} (sleep 300)" in line
     finally:
         for pid in (mine, other_worker, other_job):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+            _kill_group(pid)  # (each leads a session, and so a group, of its own)
 
 
 def test_the_watchdog_stops_what_its_worker_left_in_a_session_of_its_own_and_says_so(tmp_path):
