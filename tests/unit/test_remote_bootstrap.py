@@ -422,23 +422,23 @@ def test_without_a_notice_asked_for_the_worker_has_none():
 
 
 # --- what a worker leaves outside its process group -------------------------------------------------
-def _escaped(tmp_path: Path, env: dict[str, str], name: str) -> int:
-    """A sleep in a session of its own (no signal to the worker's group reaches it), with ``env``."""
-    pids = tmp_path / name
-    subprocess.run(["sh", "-c", f"setsid sleep 300 < /dev/null > /dev/null 2>&1 & echo $! > {pids}"],
-                   env=dict(os.environ, **env), check=True, timeout=10)
-    _wait_for(lambda: pids.exists() and pids.read_text().strip(), 5, "the sleep's pid")
-    return int(pids.read_text())
+def _escaped(env: dict[str, str]) -> int:
+    """A sleep in a session of its own (no signal to the worker's group reaches it), with ``env``.
+    (Popen returns after the child's exec, so its setsid() has happened: a shell's `setsid sleep &`
+    may not have called it yet when the shell exits.)"""
+    p = subprocess.Popen(["sleep", "300"], env=dict(os.environ, **env), start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return p.pid
 
 
 def test_the_ids_named_in_a_workers_environment_are_elasticruns():
     assert (rb.JOB_ID, rb.WORKER_ID) == (envvars.JOB_ID, envvars.WORKER_ID)
 
 
-def test_a_sweep_stops_what_the_worker_left_in_a_session_of_its_own_and_nothing_else(tmp_path):
-    mine = _escaped(tmp_path, {rb.JOB_ID: "job1", rb.WORKER_ID: "w3"}, "mine")
-    other_worker = _escaped(tmp_path, {rb.JOB_ID: "job1", rb.WORKER_ID: "w33"}, "other_worker")
-    other_job = _escaped(tmp_path, {rb.JOB_ID: "job2", rb.WORKER_ID: "w3"}, "other_job")
+def test_a_sweep_stops_what_the_worker_left_in_a_session_of_its_own_and_nothing_else():
+    mine = _escaped({rb.JOB_ID: "job1", rb.WORKER_ID: "w3"})
+    other_worker = _escaped({rb.JOB_ID: "job1", rb.WORKER_ID: "w33"})
+    other_job = _escaped({rb.JOB_ID: "job2", rb.WORKER_ID: "w3"})
     try:
         assert rb.left_behind("job1", "w3") == [mine]
         stopped = rb.sweep("job1", "w3")
@@ -456,7 +456,13 @@ def test_a_sweep_stops_what_the_worker_left_in_a_session_of_its_own_and_nothing_
 def test_the_watchdog_stops_what_its_worker_left_in_a_session_of_its_own_and_says_so(tmp_path):
     pids = tmp_path / "pids"
     env = {"PATH": os.environ["PATH"], rb.JOB_ID: "jobx", rb.WORKER_ID: "w1"}
-    proc = _start(["sh", "-c", f"setsid sleep 300 < /dev/null > /dev/null 2>&1 & echo $! > {pids}; exit 4"], env)
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    # The sleep has called setsid() before the worker exits (Popen returns after its exec): with
+    # a shell's `setsid sleep &` it may not have, and then the group's SIGKILL takes it.
+    worker = ("import subprocess, sys; p = subprocess.Popen(['sleep', '300'], start_new_session=True, "
+              "stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+              f"open({str(pids)!r}, 'w').write(str(p.pid)); sys.exit(4)")
+    proc = _start([sys.executable, "-c", worker], env)
     out, err = _finish(proc)
     escaped = int(pids.read_text())
     assert _reports(out)[0][-1] == {"exit": 4}
