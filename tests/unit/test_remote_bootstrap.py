@@ -465,7 +465,10 @@ def test_the_watchdog_stops_what_its_worker_left_in_a_session_of_its_own_and_say
     proc = _start([sys.executable, "-c", worker], env)
     out, err = _finish(proc)
     escaped = int(pids.read_text())
-    assert _reports(out)[0][-1] == {"exit": 4}
-    _wait_for(lambda: not _alive(escaped), 5, "the escaped sleep to die")
+    try:
+        assert _reports(out)[0][-1] == {"exit": 4}
+        _wait_for(lambda: not _alive(escaped), 5, "the escaped sleep to die")
+    finally:
+        _kill_group(escaped)  # (left running if the watchdog did not sweep it)
     assert f"stopped 1 process(es) the worker left running outside its process group (started in a new " \
            f"session): {escaped} (sleep 300)" in err.decode(), err
