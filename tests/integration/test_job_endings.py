@@ -4,10 +4,13 @@ runs it, and a console that says each thing once, without contradiction.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import time
 
 import pytest
-from conftest import SCRIPTS
+from conftest import SCRIPTS, assert_nothing_left
 from sshd import ssh_server, sshd_clean  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.timeout(180)
@@ -118,3 +121,34 @@ def test_what_a_worker_starts_in_a_session_of_its_own_ends_with_it(job, where, r
     pid = int(r.stdout.split("escaped ", 1)[1].split()[0])
     said = [line for line in r.stderr.splitlines() if "left running outside its process group" in line]
     assert len(said) == 1 and f"stopped 1 process(es)" in said[0] and f"{pid} (sleep 300)" in said[0], r.stderr
+
+
+@pytest.mark.parametrize("where", ["local", "local, no warm start"])
+def test_elasticrun_killed_with_sigkill_leaves_no_worker_and_nothing_a_worker_started(job, where):
+    """Nothing stops the job when the driver is SIGKILLed (the OOM killer, `kill -9`) but the
+    reaper it starts before its first worker here: a worker's children, in its process group or
+    in a session of their own, used to outlive the job (a fresh worker's too, after its own
+    heartbeats' 5 s)."""
+    flags = ["--no-warm-start"] if "no warm" in where else []
+    script = job.tmp / "helpers.py"
+    script.write_text("import os, subprocess, sys, time\n"
+                      "import elasticrun.torch as hvd\n"
+                      "hvd.init()\n"
+                      "a = subprocess.Popen(['sleep', '303'])\n"
+                      "b = subprocess.Popen(['sleep', '304'], start_new_session=True)\n"
+                      "open(os.path.join(sys.argv[1], str(hvd.rank())), 'w').write(f'{a.pid} {b.pid}')\n"
+                      "time.sleep(300)\n")
+    job.start(["-np", "2", "-H", "localhost:1,127.0.0.1:1", *flags], [sys.executable, str(script), str(job.markers)])
+    deadline = time.monotonic() + 60
+    while len(list(job.markers.iterdir())) < 2:
+        assert time.monotonic() < deadline and job.proc.poll() is None, "the workers did not start their helpers"
+        time.sleep(0.05)
+    helpers = [int(pid) for f in job.markers.iterdir() for pid in f.read_text().split()]
+    os.kill(job.proc.pid, signal.SIGKILL)
+    job.proc.wait(10)
+    assert_nothing_left(job.tag, within=10)
+    _, err = job.proc.communicate(timeout=10)  # (the reaper held the driver's stderr to its end)
+    said = [line for line in err.splitlines() if "ended without stopping job" in line]
+    assert len(said) == 1 and said[0].startswith(f"elasticrun: the driver (pid {job.proc.pid}) "), err
+    count = int(said[0].split("stopped the ", 1)[1].split()[0])
+    assert len(helpers) == 4 and count >= 2, said  # the escaped helpers, at least (the template may be first)

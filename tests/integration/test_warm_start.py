@@ -131,7 +131,8 @@ def test_the_driver_killed_9_leaves_no_template_and_no_worker(job):
     assert all(x["warm"] for x in _results(out, 2))
     running = [p for p in tagged_pids(job.tag) if p != job.proc.pid]
     templates = [p for p in running if "elasticrun.worker.template" in _cmdline(p)]
-    assert len(templates) == 1 and len(running) == 3, [_cmdline(p)[:80] for p in running]
+    reapers = [p for p in running if "remote_bootstrap.py" in _cmdline(p)]  # the job's reaper
+    assert len(templates) == 1 and len(reapers) == 1 and len(running) == 4, [_cmdline(p)[:80] for p in running]
     os.kill(job.proc.pid, signal.SIGKILL)
     job.proc.wait(10)
     assert_nothing_left(job.tag, within=15)  # SIGTERM from the template, SIGKILL after the grace

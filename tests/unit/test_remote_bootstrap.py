@@ -472,3 +472,77 @@ def test_the_watchdog_stops_what_its_worker_left_in_a_session_of_its_own_and_say
         _kill_group(escaped)  # (left running if the watchdog did not sweep it)
     assert f"stopped 1 process(es) the worker left running outside its process group (started in a new " \
            f"session): {escaped} (sleep 300)" in err.decode(), err
+
+
+# --- the job's reaper on the driver's machine -----------------------------------------------------
+def _reaper(job_id: str, grace: float) -> subprocess.Popen:
+    """The reaper as the local launcher starts it (its stdin the driver's pipe)."""
+    proc = subprocess.Popen([sys.executable, "-I", "-S", rb.__file__], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps({"reap": {"job": job_id, "grace": grace}}).encode() + b"\n")
+    proc.stdin.flush()
+    return proc
+
+
+def test_a_reaper_told_the_job_is_done_leaves_everything_alone():
+    mine = _escaped({rb.JOB_ID: "jobr1", rb.WORKER_ID: "w1"})
+    try:
+        reaper = _reaper("jobr1", 1.0)
+        _, err = reaper.communicate(rb.REAPER_DONE.encode(), timeout=10)
+        assert reaper.returncode == 0 and err == b"", err
+        assert _alive(mine)
+    finally:
+        _kill_group(mine)
+
+
+def test_a_reaper_whose_driver_died_stops_the_jobs_processes_here_and_only_them():
+    """EOF without 'done': the driver died (SIGKILL). A worker (a group leader with a child that
+    does not carry the job's ids), what it left in a session of its own, and one that ignores
+    SIGTERM (killed after the grace) all stop; another job's process does not."""
+    worker = subprocess.Popen(["sh", "-c", "env -i sleep 301 & exec sleep 302"], start_new_session=True,
+                              env=dict(os.environ, **{rb.JOB_ID: "jobr2", rb.WORKER_ID: "w1"}))
+    escaped = _escaped({rb.JOB_ID: "jobr2", rb.WORKER_ID: "w2"})
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                 "signal.SIG_IGN); print(flush=True); time.sleep(300)"], stdout=subprocess.PIPE,
+                                env=dict(os.environ, **{rb.JOB_ID: "jobr2", rb.WORKER_ID: "w3"}))
+    other_job = _escaped({rb.JOB_ID: "jobr3", rb.WORKER_ID: "w1"})
+    assert stubborn.stdout is not None and stubborn.stdout.readline() == b"\n"  # SIGTERM ignored from now on
+    try:
+        def started() -> list[str]:
+            return [p for p in os.listdir("/proc") if p.isdigit() and rb.command_of(int(p)) == "sleep 301"]
+
+        _wait_for(lambda: rb.command_of(worker.pid) == "sleep 302" and started(), 5, "the worker and its child")
+        child = started()
+        _wait_for(lambda: rb.left_behind("jobr2", "w1") == [worker.pid], 5, "the child's exec (env -i)")
+        assert len(child) == 1 and os.getpgid(int(child[0])) == worker.pid  # its group's, not the job's
+        reaper = _reaper("jobr2", 0.5)
+        started = time.monotonic()
+        _, err = reaper.communicate(b"", timeout=20)  # EOF: the driver is gone
+        took = time.monotonic() - started
+        assert reaper.returncode == 0
+        for pid in (worker.pid, int(child[0]), escaped, stubborn.pid):
+            _wait_for(lambda: not _alive(pid), 5, f"{pid} to die")
+        assert worker.wait(5) == -signal.SIGTERM and stubborn.wait(5) == -signal.SIGKILL
+        assert _alive(other_job)
+        assert 0.5 <= took < 10, took  # the grace, for the stubborn one
+        line = err.decode()
+        assert line.startswith(f"elasticrun: the driver (pid {os.getpid()}) ended without stopping job jobr2; "
+                               "stopped the 3 process(es) it left on this machine: "), line
+        assert f"{escaped} (sleep 300)" in line and f"{worker.pid} (sleep 302)" in line, line
+        assert line.count("\n") == 1
+    finally:
+        for pid in (worker.pid, escaped, stubborn.pid, other_job):
+            _kill_group(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for p in (worker, stubborn):
+            p.wait(5)
+
+
+def test_a_reaper_with_nothing_to_stop_says_nothing():
+    reaper = _reaper("jobr4-nothing", 1.0)
+    _, err = reaper.communicate(b"", timeout=10)
+    assert reaper.returncode == 0 and err == b""

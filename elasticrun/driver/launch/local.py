@@ -10,11 +10,13 @@ machine's template, ``driver/launch/warm.py``) when they can, as new processes o
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from typing import Callable
 
 from elasticrun.common import env as envvars, secretpipe, warmstart
 from elasticrun.driver.output import Output, pump
+from elasticrun.driver.launch import remote_bootstrap
 from elasticrun.driver.launch.remote_bootstrap import DeathNotice, said_swept, sweep
 from elasticrun.driver.launch.warm import LocalTemplate, Unavailable, WarmWorker, start_worker
 
@@ -92,6 +95,7 @@ class LocalLauncher:
         self._stopping = False
         self._warned = False
         self._stop_event = threading.Event()  # set by stop_all: launches waiting for the template give up
+        self._reaper: subprocess.Popen | None = None  # ends the job here if the driver dies without stopping it
 
     def launch(self, worker_id: str, command: list[str], env: dict[str, str], keys: bytes | None = None) -> None:
         """Start ``command``; raise OSError (e.g. command not found) if it cannot start.
@@ -100,6 +104,7 @@ class LocalLauncher:
         number in ``ELASTICRUN_SECRET_FD``), never through the environment.
         """
         proc = _Proc(worker_id, job_id=env.get(envvars.JOB_ID))
+        self._start_reaper(proc.job_id)
         if self._template is not None and not self._template.usable and warmstart.python_command(command)[0]:
             self._warn_gone(None)
         if self._template is not None and self._template.usable and warmstart.python_command(command)[0]:
@@ -114,6 +119,44 @@ class LocalLauncher:
         with self._lock:
             self._procs[worker_id] = proc
         threading.Thread(target=self._watch, args=(proc,), name=f"elasticrun-wait-{worker_id}", daemon=True).start()
+
+    def _start_reaper(self, job_id: str | None) -> None:
+        """Before the first worker here, start the job's reaper (``remote_bootstrap.reap``): a
+        small process in a session of its own whose stdin is a pipe from the driver. If the driver
+        dies without stopping the job (SIGKILL, the OOM killer), it stops every process of the job
+        on this machine and says so; nothing else would stop a fresh worker for seconds (its
+        heartbeats go unanswered), nor ever the children a worker started, in its group or out."""
+        if job_id is None or self._reaper is not None or self._stopping:
+            return
+        request = json.dumps({"reap": {"job": job_id, "grace": self._grace}})
+        try:
+            reaper = subprocess.Popen([sys.executable, "-I", "-S", remote_bootstrap.__file__], stdin=subprocess.PIPE,
+                                      stdout=subprocess.DEVNULL, start_new_session=True, text=True)
+            assert reaper.stdin is not None
+            reaper.stdin.write(request + "\n")
+            reaper.stdin.flush()
+        except OSError as exc:
+            log.warning("cannot start this job's reaper (%s): if elasticrun is killed with SIGKILL, its workers here "
+                        "stop by themselves when the driver is silent for long enough, but what they started does not", exc.strerror or exc)
+            return
+        self._reaper = reaper
+
+    def _dismiss_reaper(self) -> None:
+        """The job is stopped: the reaper exits without looking (bounded wait, then it is reaped)."""
+        reaper, self._reaper = self._reaper, None
+        if reaper is None:
+            return
+        try:
+            assert reaper.stdin is not None
+            reaper.stdin.write(remote_bootstrap.REAPER_DONE)
+            reaper.stdin.close()
+        except OSError:
+            pass
+        try:
+            reaper.wait(2.0)
+        except subprocess.TimeoutExpired:
+            reaper.kill()
+            reaper.wait()
 
     def _start_fresh(self, proc: _Proc, command: list[str], env: dict[str, str], keys: bytes | None) -> None:
         fd = secretpipe.hand_over(keys) if keys is not None else None
@@ -324,6 +367,7 @@ class LocalLauncher:
             proc.finished.wait(max(0.0, deadline - time.monotonic()))
         for proc in procs:  # (their sweeps: a /proc scan each)
             proc.cleaned.wait(max(0.0, deadline - time.monotonic()))
+        self._dismiss_reaper()
 
     def drain(self, timeout: float) -> None:
         """Wait (bounded) for the output of exited workers to be copied out."""

@@ -32,6 +32,12 @@ process that can wait for it. A template that answers ``fallback``, or cannot be
 means a fresh worker as in step 2 (reported as ``{"fallback": why}``); a template that goes
 away while its worker runs means that worker is killed and counts as failed.
 
+The job's reaper (the driver's machine). The local launcher also runs this file itself, with
+the request ``{"reap": {"job", "grace"}}`` and its stdin a pipe from the driver, before its
+first worker: when the pipe ends without the driver's ``done`` (the driver was SIGKILLed), it
+stops every process of the job on that machine (:func:`reap`). Remote hosts need none: each
+worker's watchdog there already outlives the driver.
+
 Report lines are ``mark`` followed by JSON: ``{"pid", "pgid", "watchdog"}`` once the worker's
 group exists (with ``"warm": true`` when a template forked it), ``{"error", "detail"}`` when
 the worker could not be started (``error`` is ``cwd``, ``not_found`` or ``exec``),
@@ -386,11 +392,13 @@ def killpg(pgid: int, sig: int) -> None:
         pass
 
 
-def left_behind(job_id: str, worker_id: str) -> List[int]:
+def left_behind(job_id: str, worker_id: Optional[str]) -> List[int]:
     """The processes (this user's: others' environments cannot be read) whose environment
-    names worker ``worker_id`` of job ``job_id``: the worker's descendants, wherever they are,
-    also those that left its process group (``setsid``, a daemon)."""
-    want = [("%s=%s" % (JOB_ID, job_id)).encode(), ("%s=%s" % (WORKER_ID, worker_id)).encode()]
+    names worker ``worker_id`` of job ``job_id`` (any worker of it: None): the worker's
+    descendants, wherever they are, also those that left its process group (``setsid``, a daemon)."""
+    want = [("%s=%s" % (JOB_ID, job_id)).encode()]
+    if worker_id is not None:
+        want.append(("%s=%s" % (WORKER_ID, worker_id)).encode())
     me = os.getpid()
     found = []  # type: List[int]
     try:
@@ -423,14 +431,90 @@ def sweep(job_id: Optional[str], worker_id: Optional[str], group: Optional[int] 
         try:
             if group is not None and os.getpgid(pid) == group:
                 continue  # dying of the group's SIGKILL
-            with open("/proc/%d/cmdline" % pid, "rb") as f:
-                command = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+            command = command_of(pid)
             os.kill(pid, signal.SIGKILL)
         except OSError:  # gone meanwhile
             continue
         if command:
-            stopped.append((pid, command[:80]))
+            stopped.append((pid, command))
     return stopped
+
+
+def command_of(pid: int) -> str:
+    """Process ``pid``'s command line, shortened ('' once it is gone or exiting)."""
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            return f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()[:80]
+    except OSError:
+        return ""
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    """Signal ``pid``'s whole process group when it leads one (a worker, or what it started in
+    a session of its own), else ``pid`` alone."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except OSError:  # gone meanwhile
+        pass
+
+
+#: How long :func:`end_job` goes on SIGKILLing what the job's processes fork meanwhile.
+END_JOB_KILL_SECONDS = 5.0
+
+
+def end_job(job_id: str, grace: float) -> List[Tuple[int, str]]:
+    """Stop every process of job ``job_id`` on this machine as the driver would have: SIGTERM
+    (to each one's group where it leads one), SIGKILL to what is left after ``grace``, and again
+    to what they fork meanwhile. Returns what was running, as (pid, command)."""
+    found = [(pid, command_of(pid)) for pid in left_behind(job_id, None)]
+    found = [(pid, command) for pid, command in found if command]
+    if not found:
+        return []
+    for pid, _ in found:
+        signal_tree(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while left_behind(job_id, None) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    deadline = time.monotonic() + END_JOB_KILL_SECONDS
+    while True:
+        for pid in [pid for pid, _ in found] + left_behind(job_id, None):
+            signal_tree(pid, signal.SIGKILL)  # (a group that is gone: nothing happens)
+        if not left_behind(job_id, None) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+#: What the driver writes before it closes a reaper's stdin when it stopped the job itself.
+REAPER_DONE = "done"
+
+
+def reap(job_id: str, grace: float, stdin: IO[str]) -> int:
+    """The job's last guard on the driver's machine (``{"reap": ...}``, started by the local
+    launcher in a session of its own, before the first worker here): it reads its stdin, a pipe
+    from the driver, to the end. The driver says :data:`REAPER_DONE` once it has stopped the job
+    itself; EOF without it means the driver died without doing so (SIGKILL, the OOM killer), and
+    then nothing else would stop a fresh worker for seconds, nor ever the children it started in
+    its process group or outside it. So this stops them all (:func:`end_job`) and says so."""
+    driver = os.getppid()
+    try:
+        said = stdin.read()
+    except (OSError, ValueError):
+        said = ""
+    if said.strip() == REAPER_DONE:
+        return 0
+    stopped = end_job(job_id, grace)
+    if stopped:
+        shown = ", ".join("%d (%s)" % s for s in stopped[:5]) + (", ..." if len(stopped) > 5 else "")
+        try:
+            sys.stderr.write("elasticrun: the driver (pid %d) ended without stopping job %s; stopped the %d "
+                             "process(es) it left on this machine: %s\n" % (driver, job_id, len(stopped), shown))
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+    return 0
 
 
 def said_swept(stopped: List[Tuple[int, str]]) -> str:
@@ -619,6 +703,8 @@ def swept(job_id: Optional[str], worker_id: Optional[str], group: int) -> None:
 def main(stdin: IO[str], stdout: IO[str]) -> int:
     """Read the launch request, start the worker, watch it; the watchdog's exit status."""
     cfg = json.loads(stdin.readline())
+    if "reap" in cfg:
+        return reap(str(cfg["reap"]["job"]), float(cfg["reap"]["grace"]), stdin)
     report = reporter(cfg["mark"], stdout)
     env = worker_env(os.environ, cfg["env"])
     keys = cfg.pop("keys", None)  # the job's keys: through a pipe, never the environment
