@@ -251,9 +251,11 @@ class ElasticDriver:
         self.reply_to = self._send_reply
         self._durable = self._start_durable(ctx)
         # Signal handlers can only be set in the main thread (elasticrun.run() may be called elsewhere).
-        # An ignored SIGINT stays ignored: a process started in the background by a script, or
-        # a caller that chose to ignore it, is not stopped by one (as Python itself does).
-        previous = ({s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)
+        # SIGHUP (the terminal or SSH session it was started from went away) stops the job as
+        # SIGTERM does, in order and with a last durable copy, instead of killing the driver.
+        # An ignored SIGINT or SIGHUP stays ignored: a process started in the background by a
+        # script, under nohup, or by a caller that chose to ignore it, is not stopped by one.
+        previous = ({s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
                      if signal.getsignal(s) is not signal.SIG_IGN or s == signal.SIGTERM}
                     if threading.current_thread() is threading.main_thread() else {})
         if self.settings.status_interval > 0:

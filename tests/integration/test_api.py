@@ -229,6 +229,24 @@ def test_first_discovery_failure_raises(tag):
     assert info.value.exit_code == 2 and "misconfigured" in str(info.value)
 
 
+def test_an_ignored_sighup_stays_ignored(tag):
+    """Under nohup (SIGHUP ignored) a hang-up does not stop the job; otherwise it stops it as
+    SIGTERM does (tests/integration/test_durable.py)."""
+    import signal
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    sent = threading.Event()
+    timer = threading.Timer(1.0, lambda: (os.kill(os.getpid(), signal.SIGHUP), sent.set()))
+    timer.start()
+    try:
+        assert elasticrun.run(sleepy_rank, args=(3,), np=2, hosts="localhost:2") == [0, 1]
+        assert sent.is_set()  # it came while the job ran, and the job went on
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGHUP, before)
+
+
 @pytest.mark.parametrize("kwargs, argv", [
     (dict(np=0, hosts="localhost:1"), ["-np", "0", "-H", "localhost:1"]),
     (dict(np=2, min_np=3, hosts="localhost:2"), ["-np", "2", "--min-np", "3", "-H", "localhost:2"]),

@@ -267,18 +267,20 @@ def test_a_copy_of_another_model_is_refused_naming_the_first_key(job):
     assert r.returncode == 0, r.output  # --fresh starts over
 
 
-def test_sigterm_to_the_driver_writes_a_last_copy_first(job):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_to_the_driver_writes_a_last_copy_first(job, sig):
     """No periodic copy after the first (a long interval): the last copy, made at the signal,
-    is what a rerun resumes from, a few steps back at most."""
+    is what a rerun resumes from, a few steps back at most. SIGHUP (the terminal or SSH session
+    that started it went away) is a stop like SIGTERM; it used to kill the driver at once."""
     ckpt = job.tmp / "ckpt"
     job.start(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--checkpoint-dir", str(ckpt),
                "--checkpoint-interval", "600"], sample_cmd(job, "--commit-every", "2", "--sleep", "0.03"))
     wait_for(lambda: len(list(ckpt.glob("ckpt-*"))) >= 1 and progress(job) >= 1010, 90, "training in epoch 1")
     first = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "manifest.json").read_text())["commit"]
-    os.kill(job.proc.pid, signal.SIGTERM)
+    os.kill(job.proc.pid, sig)
     out, err = job.proc.communicate(timeout=90)
-    assert job.proc.returncode == 128 + signal.SIGTERM, err
-    assert "writing a last durable copy before stopping" in err, err
+    assert job.proc.returncode == 128 + sig, err
+    assert f"received {signal.Signals(sig).name}: writing a last durable copy before stopping" in err, err
     last = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "manifest.json").read_text())
     assert last["commit"] > first
     assert_nothing_left(job.tag)
