@@ -106,6 +106,7 @@ class Cause(str, enum.Enum):
     NEVER_ENOUGH = "never_enough"            # flag, need, hosts, blacklisted
     NCCL_CANNOT_RUN = "nccl_cannot_run"      # round, why (a device cause)
     CANNOT_RESUME = "cannot_resume"          # error
+    SIGNALLED = "signalled"                  # signal: SIGINT, SIGTERM or SIGHUP to the driver
     # A straggler is kept (not evicted).
     KEEP_MIN_NP = "keep_min_np"              # count, left, min_np
     KEEP_SLOWER = "keep_slower"              # count, left, after, workers, step (seconds)

@@ -273,6 +273,9 @@ class ElasticDriver:
             self._final_copy(exc.signum)
             log.warning("received %s: stopping %d worker(s)", exc, len(self.registry.live()))
             self._shutdown()
+            why = Reason(Cause.SIGNALLED, {"signal": str(exc)})
+            self._journal.write(Kind.JOB_END, round=self.registry.round, ok=False, reason=words.reason(why),
+                                cause=why.cause)
             self._say_copy_kept()
             self._summarize()
             return 128 + exc.signum

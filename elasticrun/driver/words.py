@@ -175,6 +175,7 @@ _REASONS: dict[Cause, Callable[[Mapping[str, Any]], str]] = {
     Cause.MEMBER_FAILED: lambda f: f"{f['label']} {reason(f['why'])}",
     Cause.FINISHED: lambda f: f"training finished after {f['rounds']} round(s), {f['resets']} reset(s)",
     Cause.ENDED_EARLY: _ended_early,
+    Cause.SIGNALLED: lambda f: f"stopped by {f['signal']}",
     Cause.ALL_EXITED_0: lambda f: f"all {f['n']} process(es) exited 0",
     Cause.PROCESSES_FAILED: lambda f: _failures(f["failed"], ranked=True),
     Cause.FAILED_AFTER_SUCCESS: lambda f: f"{_failures(f['failed'], ranked=True)}, after rank {f['first']} finished",

@@ -274,13 +274,17 @@ def test_sigterm_to_the_driver_writes_a_last_copy_first(job, sig):
     that started it went away) is a stop like SIGTERM; it used to kill the driver at once."""
     ckpt = job.tmp / "ckpt"
     job.start(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--checkpoint-dir", str(ckpt),
-               "--checkpoint-interval", "600"], sample_cmd(job, "--commit-every", "2", "--sleep", "0.03"))
+               "--checkpoint-interval", "600", "--events", str(job.tmp / "events1.jsonl")],
+              sample_cmd(job, "--commit-every", "2", "--sleep", "0.03"))
     wait_for(lambda: len(list(ckpt.glob("ckpt-*"))) >= 1 and progress(job) >= 1010, 90, "training in epoch 1")
     first = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "manifest.json").read_text())["commit"]
     os.kill(job.proc.pid, sig)
     out, err = job.proc.communicate(timeout=90)
     assert job.proc.returncode == 128 + sig, err
-    assert f"received {signal.Signals(sig).name}: writing a last durable copy before stopping" in err, err
+    name = signal.Signals(sig).name
+    assert f"received {name}: writing a last durable copy before stopping" in err, err
+    [end] = [e for e in events(job.tmp / "events1.jsonl") if e["kind"] == "job_end"]  # the log says how it ended
+    assert (end["ok"], end["cause"], end["reason"]) == (False, "signalled", f"stopped by {name}"), end
     last = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "manifest.json").read_text())
     assert last["commit"] > first
     assert_nothing_left(job.tag)
