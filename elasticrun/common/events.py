@@ -187,8 +187,10 @@ class EventLog:
     fails is a warning (``limited``), never an exception: the log describes the job, it must
     not end it (elasticrun/common/diagnostics.py)."""
 
-    def __init__(self, path: str | None, limited: LimitedLog | None = None):
-        self._file = DiagnosticFile(path, "the event log", limited) if path else None
+    def __init__(self, path: str | None, limited: LimitedLog | None = None, beneath: str | None = None):
+        """``beneath``: the directory ``path`` lies in when elasticrun chose its name there
+        (``--output-filename``'s events.jsonl; see DiagnosticFile)."""
+        self._file = DiagnosticFile(path, "the event log", limited, beneath=beneath) if path else None
 
     def write(self, kind: Kind | str, source: str = "driver", t: float | None = None, **fields: Any) -> None:
         if self._file is None:

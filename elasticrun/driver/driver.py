@@ -175,7 +175,8 @@ class ElasticDriver:
             os.path.join(settings.output_filename, "events.jsonl") if settings.output_filename else None)
         if events_path and os.path.dirname(events_path):
             os.makedirs(os.path.dirname(events_path), exist_ok=True)
-        self._journal = EventLog(events_path, self._limited)
+        self._journal = EventLog(events_path, self._limited,
+                                 beneath=None if settings.events_file else settings.output_filename)
         self._resets = ResetTracker()
         self._last_hosts: tuple[dict[str, int], list[str]] | None = None
         self._started = time.monotonic()

@@ -58,13 +58,10 @@ class OutputSink:
 
     def _file(self, rank: int, stream: str) -> DiagnosticFile:
         f = self._files.get((rank, stream))
-        if f is None:
-            path = os.path.join(self._dir or ".", f"rank.{rank}")
-            try:
-                os.makedirs(path, exist_ok=True)
-            except OSError:
-                pass  # the file's open fails too, and says why
-            f = DiagnosticFile(os.path.join(path, stream), f"rank {rank}'s {stream} file", self._limited)
+        if f is None:  # (rank.N and its file: never through a link planted in a shared directory)
+            directory = self._dir or "."
+            f = DiagnosticFile(os.path.join(directory, f"rank.{rank}", stream), f"rank {rank}'s {stream} file",
+                               self._limited, beneath=directory)
             self._files[(rank, stream)] = f
         return f
 

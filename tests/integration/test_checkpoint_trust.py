@@ -245,6 +245,33 @@ def test_an_event_log_that_cannot_be_written_costs_a_warning_not_the_job(job):
     assert r.stderr.count("cannot write the event log") == 1, r.stderr
 
 
+def test_links_and_a_fifo_planted_in_a_shared_log_directory_are_neither_followed_nor_waited_on(job):
+    """A team's group-writable log directory: what a teammate plants there must not point the
+    job's appends at the user's own files, nor block the job's output (a FIFO with no reader)."""
+    logs = job.tmp / "shared-logs"
+    logs.mkdir()
+    os.chmod(logs, 0o777)
+    victim = job.tmp / "victim"
+    victim.write_text("precious\n")
+    (logs / "rank.0").mkdir()
+    (logs / "rank.0" / "stdout").symlink_to(victim)
+    os.mkfifo(logs / "rank.0" / "stderr")
+    (logs / "rank.1").symlink_to(job.tmp)  # would make job.tmp/stdout
+    (logs / "events.jsonl").symlink_to(victim)
+    hello = [sys.executable, "-c", "import sys, elasticrun.torch as hvd; hvd.init(); print('hello', hvd.rank()); "
+             "print('to stderr', file=sys.stderr)"]
+    r = job.run([*TWO_HOSTS, "--output-filename", str(logs)], hello, timeout=90)
+    assert r.returncode == 0, r.output
+    assert victim.read_text() == "precious\n" and not (job.tmp / "stdout").exists()
+    # The first failure is said with its reason, the others counted, a few by name
+    # (tests/unit/test_diagnostics.py checks each reason).
+    assert f"cannot write the event log {logs}/events.jsonl: events.jsonl is a symbolic link (not followed)" \
+        in r.stderr, r.stderr
+    assert "more failed diagnostic writes" in r.stderr and "rank " in r.stderr.split("more failed diagnostic")[-1]
+    assert sorted(p.name for p in logs.iterdir()) == ["events.jsonl", "rank.0", "rank.1"]  # nothing else made
+    assert "[0]<stdout>:hello 0" in r.stdout and "[1]<stdout>:hello 1" in r.stdout  # the console lost nothing
+
+
 @root_only
 def test_output_files_on_a_disk_that_fills_cost_a_warning_not_the_job(job):
     mnt = job.tmp / "small"
