@@ -9,7 +9,14 @@ the job would (it would create them anyway) and leave no file behind.
 from __future__ import annotations
 
 import os
+import selectors
+import stat
 import tempfile
+import time
+
+#: How long reading a file the user named (--hostfile, --config-file) may take when it is a
+#: pipe or a FIFO: `<(make_hosts)` is fine; a FIFO that no one finishes writing is not a hang.
+READ_TIMEOUT_S = 10.0
 
 
 def _reason(exc: OSError) -> str:
@@ -67,3 +74,41 @@ def check_writable_dir(path: str, flag: str) -> None:
             pass
     except OSError as exc:
         raise ValueError(f"{flag} {path}: cannot write in it: {_reason(exc)}") from None
+
+
+def read_bounded(path: str, limit: int, timeout: float = READ_TIMEOUT_S) -> bytes:
+    """At most ``limit + 1`` bytes of the file the user named (the caller refuses more),
+    within ``timeout`` whatever it is: a regular file is read at once; a pipe or FIFO
+    (``--hostfile <(make_hosts)``) until its end, which must come within ``timeout`` (the
+    open never waits for a writer). OSError otherwise (``TimeoutError`` for the deadline),
+    with a ``strerror`` to show."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        data = bytearray()
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.set_blocking(fd, True)
+            while len(data) <= limit:
+                chunk = os.read(fd, limit + 1 - len(data))
+                if not chunk:
+                    break
+                data += chunk
+            return bytes(data)
+        deadline = time.monotonic() + timeout
+        with selectors.PollSelector() as sel:  # (poll takes any descriptor; epoll refuses some)
+            sel.register(fd, selectors.EVENT_READ)
+            while len(data) <= limit:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"it did not end within {timeout:g} s (a pipe or FIFO that is never closed?)")
+                if not sel.select(remaining):
+                    continue
+                try:
+                    chunk = os.read(fd, limit + 1 - len(data))
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    break
+                data += chunk
+        return bytes(data)
+    finally:
+        os.close(fd)

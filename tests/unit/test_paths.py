@@ -1,13 +1,16 @@
-"""check_writable_file / check_writable_dir: one line naming the flag and the reason."""
+"""check_writable_file / check_writable_dir: one line naming the flag and the reason; read_bounded:
+a file the user names (--hostfile, --config-file) is read within a bound of size and of time."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from elasticrun.common.paths import check_writable_dir, check_writable_file
+from elasticrun.common.paths import check_writable_dir, check_writable_file, read_bounded
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -74,3 +77,54 @@ def test_a_directory_nobody_may_write_in():
     if not os.path.isdir("/sys/kernel"):
         pytest.skip("no /sys")
     assert refused(check_writable_dir, "/sys/kernel").startswith("cannot write in it: ")
+
+
+# --- read_bounded ---------------------------------------------------------------------------------
+def test_a_regular_file_is_read_up_to_one_byte_past_the_limit(tmp_path: Path):
+    (tmp_path / "small").write_bytes(b"localhost:2\n")
+    (tmp_path / "big").write_bytes(b"x" * 5000)
+    assert read_bounded(str(tmp_path / "small"), 100) == b"localhost:2\n"
+    assert read_bounded(str(tmp_path / "big"), 100) == b"x" * 101  # the caller refuses it
+
+
+def test_a_fifo_written_by_another_process_is_read_to_its_end(tmp_path: Path):
+    fifo = tmp_path / "hosts"
+    os.mkfifo(fifo)
+
+    def write() -> None:
+        time.sleep(0.2)  # the reader is waiting by now: its open did not block
+        with open(fifo, "wb") as f:
+            f.write(b"localhost:1\n")
+            f.flush()
+            time.sleep(0.1)
+            f.write(b"127.0.0.1:1\n")
+
+    t = threading.Thread(target=write)
+    t.start()
+    try:
+        assert read_bounded(str(fifo), 1000, timeout=10) == b"localhost:1\n127.0.0.1:1\n"
+    finally:
+        t.join()
+
+
+@pytest.mark.parametrize("writer", [False, True])
+def test_a_fifo_that_never_ends_is_an_error_at_the_deadline_not_a_hang(tmp_path: Path, writer: bool):
+    fifo = tmp_path / "hosts"
+    os.mkfifo(fifo)
+    held = os.open(fifo, os.O_RDWR) if writer else None  # open for writing, never closed
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError) as err:
+            read_bounded(str(fifo), 1000, timeout=0.3)
+        assert 0.3 <= time.monotonic() - started < 5
+        assert err.value.strerror is None and "did not end within 0.3 s" in str(err.value)
+    finally:
+        if held is not None:
+            os.close(held)
+
+
+def test_a_directory_and_endless_devices_are_refused_or_cut(tmp_path: Path):
+    with pytest.raises(IsADirectoryError):
+        read_bounded(str(tmp_path), 1000)
+    assert read_bounded("/dev/zero", 1000) == b"\0" * 1001
+    assert read_bounded("/dev/null", 1000) == b""

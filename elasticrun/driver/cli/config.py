@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Any, Callable, Mapping, NoReturn
 
+from elasticrun.common.paths import read_bounded
 from elasticrun.driver.cli import horovod_config
 from elasticrun.driver.cli.parser import (
     module_list,
@@ -179,8 +180,7 @@ def read_config_file(parser: argparse.ArgumentParser, path: str) -> dict[str, An
         import tomli as tomllib
 
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
+        raw = read_bounded(path, MAX_CONFIG_BYTES)
     except OSError as exc:
         _fail(parser, f"--config-file {path}: {exc.strerror or exc}")
     if len(raw) > MAX_CONFIG_BYTES:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, NoReturn
 
+from elasticrun.common.paths import read_bounded
 from elasticrun.common.settings import (
     DEFAULT_CHECKPOINT_INTERVAL,
     DEFAULT_COLLECTIVE_TIMEOUT,
@@ -378,11 +379,11 @@ def read_hostfile(path: str) -> str:
     """The text of a hostfile, read with a limit (``--hostfile /dev/zero`` is one line, not a
     hang); ValueError naming the flag and the reason."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read(MAX_HOSTFILE_BYTES + 1)
+        raw = read_bounded(path, MAX_HOSTFILE_BYTES)
     except OSError as exc:
-        raise ValueError(f"--hostfile {path}: {exc.strerror}") from None
-    if len(text) > MAX_HOSTFILE_BYTES:
+        raise ValueError(f"--hostfile {path}: {exc.strerror or exc}") from None
+    text = raw.decode("utf-8", errors="replace")
+    if len(raw) > MAX_HOSTFILE_BYTES:
         raise ValueError(f"--hostfile {path}: more than 1 MiB, not a list of hosts")
     return text
 
