@@ -137,7 +137,8 @@ class LocalLauncher:
             reaper.stdin.flush()
         except OSError as exc:
             log.warning("cannot start this job's reaper (%s): if elasticrun is killed with SIGKILL, its workers here "
-                        "stop by themselves when the driver is silent for long enough, but what they started does not", exc.strerror or exc)
+                        "stop by themselves once the driver is silent long enough, but what they started does not",
+                        exc.strerror or exc)
             return
         self._reaper = reaper
 

@@ -473,17 +473,26 @@ def end_job(job_id: str, grace: float) -> List[Tuple[int, str]]:
     found = [(pid, command) for pid, command in found if command]
     if not found:
         return []
+    groups = []  # type: List[int]
     for pid, _ in found:
+        try:
+            if os.getpgid(pid) == pid:
+                groups.append(pid)
+        except OSError:
+            pass
         signal_tree(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while left_behind(job_id, None) and time.monotonic() < deadline:
         time.sleep(0.05)
+    for pgid in groups:  # once: members that do not carry the job's ids (``env -i``) go with them
+        killpg(pgid, signal.SIGKILL)
     deadline = time.monotonic() + END_JOB_KILL_SECONDS
     while True:
-        for pid in [pid for pid, _ in found] + left_behind(job_id, None):
-            signal_tree(pid, signal.SIGKILL)  # (a group that is gone: nothing happens)
-        if not left_behind(job_id, None) or time.monotonic() > deadline:
+        left = left_behind(job_id, None)
+        if not left or time.monotonic() > deadline:
             return found
+        for pid in left:
+            signal_tree(pid, signal.SIGKILL)
         time.sleep(0.05)
 
 
