@@ -37,6 +37,9 @@ def elasticrun(*args: str) -> subprocess.CompletedProcess:
     (["-np", "1", "--min-np", "1000001", "-H", "localhost", "python", "x.py"], "must be at most 1,000,000"),
     (["-np", "1", "--max-np", "2000000", "-H", "localhost", "python", "x.py"], "must be at most 1,000,000"),
     (["-np", "1", "--hostfile", "/dev/zero", "python", "x.py"], "--hostfile /dev/zero: more than 1 MiB"),
+    (["-np", "1", "-H", "localhost", "-i", "/", "python", "x.py"], "-i /: not a regular file"),
+    (["-np", "1", "-H", "localhost", "--ssh-known-hosts", "/dev/zero", "python", "x.py"],
+     "--ssh-known-hosts /dev/zero: not a regular file"),
     # Paths the job would write, checked before anything starts.
     (["-np", "1", "-H", "localhost", "--events", "/proc/x/y", "python", "x.py"],
      "--events /proc/x/y: cannot create directory /proc/x: no such file or directory"),

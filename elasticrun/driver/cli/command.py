@@ -54,11 +54,15 @@ def _remote_settings(o: Mapping[str, Any], fail: Fail) -> dict:
     if identity is not None:
         if not os.access(identity, os.R_OK):
             fail(f"-i {identity}: no such readable file")
+        if not os.path.isfile(identity):  # a directory; a FIFO would block the SSH connection's read
+            fail(f"-i {identity}: not a regular file")
         identity = os.path.abspath(identity)
     known = o["ssh_known_hosts"]
     if known is not None:
         if not os.access(known, os.R_OK):
             fail(f"--ssh-known-hosts {known}: no such readable file")
+        if not os.path.isfile(known):
+            fail(f"--ssh-known-hosts {known}: not a regular file")
         known = os.path.abspath(known)
     address, nic = o["driver_address"], o["network_interface"]
     if nic is not None:  # the driver listens on the first; gloo gets them all (GLOO_SOCKET_IFNAME)
