@@ -25,6 +25,12 @@ import pytest
 # program) leaves an ignored SIGINT ignored. The Ctrl-C tests would then test nothing.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+# Likewise SIGHUP under nohup (a CI runner, `nohup ./run_tests.sh &`): the driver leaves an
+# ignored SIGHUP ignored, and the hang-up tests would then test nothing. A handler that does
+# nothing keeps this process safe from a hang-up as nohup meant, and, unlike SIG_IGN, is not
+# inherited: every process started from here gets SIGHUP's default at its exec.
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, lambda signum, frame: None)
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = SCRIPTS / "elastic_train.py"

@@ -267,7 +267,7 @@ def test_a_copy_of_another_model_is_refused_naming_the_first_key(job):
     assert r.returncode == 0, r.output  # --fresh starts over
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_to_the_driver_writes_a_last_copy_first(job, sig):
     """No periodic copy after the first (a long interval): the last copy, made at the signal,
     is what a rerun resumes from, a few steps back at most. SIGHUP (the terminal or SSH session
