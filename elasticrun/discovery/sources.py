@@ -131,50 +131,37 @@ class ScriptDiscovery:
         good. What is in them when the script exits is still read (:data:`DRAIN_AFTER_EXIT_S`);
         then what is left of the script's process group is killed, as after a timeout."""
         out, err, lines = bytearray(), bytearray(), 0
-        exited = _ExitWatch(proc)
-        try:
-            with selectors.DefaultSelector() as sel:
-                assert proc.stdout is not None and proc.stderr is not None
-                sel.register(proc.stdout, selectors.EVENT_READ, "out")
-                sel.register(proc.stderr, selectors.EVENT_READ, "err")
-                if exited.fd is not None:
-                    sel.register(exited.fd, selectors.EVENT_READ, "exit")
-                pipes, drain_until = 2, None  # drain_until: set once the script has exited
-                while pipes:
-                    now = time.monotonic()
-                    if drain_until is None and exited.fd is None and exited.polled(proc):
-                        drain_until = min(deadline, now + DRAIN_AFTER_EXIT_S)
-                    if drain_until is not None and now >= drain_until:
-                        _kill_group(proc)  # a background process holds the pipes: what it left in the group goes
-                        break
-                    remaining = deadline - now
-                    if remaining <= 0:
-                        self._timed_out(proc)
-                    wait = remaining if drain_until is None else drain_until - now
-                    if exited.fd is None and drain_until is None:
-                        wait = min(wait, EXIT_POLL_S)
-                    for key, _ in sel.select(wait):
-                        if key.data == "exit":
-                            sel.unregister(key.fileobj)
-                            drain_until = min(deadline, time.monotonic() + DRAIN_AFTER_EXIT_S)
-                            continue
-                        chunk = os.read(key.fd, 1 << 16)
-                        if not chunk:
-                            sel.unregister(key.fileobj)
-                            pipes -= 1
-                        elif key.data == "err":
-                            err += chunk
-                            del err[:-STDERR_TAIL_BYTES]
-                        else:
-                            out += chunk
-                            lines += chunk.count(b"\n")
-                            if len(out) > MAX_OUTPUT_BYTES or lines > MAX_OUTPUT_LINES:
-                                _kill_group(proc)
-                                limit = "1 MiB" if len(out) > MAX_OUTPUT_BYTES else f"{MAX_OUTPUT_LINES:,} lines"
-                                raise DiscoveryError(f"{self.path} printed more than {limit}; it was killed "
-                                                     f"(a discovery script prints one host per line)")
-        finally:
-            exited.close()
+        with selectors.DefaultSelector() as sel:
+            assert proc.stdout is not None and proc.stderr is not None
+            sel.register(proc.stdout, selectors.EVENT_READ, "out")
+            sel.register(proc.stderr, selectors.EVENT_READ, "err")
+            drain_until: float | None = None  # set once the script has exited
+            while sel.get_map():
+                now = time.monotonic()
+                if drain_until is None and _exited(proc):
+                    drain_until = min(deadline, now + DRAIN_AFTER_EXIT_S)
+                if drain_until is not None and now >= drain_until:
+                    _kill_group(proc)  # a background process holds the pipes: what it left in the group goes
+                    break
+                remaining = deadline - now
+                if remaining <= 0:
+                    self._timed_out(proc)
+                wait = min(remaining, EXIT_POLL_S) if drain_until is None else drain_until - now
+                for key, _ in sel.select(wait):
+                    chunk = os.read(key.fd, 1 << 16)
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                    elif key.data == "err":
+                        err += chunk
+                        del err[:-STDERR_TAIL_BYTES]
+                    else:
+                        out += chunk
+                        lines += chunk.count(b"\n")
+                        if len(out) > MAX_OUTPUT_BYTES or lines > MAX_OUTPUT_LINES:
+                            _kill_group(proc)
+                            limit = "1 MiB" if len(out) > MAX_OUTPUT_BYTES else f"{MAX_OUTPUT_LINES:,} lines"
+                            raise DiscoveryError(f"{self.path} printed more than {limit}; it was killed "
+                                                 f"(a discovery script prints one host per line)")
         try:  # both pipes are closed: the script is exiting (or closed them and goes on)
             proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -189,32 +176,16 @@ class ScriptDiscovery:
 
 #: After the script has exited, how long what is already in its pipes is still read.
 DRAIN_AFTER_EXIT_S = 0.1
-#: Without a pidfd (not Linux >= 5.3), how often the script's exit is looked for while reading.
+#: How often the script's exit is looked for while its pipes are open.
 EXIT_POLL_S = 0.05
 
 
-class _ExitWatch:
-    """A descriptor readable once ``proc`` has exited (a pidfd), or ``fd`` None: poll then."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.fd: int | None = None
-        try:
-            self.fd = os.pidfd_open(proc.pid)
-        except (AttributeError, OSError):  # no pidfd here; or the process is already reaped
-            pass
-
-    @staticmethod
-    def polled(proc: subprocess.Popen) -> bool:
-        """Whether ``proc`` has exited, without reaping it (its pid stays its group's id)."""
-        try:
-            return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-        except ChildProcessError:  # reaped already
-            return True
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+def _exited(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` has exited, without reaping it (its pid stays its group's id)."""
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already
+        return True
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -136,14 +136,16 @@ def test_elasticrun_killed_with_sigkill_leaves_no_worker_and_nothing_a_worker_st
                       "hvd.init()\n"
                       "a = subprocess.Popen(['sleep', '303'])\n"
                       "b = subprocess.Popen(['sleep', '304'], start_new_session=True)\n"
-                      "open(os.path.join(sys.argv[1], str(hvd.rank())), 'w').write(f'{a.pid} {b.pid}')\n"
+                      "path = os.path.join(sys.argv[1], str(hvd.rank()))\n"
+                      "open(path + '.tmp', 'w').write(f'{a.pid} {b.pid}')\n"
+                      "os.rename(path + '.tmp', path)  # whole when seen\n"
                       "time.sleep(300)\n")
     job.start(["-np", "2", "-H", "localhost:1,127.0.0.1:1", *flags], [sys.executable, str(script), str(job.markers)])
     deadline = time.monotonic() + 60
-    while len(list(job.markers.iterdir())) < 2:
+    while len(list(job.markers.glob("[0-9]"))) < 2:
         assert time.monotonic() < deadline and job.proc.poll() is None, "the workers did not start their helpers"
         time.sleep(0.05)
-    helpers = [int(pid) for f in job.markers.iterdir() for pid in f.read_text().split()]
+    helpers = [int(pid) for f in job.markers.glob("[0-9]") for pid in f.read_text().split()]
     os.kill(job.proc.pid, signal.SIGKILL)
     job.proc.wait(10)
     assert_nothing_left(job.tag, within=10)
