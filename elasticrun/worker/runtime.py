@@ -40,7 +40,7 @@ import zmq
 from elasticrun.common.events import Kind
 from elasticrun.common import deathnotice, env, settings
 from elasticrun.common.protocol import Message, copy_id
-from elasticrun.worker import collectives, devices, durable, prefetch, rounds, trace
+from elasticrun.worker import collectives, devices, durable, forks, prefetch, rounds, trace
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from elasticrun.worker.durable import CommittedState, CopyRequests, DurableSender, HandOff
@@ -704,6 +704,7 @@ def _install_sigterm(rt: Runtime) -> None:
             stop_now("the driver did not answer SIGTERM's 'leaving'")
 
     def handler(signum: int, frame: Any) -> None:
+        forks.worker_got_sigterm()  # first: the processes it forked wait for this to tell their SIGTERM's source
         if rt._driver_stopping or rt._control is None:
             stop_now("the job is ending")
         elif rt._leaving is not None:
@@ -720,13 +721,14 @@ def _install_sigterm(rt: Runtime) -> None:
                 t.start()
 
     signal.signal(signal.SIGTERM, handler)
+    forks.arm(handler)
 
 
 def _install_excepthook(rt: Runtime) -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
-        if not issubclass(kind, (KeyboardInterrupt, SystemExit)):
+        if not issubclass(kind, (KeyboardInterrupt, SystemExit)) and not forks.in_forked_child():
             rt.report_failure(f"{kind.__name__}: {exc}")
         previous(kind, exc, tb)
 
@@ -746,6 +748,8 @@ def is_initialized() -> bool:
 def shutdown(exiting: bool = False) -> None:
     """Leave the job (hvd.shutdown(); at exit with ``exiting``: see :meth:`Runtime.shutdown`)."""
     global _runtime
+    if forks.in_forked_child():
+        return  # a process the worker forked: the job, its sockets and threads are the worker's
     with _init_lock:
         if _runtime is not None:
             _runtime.shutdown(exiting)

@@ -89,6 +89,23 @@ def test_a_worker_told_to_stop_leaves_at_its_next_step_without_a_rollback(job):
     assert interrupts and all(e.get("agreed_in") == "gradient allreduce" for e in interrupts), interrupts
 
 
+def test_a_sigterm_to_every_process_of_a_worker_with_dataloader_workers_is_still_a_leave(job):
+    """A machine's shutdown or Slurm's preemption sends SIGTERM to every process at once: the
+    worker and its DataLoader's workers. Those must not die of it while the worker leaves (its
+    next batch then failed: a rollback and a blacklisted host instead of a leave)."""
+    r = job.run(["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.2:1"],
+                sample_cmd(job, "--commit-every", "1000", "--loader-workers", "2", "--sigterm-group",
+                           "127.0.0.2:0@1:3", "--sleep", "0.05"))
+    assert r.returncode == 0, r.output
+    assert "host 127.0.0.2 leaving (SIGTERM)" in r.stderr, r.stderr
+    assert "127.0.0.2[0] exits 0: no place for 127.0.0.2[0] in the next round" in r.stderr, r.stderr
+    assert "aborted" not in r.stderr and "blacklisted hosts: none" in r.stderr, r.stderr
+    assert "killed by signal" not in r.output and "Traceback" not in r.output, r.output
+    log = entries(job.tmp / "samples")
+    assert {e["size"] for e in log} == {2, 1}
+    assert_exactly_once(log)
+
+
 def test_a_host_discovery_lists_as_draining_is_out_within_two_steps(job):
     schedule = "0:localhost:1,127.0.0.1:1,127.0.0.2:1;1004:localhost:1,127.0.0.1:1,127.0.0.2:1 draining"
     r = job.run(["-np", "3", "--min-np", "2", "--host-discovery-script", str(PROGRESS_DISCOVERY),

@@ -37,6 +37,10 @@ p.add_argument("--progress", required=True)
 p.add_argument("--await-size", action="append", default=[], help="EPOCH:BATCH:SIZE")
 p.add_argument("--kill", default=None, help="HOST:SLOT@EPOCH:BATCH: SIGKILL that worker there (once)")
 p.add_argument("--sigterm", default=None, help="HOST:SLOT@EPOCH:BATCH: that worker gets SIGTERM there (once)")
+p.add_argument("--sigterm-group", default=None,
+               help="HOST:SLOT@EPOCH:BATCH: that worker's whole process group (it and its DataLoader's workers) "
+                    "gets SIGTERM there (once), as a machine's shutdown or Slurm's preemption sends it")
+p.add_argument("--loader-workers", type=int, default=0, help="the DataLoader's worker processes (fork)")
 p.add_argument("--kill-all", default=None, metavar="EPOCH:BATCH",
                help="every worker SIGKILLs itself there (once per host): the whole job is lost")
 p.add_argument("--classes", type=int, default=2, help="the model's outputs (a different model to resume into)")
@@ -74,7 +78,8 @@ if args.ballast:
 optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                      named_parameters=model.named_parameters())
 sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=7)
-loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.loader_workers,
+                    multiprocessing_context="fork" if args.loader_workers else None)
 
 log_path = os.path.join(args.log_dir, f"samples-{os.getpid()}.jsonl")
 pending: list[str] = []
@@ -131,6 +136,12 @@ def maybe_signal(epoch: int, batch: int) -> None:
         if who == me and tuple(map(int, at.split(":"))) == (epoch, batch) and not os.path.exists(marker):
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGTERM)  # as a cloud's reclaim notice would
+    if args.sigterm_group:
+        who, at = args.sigterm_group.split("@")
+        marker = os.path.join(args.log_dir, "sigterm-group")
+        if who == me and tuple(map(int, at.split(":"))) == (epoch, batch) and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.killpg(os.getpgid(0), signal.SIGTERM)
     if args.kill_all and tuple(map(int, args.kill_all.split(":"))) == (epoch, batch):
         marker = os.path.join(args.log_dir, f"killed-all-{me}")
         if not os.path.exists(marker):

@@ -1,0 +1,133 @@
+"""Processes a worker forks (elasticrun/worker/forks.py), with real processes and signals.
+
+Each case runs a small "worker" in a subprocess of its own session: it installs a SIGTERM
+handler as the runtime does (one that records the worker's SIGTERM and does not die of it),
+arms the module, forks children (a ``multiprocessing`` fork Process, or a real DataLoader's
+workers), then signals them. What the children do is read from what the worker prints.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+PRELUDE = textwrap.dedent("""
+    import multiprocessing as mp, os, signal, sys, time
+    from elasticrun.worker import forks
+
+    def handler(signum, frame):  # the worker's: note the SIGTERM, leave later (never die of it here)
+        forks.worker_got_sigterm()
+        os.write(1, b"worker: SIGTERM\\n")
+
+    signal.signal(signal.SIGTERM, handler)
+    forks.arm(handler)
+    ctx = mp.get_context("fork")
+
+    def say(text):
+        print(text, flush=True)
+
+    def beat(path):
+        while True:  # a child at work: it shows it lives by touching a file
+            with open(path, "w") as f:
+                f.write(str(time.monotonic()))
+            time.sleep(0.02)
+""")
+
+
+def run_worker(body: str, tmp_path, timeout: float = 40) -> str:
+    script = tmp_path / "worker.py"
+    script.write_text(PRELUDE + "\nif __name__ == '__main__':\n" + textwrap.indent(textwrap.dedent(body), "    "))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
+                       start_new_session=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().split(b") ")[-1][:1] == b"Z"
+    except OSError:
+        return True
+
+
+def test_a_sigterm_sent_to_the_child_alone_ends_it_as_without_elasticrun(tmp_path):
+    """Process.terminate(): the child dies of SIGTERM (exit code -15), runs none of the
+    worker's handler (it would say the worker leaves), within the window it waits."""
+    out = run_worker("""
+        p = ctx.Process(target=beat, args=("beat",)); p.start()
+        while not os.path.exists("beat"): time.sleep(0.01)
+        t = time.monotonic(); p.terminate(); p.join(10)
+        say(f"exitcode {p.exitcode} after {time.monotonic() - t:.2f}")
+    """, tmp_path)
+    assert "worker: SIGTERM" not in out, out
+    code, _, seconds = out.split("exitcode ")[1].partition(" after ")
+    assert int(code) == -signal.SIGTERM, out
+    assert float(seconds) < 3, out
+
+
+def test_a_sigterm_to_the_whole_group_leaves_the_child_working_until_the_worker_ends(tmp_path):
+    """kill -- -PGID (a machine's shutdown, Slurm's preemption): the child goes on while the
+    worker leaves, and dies with the worker (not a moment before, and not after)."""
+    out = run_worker("""
+        p = ctx.Process(target=beat, args=("beat",)); p.start()
+        while not os.path.exists("beat"): time.sleep(0.01)
+        os.killpg(os.getpgid(0), signal.SIGTERM)
+        time.sleep(2.5)  # longer than the child's window
+        with open("beat") as f:
+            fresh = time.monotonic() - float(f.read())
+        say(f"child alive {p.is_alive()} beat {fresh:.2f} s ago; pid {p.pid}")
+        os._exit(0)  # the worker ends without stopping its child (as a leaving worker may)
+    """, tmp_path)
+    assert "worker: SIGTERM" in out, out
+    alive, beat_ago, pid = out.split("child alive ")[1].split()[0], float(out.split(" beat ")[1].split()[0]), \
+        int(out.rsplit("pid ", 1)[1])
+    assert alive == "True" and beat_ago < 0.5, out
+    deadline = time.monotonic() + 5
+    while not gone(pid):
+        assert time.monotonic() < deadline, f"the child {pid} outlived its worker"
+        time.sleep(0.02)
+
+
+def test_a_real_dataloader_serves_every_batch_through_a_sigterm_to_the_group(tmp_path):
+    """The case that failed: a DataLoader with fork workers (torch sets its own C SIGTERM
+    handler in them) keeps serving after the group's SIGTERM, to the last batch."""
+    out = run_worker("""
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+        data = TensorDataset(torch.arange(400))
+        loader = DataLoader(data, batch_size=4, num_workers=2, multiprocessing_context="fork")
+        seen = []
+        for i, (batch,) in enumerate(loader):
+            seen += batch.tolist()
+            if i == 5:
+                os.killpg(os.getpgid(0), signal.SIGTERM)
+            time.sleep(0.02)
+        say(f"served {len(seen)} distinct {len(set(seen))}")
+    """, tmp_path, timeout=50)
+    assert "worker: SIGTERM" in out, out
+    assert "served 400 distinct 400" in out, out
+
+
+def test_a_childs_own_handler_is_its_own_and_a_forked_child_is_no_worker(tmp_path):
+    """A handler the script sets in the child stays; the child knows it is not the worker."""
+    out = run_worker("""
+        def child(path):
+            say(f"child: forked {forks.in_forked_child()}")
+            signal.signal(signal.SIGTERM, lambda s, f: (say("child: own handler"), os._exit(7)))
+            beat(path)
+        p = ctx.Process(target=child, args=("beat",)); p.start()
+        while not os.path.exists("beat"): time.sleep(0.01)
+        p.terminate(); p.join(10)
+        say(f"worker: forked {forks.in_forked_child()}; child exitcode {p.exitcode}")
+    """, tmp_path)
+    assert "child: forked True" in out and "worker: forked False" in out, out
+    assert "child: own handler" in out and "child exitcode 7" in out, out
