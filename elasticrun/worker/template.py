@@ -196,12 +196,13 @@ def show_as(areas: tuple[int, int, int, int] | None, original_env: bytes, comman
     if areas is None:
         return
     arg_start, arg_end, env_start, env_end = areas
-    argv = warmstart.argv_area(arg_end - arg_start, command)
-    if argv is not None:
-        ctypes.memmove(arg_start, argv, len(argv))
+    # The environment first: whoever sees the worker's command line sees its environment too.
     block = warmstart.environ_area(original_env, env)
     if block is not None and len(original_env) == env_end - env_start:
         ctypes.memmove(env_start, block, len(block))
+    argv = warmstart.argv_area(arg_end - arg_start, command)
+    if argv is not None:
+        ctypes.memmove(arg_start, argv, len(argv))
 
 
 # --- serving ---------------------------------------------------------------------------------

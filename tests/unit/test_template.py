@@ -136,7 +136,7 @@ def test_ps_shows_the_workers_command_line_and_environment(tmp_path):
             os.close(fd)
         try:
             deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:  # until the child has set itself up
+            while time.monotonic() < deadline:  # until the child has set itself up (environment first)
                 cmdline = Path(f"/proc/{worker.pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
                 if cmdline == [c.encode() for c in command]:
                     break
