@@ -21,7 +21,7 @@ So, in a process forked from a worker:
 
 A script that sets its own SIGTERM handler keeps it, in the worker and in its children. Children
 started by ``spawn`` or ``forkserver`` run a new interpreter: none of this reaches them, and a
-machine-wide SIGTERM ends them at once (docs/elastic-model.md says so).
+machine-wide SIGTERM ends them at once (docs/durability.md says so).
 """
 
 from __future__ import annotations
@@ -44,9 +44,8 @@ _POLL = 0.005
 _PR_SET_PDEATHSIG = 1
 
 _mark: mmap.mmap | None = None  # shared with every child forked later: CLOCK_MONOTONIC ns of the worker's SIGTERM
-_worker_pid = 0
+_worker_pid = 0  # the armed worker's pid (0: not armed)
 _worker_handler: Any = None
-_forked = False
 
 
 def arm(handler: Any) -> None:
@@ -69,7 +68,7 @@ def worker_got_sigterm() -> None:
 
 def in_forked_child() -> bool:
     """True in a process forked from the worker (it is not the worker the driver knows)."""
-    return _forked
+    return _worker_pid != 0 and os.getpid() != _worker_pid
 
 
 def _marked() -> int:
@@ -77,8 +76,6 @@ def _marked() -> int:
 
 
 def _after_fork_in_child() -> None:
-    global _forked
-    _forked = True
     try:
         if signal.getsignal(signal.SIGTERM) is not _worker_handler:
             return  # the script's own handler, or one a child set: theirs

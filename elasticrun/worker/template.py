@@ -57,7 +57,7 @@ import traceback
 import types
 import zipfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from elasticrun.common import env as envvars
 from elasticrun.common import warmstart
@@ -792,10 +792,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:
         pass
     end_template()
-    return 0  # (not reached)
 
 
-def end_template() -> None:
+def end_template() -> NoReturn:
     """The template's own end, without the interpreter's teardown: freeing torch's modules one
     by one takes ~0.45 s here, and the job's end waits for this exit. No user code ran in this
     process but the ``--preload`` imports, whose ``atexit`` handlers still run; it never started a
