@@ -35,9 +35,10 @@ PRELUDE = textwrap.dedent("""
         print(text, flush=True)
 
     def beat(path):
-        while True:  # a child at work: it shows it lives by touching a file
-            with open(path, "w") as f:
+        while True:  # a child at work: it shows it lives by renaming a file over another
+            with open(path + ".tmp", "w") as f:  # (whole: a reader never sees it empty)
                 f.write(str(time.monotonic()))
+            os.replace(path + ".tmp", path)
             time.sleep(0.02)
 """)
 
@@ -50,8 +51,10 @@ def run_worker(body: str, tmp_path, timeout: float = 40) -> str:
     try:
         out, err = proc.communicate(timeout=timeout)
         ok = proc.returncode == 0
-    except BaseException:
-        ok, out, err = False, "", "(timed out)"
+    except subprocess.TimeoutExpired:  # what it printed so far says why (a traceback, often)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=10)
+        ok, err = False, err + f"(timed out after {timeout} s)"
     if not ok:  # whatever a failed case forked and left, in its session's group, goes too (a
         try:    # passing case is left alone: one test checks its child ends by itself)
             os.killpg(proc.pid, signal.SIGKILL)

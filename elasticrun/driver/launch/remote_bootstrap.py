@@ -85,6 +85,8 @@ NOTICE_PID_AT = 192  # the pid of the process that armed it (int)
 _CLOCK_MONOTONIC = 1
 #: Longest single wait of a notice; every wait also ends when ``done()`` turns true.
 NOTICE_SLICE_SECONDS = 5.0
+#: Longest wait, once the worker has exited, for its notice to report before it is reaped.
+NOTICE_FIRST_SECONDS = 1.0
 _notice_lib = []  # type: List[Any]
 
 
@@ -552,18 +554,38 @@ def until_stopped(stop: threading.Event, waiter: Callable[[], None], name: str, 
 
 
 def hear_death(notice: "Optional[DeathNotice]", pid: int, done: threading.Event,
-               report: Optional[Callable[..., None]]) -> None:
-    """On a thread: ``report(dying=code)`` as soon as the worker's notice says it is dying
-    (before the kernel has torn it down: the driver counts the worker gone at once)."""
+               report: Optional[Callable[..., None]]) -> Optional[threading.Thread]:
+    """On a thread (returned): ``report(dying=code)`` as soon as the worker's notice says it is
+    dying (before the kernel has torn it down: the driver counts the worker gone at once)."""
     if notice is None or report is None:
-        return
+        return None
 
     def run() -> None:
         code = notice.wait(pid, done.is_set)
         if code is not None:
             report(dying=code)
 
-    threading.Thread(target=run, name="bootstrap-notice", daemon=True).start()
+    thread = threading.Thread(target=run, name="bootstrap-notice", daemon=True)
+    thread.start()
+    return thread
+
+
+def let_the_notice_speak(pid: int, notice: "Optional[DeathNotice]", heard: Optional[threading.Thread]) -> None:
+    """Once the worker has exited, and before it is reaped: let its notice's thread report.
+
+    The notice's exit status is read from the dead worker's ``/proc`` entry, which reaping
+    removes. The kernel hands the notice over at the start of the worker's teardown, before
+    the worker can be waited for, so by now the thread only needs to be scheduled; but on a
+    busy host the reaper could be first, and the early report was lost (or came after the
+    exit's). Waiting here keeps the reports in the order they happened: ``dying``, ``exit``."""
+    if notice is None or heard is None or not hasattr(os, "waitid"):
+        return
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+    except OSError:
+        return
+    notice.wake()  # a notice never armed stops waiting for its arming
+    heard.join(NOTICE_FIRST_SECONDS)
 
 
 def watch(pid: int, grace: float, stop: threading.Event, driver_fd: int = 0,
@@ -577,9 +599,10 @@ def watch(pid: int, grace: float, stop: threading.Event, driver_fd: int = 0,
     """
     status: List[int] = []
     reaped = threading.Event()
-    hear_death(notice, pid, reaped, report)
+    heard = hear_death(notice, pid, reaped, report)
 
     def wait_child() -> None:
+        let_the_notice_speak(pid, notice, heard)
         status.append(os.waitpid(pid, 0)[1])
         reaped.set()
         if notice is not None:
