@@ -20,6 +20,9 @@ CROSS_SIZE = "ELASTICRUN_CROSS_SIZE"
 JOB_ID = "ELASTICRUN_JOB_ID"
 SECRET_FD = "ELASTICRUN_SECRET_FD"  # read end of the pipe holding the keys; read once, then closed
 DEATH_FD = "ELASTICRUN_DEATH_FD"  # a memfd the worker's main thread arms (common/deathnotice.py)
+# "PID:FD", set by a worker for what it starts: where its SIGTERM's time is (worker/forks.py). A
+# process that inherits it and is not that worker is none (hvd.init() there joins nothing).
+WORKER_MARK = "ELASTICRUN_WORKER_MARK"
 CONTROL_ADDR = "ELASTICRUN_CONTROL_ADDR"  # driver ROUTER: rendezvous, store, heartbeats, notifications
 WORKER_ID = "ELASTICRUN_WORKER_ID"
 DURABLE_ADDR = "ELASTICRUN_DURABLE_ADDR"  # driver ROUTER for durable copies (only with --checkpoint-dir)

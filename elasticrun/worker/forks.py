@@ -19,9 +19,14 @@ So, in a process forked from a worker:
   wait is the price of telling the two apart;
 * the worker's excepthook and exit handler do nothing (:func:`in_forked_child`).
 
-A script that sets its own SIGTERM handler keeps it, in the worker and in its children. Children
-started by ``spawn`` or ``forkserver`` run a new interpreter: none of this reaches them, and a
-machine-wide SIGTERM ends them at once (docs/durability.md says so).
+Children started by ``spawn`` or ``forkserver`` (Python 3.14's default on Linux; Horovod's
+examples ask for it) run a new interpreter, which imports the script again: the mark is a memfd,
+which they open through ``/proc/WORKER/fd/N`` (:data:`elasticrun.common.env.WORKER_MARK`), and
+importing elasticrun there (the script's ``import elasticrun.torch``) gives them the same handling
+(:func:`adopt`); a forkserver passes it on to what it forks. Such a process, or any other that
+inherits the mark without being the worker, joins nothing at ``hvd.init()`` (:func:`worker_above`).
+
+A script that sets its own SIGTERM handler keeps it, in the worker and in its children.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import struct
 import sys
 import time
 from typing import Any
+
+from elasticrun.common import env
 
 #: How far apart the worker's SIGTERM and a child's may be to count as one signal sent to both.
 #: The worker records its own when its Python handler runs, which waits for the main thread to
@@ -48,16 +55,46 @@ _worker_pid = 0  # the armed worker's pid (0: not armed)
 _worker_handler: Any = None
 
 
+_mark_fd = -1  # the worker's memfd behind _mark (kept open: its children open it by /proc path)
+
+
 def arm(handler: Any) -> None:
     """In the worker, once its SIGTERM ``handler`` is installed: make the shared mark and have
-    every process it forks from now on treat SIGTERM as this module says."""
-    global _mark, _worker_pid, _worker_handler
-    if _mark is not None:
+    every process it starts from now on treat SIGTERM as this module says."""
+    global _mark, _mark_fd, _worker_pid, _worker_handler
+    if _worker_pid == os.getpid():
         return
-    _mark = mmap.mmap(-1, 8)  # anonymous and MAP_SHARED: a forked child sees the worker's writes
     _worker_pid = os.getpid()
     _worker_handler = handler
+    try:  # a forked child shares the mapping; a spawned one opens the memfd by its /proc path
+        _mark_fd = os.memfd_create("elasticrun-sigterm-mark", os.MFD_CLOEXEC)
+        os.ftruncate(_mark_fd, 8)
+        _mark = mmap.mmap(_mark_fd, 8)
+        os.environ[env.WORKER_MARK] = f"{_worker_pid}:{_mark_fd}"
+    except (AttributeError, OSError):  # no memfd (not Linux): forked children only
+        _mark = mmap.mmap(-1, 8)
+        os.environ.pop(env.WORKER_MARK, None)
     os.register_at_fork(after_in_child=_after_fork_in_child)
+    _preload_in_forkserver()
+
+
+def worker_above() -> int | None:
+    """The pid of the worker this process descends from, if it is not that worker itself: a
+    DataLoader's ``spawn``/``forkserver`` worker importing the script again, or any process the
+    worker started that inherited its environment. (A worker the launcher started has its keys'
+    pipe in its environment; a descendant never has: the worker took it out.)"""
+    if _worker_pid:
+        return _worker_pid if os.getpid() != _worker_pid else None
+    pid, _ = _parse_mark(os.environ.get(env.WORKER_MARK))
+    return pid if pid and pid != os.getpid() and env.SECRET_FD not in os.environ else None
+
+
+def _parse_mark(value: str | None) -> tuple[int, int]:
+    try:
+        pid, fd = (int(part) for part in (value or "").split(":"))
+        return pid, fd
+    except ValueError:
+        return 0, -1
 
 
 def worker_got_sigterm() -> None:
@@ -67,7 +104,8 @@ def worker_got_sigterm() -> None:
 
 
 def in_forked_child() -> bool:
-    """True in a process forked from the worker (it is not the worker the driver knows)."""
+    """True in a process forked from the worker, or started by its ``spawn``/``forkserver`` and
+    adopted (it is not the worker the driver knows)."""
     return _worker_pid != 0 and os.getpid() != _worker_pid
 
 
@@ -77,12 +115,65 @@ def _marked() -> int:
 
 def _after_fork_in_child() -> None:
     try:
-        if signal.getsignal(signal.SIGTERM) is not _worker_handler:
+        if signal.getsignal(signal.SIGTERM) not in [h for h in (_worker_handler, _child_sigterm) if h is not None]:
             return  # the script's own handler, or one a child set: theirs
         signal.signal(signal.SIGTERM, _child_sigterm)
     except (ValueError, OSError):  # not the main thread: the child keeps what it inherited
         return
     _after_torch_worker_handlers()
+
+
+def adopt(forkserver: bool = False) -> None:
+    """At import, in a process a worker's ``spawn`` or ``forkserver`` started (importing the
+    script again, which imports elasticrun), or in the worker's forkserver (``forkserver``: it
+    preloads :mod:`elasticrun.worker.forkserver_preload`): handle SIGTERM as a forked child
+    does, with the worker's mark opened through ``/proc``. Any other process is left as it is."""
+    global _mark, _worker_pid
+    pid, fd = _parse_mark(os.environ.get(env.WORKER_MARK))
+    if not pid or pid == os.getpid() or env.SECRET_FD in os.environ or _worker_pid:
+        return
+    mp = sys.modules.get("multiprocessing")  # True while spawn or a forkserver imports the script
+    if not forkserver and (mp is None or not getattr(mp.current_process(), "_inheriting", False)):
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return  # set by someone already: theirs
+        with open(f"/proc/{pid}/fd/{fd}", "rb") as f:
+            mark = mmap.mmap(f.fileno(), 8, access=mmap.ACCESS_READ)
+        signal.signal(signal.SIGTERM, _child_sigterm)
+    except (OSError, ValueError):  # the worker is gone, or this is not the main thread
+        return
+    _mark, _worker_pid = mark, pid
+    os.register_at_fork(after_in_child=_after_fork_in_child)  # a forkserver's children
+    _after_torch_worker_handlers()
+
+
+def after_torch_import() -> None:
+    """Once torch is imported (the runtime's import): in a process the worker started, have
+    torch's DataLoader worker code give SIGTERM back to this module (a forkserver's child
+    imports torch only after it was forked)."""
+    if _worker_pid and os.getpid() != _worker_pid:
+        _after_torch_worker_handlers()
+
+
+def _preload_in_forkserver() -> None:
+    """Have the ``forkserver`` a worker starts import :mod:`elasticrun.worker.forkserver_preload`
+    first: a DataLoader's forkserver workers are its children, and torch's watchdog ends them
+    when their parent changes, so the forkserver must outlive a SIGTERM sent to every process
+    too. (Python up to 3.13 never preloads the script in it, whatever the preload list says.)
+    The modules the script asked to preload are kept."""
+    try:
+        from multiprocessing import forkserver
+        server: Any = getattr(forkserver, "_forkserver", None)
+        modules = list(getattr(server, "_preload_modules", None) or ["__main__"])
+        if PRELOAD not in modules:
+            forkserver.set_forkserver_preload(modules + [PRELOAD])
+    except (ImportError, AttributeError, TypeError):
+        pass  # no forkserver here (not POSIX): nothing to do
+
+
+#: What :func:`_preload_in_forkserver` adds to the forkserver's preload list.
+PRELOAD = "elasticrun.worker.forkserver_preload"
 
 
 def _after_torch_worker_handlers() -> None:
@@ -92,7 +183,7 @@ def _after_torch_worker_handlers() -> None:
     handler back after them; the others stay torch's."""
     handling: Any = sys.modules.get("torch.utils.data._utils.signal_handling")
     original = getattr(handling, "_set_worker_signal_handlers", None)
-    if handling is None or original is None:
+    if handling is None or original is None or getattr(original, "_elasticrun", False):
         return
 
     def set_worker_signal_handlers(*args: Any, **kwargs: Any) -> Any:
@@ -103,6 +194,7 @@ def _after_torch_worker_handlers() -> None:
             pass
         return result
 
+    set_worker_signal_handlers._elasticrun = True  # type: ignore[attr-defined]  # (a forkserver's child inherits it set)
     handling._set_worker_signal_handlers = set_worker_signal_handlers
 
 
@@ -132,3 +224,6 @@ def _end_with_parent(parent: int) -> None:
             pass  # the DataLoader's own watchdog still notices the parent's end (within 5 s)
     if os.getppid() != parent:  # it ended before the request took effect
         os._exit(128 + signal.SIGTERM)
+
+
+adopt()

@@ -52,6 +52,8 @@ from elasticrun.worker.store import DriverStore
 
 log = logging.getLogger("elasticrun.worker")
 
+forks.after_torch_import()  # in a DataLoader's spawn/forkserver worker: torch's handlers give SIGTERM back
+
 
 #: How long an old round's process group is kept before it is released (see below).
 _DROP_DELAY = 1.0
@@ -113,8 +115,11 @@ def _seconds(name: str, default: float) -> float:
 class Runtime:
     """A worker's view of the elastic job. Use :func:`init` / :func:`get`."""
 
-    def __init__(self) -> None:
-        self.standalone = env.CONTROL_ADDR not in os.environ
+    def __init__(self, worker_above: int | None = None) -> None:
+        # worker_above: this process is no worker but one a worker started (forks.worker_above):
+        # it answers with that worker's place and joins nothing.
+        self.worker_above = worker_above
+        self.standalone = worker_above is not None or env.CONTROL_ADDR not in os.environ
         # Launched into a running job: init() takes no place; join() does, when one is first needed.
         self.joining = not self.standalone and os.environ.get(env.JOINING) == "1"
         self._join_lock = threading.Lock()
@@ -621,6 +626,9 @@ def init() -> Runtime:
     until then give the place it was launched for."""
     global _runtime
     with _init_lock:
+        above = forks.worker_above()
+        if _runtime is None and above is not None:
+            _runtime = _not_a_worker(above)
         if _runtime is None:
             level = os.environ.get(env.LOG_LEVEL)
             if level:
@@ -644,6 +652,25 @@ def init() -> Runtime:
                 _install_excepthook(rt)
                 _install_sigterm(rt)
         return _runtime
+
+
+def _not_a_worker(above: int) -> Runtime:
+    """``hvd.init()`` in a process worker ``above`` started: a DataLoader's ``spawn`` or
+    ``forkserver`` worker imports the script again, and Horovod scripts often call
+    ``hvd.init()`` and ``hvd.local_rank()`` at the top. It takes no place in the job (it used to
+    fail for want of keys, and the DataLoader with it): ``hvd.rank()``, ``size()`` and the local
+    and cross ranks answer the worker's as it started this process, and a collective says why it
+    cannot run here. No timeline, notice, handler or exit hook: those are the worker's."""
+    rt = Runtime(worker_above=above)
+
+    def refuse() -> None:
+        raise RuntimeError(
+            f"elasticrun: this process (pid {os.getpid()}) is not a worker of the job: worker pid {above} "
+            "started it (a DataLoader's spawn or forkserver worker imports the script again). It has "
+            "hvd.rank() and hvd.size() but no collectives: run training under `if __name__ == \"__main__\":`")
+
+    rounds.defer(rt.current_round, refuse)
+    return rt
 
 
 def _start_timeline_from_environment() -> None:

@@ -89,13 +89,18 @@ def test_a_worker_told_to_stop_leaves_at_its_next_step_without_a_rollback(job):
     assert interrupts and all(e.get("agreed_in") == "gradient allreduce" for e in interrupts), interrupts
 
 
-def test_a_sigterm_to_every_process_of_a_worker_with_dataloader_workers_is_still_a_leave(job):
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_a_sigterm_to_every_process_of_a_worker_with_dataloader_workers_is_still_a_leave(job, context):
     """A machine's shutdown or Slurm's preemption sends SIGTERM to every process at once: the
     worker and its DataLoader's workers. Those must not die of it while the worker leaves (its
-    next batch then failed: a rollback and a blacklisted host instead of a leave)."""
+    next batch then failed: a rollback and a blacklisted host instead of a leave). forkserver
+    (Python 3.14's default, Horovod's examples' choice): its workers import the script again,
+    hvd.init() at its top included, and are the forkserver's children."""
     r = job.run(["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.2:1"],
-                sample_cmd(job, "--commit-every", "1000", "--loader-workers", "2", "--sigterm-group",
-                           "127.0.0.2:0@1:3", "--sleep", "0.05"))
+                sample_cmd(job, "--commit-every", "1000", "--loader-context", context, "--sigterm-group",
+                           "127.0.0.2:0@1:3", "--sleep", "0.05",
+                           # (each epoch's loader workers import torch and the script: keep them few)
+                           "--loader-workers", "2" if context == "fork" else "1"))
     assert r.returncode == 0, r.output
     assert "host 127.0.0.2 leaving (SIGTERM)" in r.stderr, r.stderr
     assert "127.0.0.2[0] exits 0: no place for 127.0.0.2[0] in the next round" in r.stderr, r.stderr

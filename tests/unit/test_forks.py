@@ -21,14 +21,16 @@ pytestmark = pytest.mark.timeout(60)
 
 PRELUDE = textwrap.dedent("""
     import multiprocessing as mp, os, signal, sys, time
+    import elasticrun.torch  # as a script does (spawn and forkserver children import it again)
     from elasticrun.worker import forks
 
     def handler(signum, frame):  # the worker's: note the SIGTERM, leave later (never die of it here)
         forks.worker_got_sigterm()
         os.write(1, b"worker: SIGTERM\\n")
 
-    signal.signal(signal.SIGTERM, handler)
-    forks.arm(handler)
+    if __name__ == "__main__":  # (not in a spawned child importing this again)
+        signal.signal(signal.SIGTERM, handler)
+        forks.arm(handler)
     ctx = mp.get_context("fork")
 
     def say(text):
@@ -111,14 +113,17 @@ def test_a_sigterm_to_the_whole_group_leaves_the_child_working_until_the_worker_
         time.sleep(0.02)
 
 
-def test_a_real_dataloader_serves_every_batch_through_a_sigterm_to_the_group(tmp_path):
-    """The case that failed: a DataLoader with fork workers (torch sets its own C SIGTERM
-    handler in them) keeps serving after the group's SIGTERM, to the last batch."""
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_a_real_dataloader_serves_every_batch_through_a_sigterm_to_the_group(tmp_path, context):
+    """The case that failed: a DataLoader's workers (torch sets its own C SIGTERM handler in
+    them) keep serving after the group's SIGTERM, to the last batch. With spawn and forkserver
+    they are new interpreters that import the script again; a forkserver's are its children
+    (torch ends them if it dies), so it must live on too."""
     out = run_worker("""
         import torch
         from torch.utils.data import DataLoader, TensorDataset
         data = TensorDataset(torch.arange(400))
-        loader = DataLoader(data, batch_size=4, num_workers=2, multiprocessing_context="fork")
+        loader = DataLoader(data, batch_size=4, num_workers=2, multiprocessing_context="CONTEXT")
         seen = []
         for i, (batch,) in enumerate(loader):
             seen += batch.tolist()
@@ -126,7 +131,7 @@ def test_a_real_dataloader_serves_every_batch_through_a_sigterm_to_the_group(tmp
                 os.killpg(os.getpgid(0), signal.SIGTERM)
             time.sleep(0.02)
         say(f"served {len(seen)} distinct {len(set(seen))}")
-    """, tmp_path, timeout=50)
+    """.replace("CONTEXT", context), tmp_path, timeout=50)
     assert "worker: SIGTERM" in out, out
     assert "served 400 distinct 400" in out, out
 
@@ -145,3 +150,26 @@ def test_a_childs_own_handler_is_its_own_and_a_forked_child_is_no_worker(tmp_pat
     """, tmp_path)
     assert "child: forked True" in out and "worker: forked False" in out, out
     assert "child: own handler" in out and "child exitcode 7" in out, out
+
+
+def test_hvd_init_in_a_process_a_worker_started_joins_nothing_and_says_why_collectives_cannot_run():
+    """A DataLoader's spawn/forkserver worker imports the script again, hvd.init() at its top
+    included: it inherits the worker's environment but not its keys. It used to fail for want
+    of them (and the DataLoader with it); it now answers with the worker's place."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICRUN_", "HOROVOD_"))}
+    env.update({"ELASTICRUN_WORKER_MARK": f"{os.getpid()}:3", "ELASTICRUN_CONTROL_ADDR": "tcp://127.0.0.1:9",
+                "ELASTICRUN_RANK": "3", "ELASTICRUN_SIZE": "4", "ELASTICRUN_LOCAL_RANK": "1",
+                "ELASTICRUN_LOCAL_SIZE": "2", "ELASTICRUN_JOB_ID": "job"})
+    code = textwrap.dedent("""
+        import torch, elasticrun.torch as hvd
+        hvd.init()
+        print("place", hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), flush=True)
+        try:
+            hvd.allreduce(torch.ones(1))
+        except RuntimeError as exc:
+            print("refused:", exc, flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "place 3 4 1 2" in r.stdout, r.stdout + r.stderr
+    assert f"is not a worker of the job: worker pid {os.getpid()} started it" in r.stdout, r.stdout

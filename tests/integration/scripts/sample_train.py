@@ -40,7 +40,9 @@ p.add_argument("--sigterm", default=None, help="HOST:SLOT@EPOCH:BATCH: that work
 p.add_argument("--sigterm-group", default=None,
                help="HOST:SLOT@EPOCH:BATCH: that worker's whole process group (it and its DataLoader's workers) "
                     "gets SIGTERM there (once), as a machine's shutdown or Slurm's preemption sends it")
-p.add_argument("--loader-workers", type=int, default=0, help="the DataLoader's worker processes (fork)")
+p.add_argument("--loader-workers", type=int, default=0, help="the DataLoader's worker processes")
+p.add_argument("--loader-context", default="fork", choices=["fork", "spawn", "forkserver"],
+               help="how the DataLoader starts them (spawn and forkserver import this script again)")
 p.add_argument("--kill-all", default=None, metavar="EPOCH:BATCH",
                help="every worker SIGKILLs itself there (once per host): the whole job is lost")
 p.add_argument("--classes", type=int, default=2, help="the model's outputs (a different model to resume into)")
@@ -79,7 +81,7 @@ optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)
                                      named_parameters=model.named_parameters())
 sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=7)
 loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.loader_workers,
-                    multiprocessing_context="fork" if args.loader_workers else None)
+                    multiprocessing_context=args.loader_context if args.loader_workers else None)
 
 log_path = os.path.join(args.log_dir, f"samples-{os.getpid()}.jsonl")
 pending: list[str] = []
@@ -221,12 +223,13 @@ def train(state):
             state.commit()
 
 
-if args.commit_before_run:
-    state.commit()
-train(state)
-if hvd.rank() == 0:
-    with torch.no_grad():
-        accuracy = (model(x).argmax(1) == y).float().mean().item()
-    with open(os.path.join(args.log_dir, "result.json"), "w") as f:
-        json.dump({"initial_loss": initial_loss, "final_loss": loss_on_all(), "accuracy": accuracy,
-                   "size": hvd.size()}, f)
+if __name__ == "__main__":  # (a DataLoader's spawn/forkserver worker imports this script again)
+    if args.commit_before_run:
+        state.commit()
+    train(state)
+    if hvd.rank() == 0:
+        with torch.no_grad():
+            accuracy = (model(x).argmax(1) == y).float().mean().item()
+        with open(os.path.join(args.log_dir, "result.json"), "w") as f:
+            json.dump({"initial_loss": initial_loss, "final_loss": loss_on_all(), "accuracy": accuracy,
+                       "size": hvd.size()}, f)
