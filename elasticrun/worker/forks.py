@@ -20,11 +20,14 @@ So, in a process forked from a worker:
 * the worker's excepthook and exit handler do nothing (:func:`in_forked_child`).
 
 Children started by ``spawn`` or ``forkserver`` (Python 3.14's default on Linux; Horovod's
-examples ask for it) run a new interpreter, which imports the script again: the mark is a memfd,
-which they open through ``/proc/WORKER/fd/N`` (:data:`elasticrun.common.env.WORKER_MARK`), and
-importing elasticrun there (the script's ``import elasticrun.torch``) gives them the same handling
-(:func:`adopt`); a forkserver passes it on to what it forks. Such a process, or any other that
-inherits the mark without being the worker, joins nothing at ``hvd.init()`` (:func:`worker_above`).
+examples ask for it) run a new interpreter. The mark is a memfd, which they open through
+``/proc/WORKER/fd/N`` (:data:`elasticrun.common.env.WORKER_MARK`), and they get the same handling
+(:func:`adopt`) first thing (:mod:`elasticrun.worker.spawned`: the forkserver preloads it, a spawn
+child's command line imports it), before they import the script again (and torch with it, for
+seconds). A forkserver passes it on to what it forks. torch's DataLoader worker code is wrapped
+once the script imports ``elasticrun.torch`` (:func:`after_torch_import`). Such a process, or any
+other that inherits the mark without being the worker, joins nothing at ``hvd.init()``
+(:func:`worker_above`).
 
 A script that sets its own SIGTERM handler keeps it, in the worker and in its children.
 """
@@ -75,7 +78,7 @@ def arm(handler: Any) -> None:
         _mark = mmap.mmap(-1, 8)
         os.environ.pop(env.WORKER_MARK, None)
     os.register_at_fork(after_in_child=_after_fork_in_child)
-    _preload_in_forkserver()
+    _first_in_what_it_starts()
 
 
 def worker_above() -> int | None:
@@ -123,17 +126,18 @@ def _after_fork_in_child() -> None:
     _after_torch_worker_handlers()
 
 
-def adopt(forkserver: bool = False) -> None:
-    """At import, in a process a worker's ``spawn`` or ``forkserver`` started (importing the
-    script again, which imports elasticrun), or in the worker's forkserver (``forkserver``: it
-    preloads :mod:`elasticrun.worker.forkserver_preload`): handle SIGTERM as a forked child
-    does, with the worker's mark opened through ``/proc``. Any other process is left as it is."""
+def adopt(started: bool = False) -> None:
+    """In a process a worker's ``spawn`` or ``forkserver`` started: handle SIGTERM as a forked
+    child does, with the worker's mark opened through ``/proc``. ``started``: from
+    :mod:`elasticrun.worker.spawned`, first thing in such a process; else at this module's
+    import, which counts only while multiprocessing imports the script again (a script run some
+    other way is left as it is)."""
     global _mark, _worker_pid
     pid, fd = _parse_mark(os.environ.get(env.WORKER_MARK))
     if not pid or pid == os.getpid() or env.SECRET_FD in os.environ or _worker_pid:
         return
     mp = sys.modules.get("multiprocessing")  # True while spawn or a forkserver imports the script
-    if not forkserver and (mp is None or not getattr(mp.current_process(), "_inheriting", False)):
+    if not started and (mp is None or not getattr(mp.current_process(), "_inheriting", False)):
         return
     try:
         if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
@@ -156,24 +160,50 @@ def after_torch_import() -> None:
         _after_torch_worker_handlers()
 
 
-def _preload_in_forkserver() -> None:
-    """Have the ``forkserver`` a worker starts import :mod:`elasticrun.worker.forkserver_preload`
-    first: a DataLoader's forkserver workers are its children, and torch's watchdog ends them
-    when their parent changes, so the forkserver must outlive a SIGTERM sent to every process
-    too. (Python up to 3.13 never preloads the script in it, whatever the preload list says.)
-    The modules the script asked to preload are kept."""
+def _first_in_what_it_starts() -> None:
+    """Have each new interpreter the worker's multiprocessing starts import
+    :mod:`elasticrun.worker.spawned` first thing, not only when it imports the script again
+    (seconds later, after torch):
+
+    * the ``forkserver``, through its preload list (the modules the script listed are kept): a
+      DataLoader's forkserver workers are its children, and torch's watchdog ends them when
+      their parent changes, so it must outlive such a SIGTERM too; and Python up to 3.13 never
+      imports the script in it, whatever the list says;
+    * each ``spawn`` child, through the ``-c`` program of its command line
+      (``multiprocessing.spawn.get_command_line``, wrapped)."""
     try:
-        from multiprocessing import forkserver
+        from multiprocessing import forkserver, spawn
+    except ImportError:
+        return  # (not POSIX)
+    try:
         server: Any = getattr(forkserver, "_forkserver", None)
         modules = list(getattr(server, "_preload_modules", None) or ["__main__"])
-        if PRELOAD not in modules:
-            forkserver.set_forkserver_preload(modules + [PRELOAD])
-    except (ImportError, AttributeError, TypeError):
-        pass  # no forkserver here (not POSIX): nothing to do
+        if SPAWNED not in modules:
+            forkserver.set_forkserver_preload(modules + [SPAWNED])
+    except (AttributeError, TypeError):
+        pass
+    original = spawn.get_command_line
+    if getattr(original, "_elasticrun", False):
+        return
+
+    def get_command_line(**kwds: Any) -> list[str]:
+        args = list(original(**kwds))
+        for i, arg in enumerate(args[:-1]):
+            if arg == "-c" and args[i + 1].startswith("from multiprocessing.spawn import"):
+                args[i + 1] = FIRST + args[i + 1]
+                break
+        return args
+
+    get_command_line._elasticrun = True  # type: ignore[attr-defined]  # (so a second arm() does not wrap it again)
+    spawn.get_command_line = get_command_line
 
 
-#: What :func:`_preload_in_forkserver` adds to the forkserver's preload list.
-PRELOAD = "elasticrun.worker.forkserver_preload"
+#: The module :func:`_first_in_what_it_starts` has every new interpreter import first.
+SPAWNED = "elasticrun.worker.spawned"
+#: What a spawn child's ``-c`` program starts with. It runs before multiprocessing sets the
+#: child's ``sys.path`` to the worker's: where elasticrun cannot be imported yet, the child
+#: starts as it would have (it may still adopt when it imports the script).
+FIRST = f"try:\n    import {SPAWNED}\nexcept Exception:\n    pass\n"
 
 
 def _after_torch_worker_handlers() -> None:

@@ -21,6 +21,9 @@ pytestmark = pytest.mark.timeout(60)
 
 PRELUDE = textwrap.dedent("""
     import multiprocessing as mp, os, signal, sys, time
+    if __name__ != "__main__" and os.environ.get("SLOW_CHILD_IMPORT"):  # a child importing this again:
+        open(f"importing-{os.getpid()}", "w").close()  # say so, then take a while (as torch's
+        time.sleep(3)                                    # import does on a busy machine)
     import elasticrun.torch  # as a script does (spawn and forkserver children import it again)
     from elasticrun.worker import forks
 
@@ -134,6 +137,28 @@ def test_a_real_dataloader_serves_every_batch_through_a_sigterm_to_the_group(tmp
     """.replace("CONTEXT", context), tmp_path, timeout=50)
     assert "worker: SIGTERM" in out, out
     assert "served 400 distinct 400" in out, out
+
+
+def test_a_spawned_dataloader_worker_still_importing_the_script_outlives_a_sigterm_to_the_group(tmp_path):
+    """A spawn child imports the script again, torch with it: seconds in which it had only
+    SIGTERM's default. It gets the handling first thing now, before the script."""
+    out = run_worker("""
+        import glob, torch
+        from torch.utils.data import DataLoader, TensorDataset
+        os.environ["SLOW_CHILD_IMPORT"] = "1"
+        loader = DataLoader(TensorDataset(torch.arange(40)), batch_size=4, num_workers=2,
+                            multiprocessing_context="spawn")
+        it = iter(loader)
+        deadline = time.monotonic() + 30
+        while len(glob.glob("importing-*")) < 2:
+            assert time.monotonic() < deadline, "the loader's workers never started"
+            time.sleep(0.01)
+        os.killpg(os.getpgid(0), signal.SIGTERM)  # both still importing the script
+        seen = [int(v) for (batch,) in it for v in batch]
+        say(f"served {len(seen)} distinct {len(set(seen))}")
+    """, tmp_path, timeout=50)
+    assert "worker: SIGTERM" in out, out
+    assert "served 40 distinct 40" in out, out
 
 
 def test_a_childs_own_handler_is_its_own_and_a_forked_child_is_no_worker(tmp_path):
