@@ -58,22 +58,19 @@ _worker_pid = 0  # the armed worker's pid (0: not armed)
 _worker_handler: Any = None
 
 
-_mark_fd = -1  # the worker's memfd behind _mark (kept open: its children open it by /proc path)
-
-
 def arm(handler: Any) -> None:
     """In the worker, once its SIGTERM ``handler`` is installed: make the shared mark and have
     every process it starts from now on treat SIGTERM as this module says."""
-    global _mark, _mark_fd, _worker_pid, _worker_handler
+    global _mark, _worker_pid, _worker_handler
     if _worker_pid == os.getpid():
         return
     _worker_pid = os.getpid()
     _worker_handler = handler
     try:  # a forked child shares the mapping; a spawned one opens the memfd by its /proc path
-        _mark_fd = os.memfd_create("elasticrun-sigterm-mark", os.MFD_CLOEXEC)
-        os.ftruncate(_mark_fd, 8)
-        _mark = mmap.mmap(_mark_fd, 8)
-        os.environ[env.WORKER_MARK] = f"{_worker_pid}:{_mark_fd}"
+        fd = os.memfd_create("elasticrun-sigterm-mark", os.MFD_CLOEXEC)  # never closed (children open it by path)
+        os.ftruncate(fd, 8)
+        _mark = mmap.mmap(fd, 8)
+        os.environ[env.WORKER_MARK] = f"{_worker_pid}:{fd}"
     except (AttributeError, OSError):  # no memfd (not Linux): forked children only
         _mark = mmap.mmap(-1, 8)
         os.environ.pop(env.WORKER_MARK, None)
@@ -142,8 +139,12 @@ def adopt(started: bool = False) -> None:
     try:
         if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
             return  # set by someone already: theirs
-        with open(f"/proc/{pid}/fd/{fd}", "rb") as f:
-            mark = mmap.mmap(f.fileno(), 8, access=mmap.ACCESS_READ)
+        # (O_NONBLOCK: were the pid another process's now, its descriptor could be a FIFO)
+        handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            mark = mmap.mmap(handle, 8, access=mmap.ACCESS_READ)
+        finally:
+            os.close(handle)
         signal.signal(signal.SIGTERM, _child_sigterm)
     except (OSError, ValueError):  # the worker is gone, or this is not the main thread
         return
@@ -167,8 +168,8 @@ def _first_in_what_it_starts() -> None:
 
     * the ``forkserver``, through its preload list (the modules the script listed are kept): a
       DataLoader's forkserver workers are its children, and torch's watchdog ends them when
-      their parent changes, so it must outlive such a SIGTERM too; and Python up to 3.13 never
-      imports the script in it, whatever the list says;
+      their parent changes, so it must outlive such a SIGTERM too; and Python 3.11 never
+      imports the script in it (it passes the forkserver no main path), whatever the list says;
     * each ``spawn`` child, through the ``-c`` program of its command line
       (``multiprocessing.spawn.get_command_line``, wrapped)."""
     try:

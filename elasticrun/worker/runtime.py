@@ -115,11 +115,10 @@ def _seconds(name: str, default: float) -> float:
 class Runtime:
     """A worker's view of the elastic job. Use :func:`init` / :func:`get`."""
 
-    def __init__(self, worker_above: int | None = None) -> None:
-        # worker_above: this process is no worker but one a worker started (forks.worker_above):
-        # it answers with that worker's place and joins nothing.
-        self.worker_above = worker_above
-        self.standalone = worker_above is not None or env.CONTROL_ADDR not in os.environ
+    def __init__(self, in_job: bool = True) -> None:
+        # in_job False: this process is no worker but one a worker started (forks.worker_above):
+        # it answers with that worker's place (inherited environment) and joins nothing.
+        self.standalone = not in_job or env.CONTROL_ADDR not in os.environ
         # Launched into a running job: init() takes no place; join() does, when one is first needed.
         self.joining = not self.standalone and os.environ.get(env.JOINING) == "1"
         self._join_lock = threading.Lock()
@@ -626,8 +625,7 @@ def init() -> Runtime:
     until then give the place it was launched for."""
     global _runtime
     with _init_lock:
-        above = forks.worker_above()
-        if _runtime is None and above is not None:
+        if _runtime is None and (above := forks.worker_above()) is not None:
             _runtime = _not_a_worker(above)
         if _runtime is None:
             level = os.environ.get(env.LOG_LEVEL)
@@ -661,7 +659,7 @@ def _not_a_worker(above: int) -> Runtime:
     fail for want of keys, and the DataLoader with it): ``hvd.rank()``, ``size()`` and the local
     and cross ranks answer the worker's as it started this process, and a collective says why it
     cannot run here. No timeline, notice, handler or exit hook: those are the worker's."""
-    rt = Runtime(worker_above=above)
+    rt = Runtime(in_job=False)
 
     def refuse() -> None:
         raise RuntimeError(
