@@ -114,6 +114,7 @@ def issue(r: Round, start: Callable[[Any], Any], what: str, desc: Op | None = No
         raise
     except Exception as exc:
         raise HorovodInternalError(f"{what} failed to start: {exc}") from exc
+    r.track(work)  # held until it completes, even if abandoned (see Round.track)
     if device or (not main and any(pg is g for g in r.device_groups.values())):
         return waiting.Polled(work)
     return work

@@ -261,13 +261,24 @@ def serve(state: Any) -> None:
         _server.start()
 
 
+#: How long shutdown waits for sends under way to a newcomer.
+SEND_SETTLE_S = 5.0
+
+
 def stop() -> None:
-    """Stop serving (at shutdown). Threads mid-transfer end with their group's timeout."""
+    """Stop serving (at shutdown), and wait (at most :data:`SEND_SETTLE_S`) for the sends under
+    way: a send's thread waits inside gloo with the GIL given up, and one that came back while
+    the interpreter finalizes would end the process with "terminate called without an active
+    exception" (exit -6), even a worker that was leaving cleanly. A send to a live newcomer
+    ends in about the time the model takes to cross the network; to a dead one, at once."""
     global _server
     with _server_lock:
         if _server is not None:
             _server.stop()
             _server.join(timeout=2.0)
+            deadline = time.monotonic() + SEND_SETTLE_S
+            for session in list(_server._sessions):
+                session.join(max(0.0, deadline - time.monotonic()))
             _server = None
 
 

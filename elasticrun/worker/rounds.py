@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from elasticrun.worker.durable import CopyRequests
     from elasticrun.worker.host_updates import HostUpdates
 
-__all__ = ["Round", "current", "defer", "install", "placed", "uninstall"]
+__all__ = ["Round", "completed", "current", "defer", "install", "placed", "uninstall"]
 
 #: How many recent operations a round remembers for ``join()``: more than any rank issues
 #: before it waits for one (the DistributedOptimizer's buckets of one step).
@@ -63,7 +63,7 @@ class Round:
     __slots__ = ("number", "rank", "size", "pg", "collective_timeout", "host_updates", "copy_requests", "copy_busy",
                  "step_done", "awaiting_first_step", "store", "subgroups", "calls", "log", "join_gen", "join_active",
                  "joined", "capacities", "device_backend", "device_groups", "form_device_group", "in_flight",
-                 "_aborted", "_emit", "__weakref__")
+                 "works", "_aborted", "_emit", "__weakref__")
 
     def __init__(self, number: int, rank: int, size: int, *, collective_timeout: float,
                  host_updates: HostUpdates, aborted: Mapping[int, str],
@@ -112,6 +112,8 @@ class Round:
         #: Agreed row capacities of the variable-size collectives, per group (() for the
         #: round's, the member ranks for a process set's): see worker/capacities.py.
         self.capacities: dict[tuple[int, ...], Capacities] = {}
+        #: The works of this round's collectives that may still be running (see :meth:`track`).
+        self.works: collections.deque[Any] = collections.deque()
         self._aborted = aborted  # round number -> reason, written by the runtime's control thread
         self._emit = emit
 
@@ -131,8 +133,46 @@ class Round:
             self.awaiting_first_step = False
             self._emit(Kind.FIRST_STEP, what=what)
 
+    def track(self, work: Any) -> None:
+        """Hold ``work`` (a collective just issued in this round) until it has completed.
+
+        Why: a collective abandoned when its round is aborted still runs on gloo's (or NCCL's)
+        thread until its peer's sockets close or its timeout passes. Had Python let go of it,
+        that thread would drop the last reference and free the collective's tensors itself,
+        taking the GIL to do so; if the interpreter starts finalizing meanwhile (the script
+        ended), the thread cannot take the GIL back inside that C++ destructor, and the process
+        dies with "terminate called without an active exception" (exit -6), its training done.
+        Held here, then by the runtime past the round's end (:meth:`unfinished`), the last
+        reference is always Python's. Completed works are let go from the front (collectives
+        complete in about the order they were issued), all of them past :data:`_HELD`.
+        """
+        works = self.works
+        while works and completed(works[0]):
+            works.popleft()
+        works.append(work)
+        if len(works) > _HELD:
+            self.works = collections.deque(w for w in works if not completed(w))
+
+    def unfinished(self) -> list[Any]:
+        """The works of this round still running (and forget the rest): at the round's end."""
+        left = [w for w in self.works if not completed(w)]
+        self.works = collections.deque()
+        return left
+
     def __repr__(self) -> str:
         return f"Round({self.number}, rank {self.rank} of {self.size})"
+
+
+#: Works a round holds before it looks past the first one still running (see Round.track).
+_HELD = 64
+
+
+def completed(work: Any) -> bool:
+    """Whether ``work`` has ended (succeeded or failed); a work that cannot say has ended."""
+    try:
+        return bool(work.is_completed())
+    except Exception:
+        return True
 
 
 _current: Round | None = None

@@ -59,42 +59,76 @@ forks.after_torch_import()  # in a DataLoader's spawn/forkserver worker: torch's
 _DROP_DELAY = 1.0
 
 
-def _drop_in_background(obj: Any, delay: float = _DROP_DELAY) -> None:
-    """Release an old process group off the training thread, ``delay`` seconds from now.
+def _drop_in_background(obj: Any, works: list[Any] | None = None, delay: float = _DROP_DELAY) -> None:
+    """Release an old process group off the training thread, ``delay`` seconds from now, and
+    not before ``works`` (the round's collectives still running: see Round.track) have ended.
 
     Why later: the old group usually still has a collective blocked on a peer that is alive
     but gone to the next round (or leaving), and gloo's teardown waits for it. Measured with
     2 hosts x 2 slots, tearing it down while the next round's group forms held that formation
     up until the blocked collective was released: 27-118 ms instead of 3 ms, and kill -> first
     step 155 ms instead of 40 ms. A second later the peers have moved on or exited, and the
-    teardown neither waits nor gets in the way.
+    teardown neither waits nor gets in the way. A collective still running then (a peer alive
+    but silent, until gloo's timeout) keeps its group and tensors another ``delay``.
     """
-    holder = [obj]
-    timer = threading.Timer(delay, holder.clear)
-    timer.daemon = True
-    timer.name = "elasticrun-drop-pg"
-    _pending_drops[:] = [(t, h) for t, h in _pending_drops if h or t.is_alive()]  # forget finished ones
-    _pending_drops.append((timer, holder))
-    timer.start()
+    _schedule_drop([obj, works or []], delay, again=False)
 
 
-#: Old groups still waiting for their release, as (timer, holder).
+def _schedule_drop(holder: list[Any], delay: float, again: bool = True) -> None:
+    global _drops_settled
+    with _drops_lock:
+        if not again:
+            _drops_settled = False  # a new round after hvd.shutdown(): releases resume
+        elif _drops_settled:  # a wait for a collective that ended only as the process ends: kept for good
+            _keep_for_good(holder)
+            return
+        timer = threading.Timer(delay, _drop_when_done, (holder, delay))
+        timer.daemon = True
+        timer.name = "elasticrun-drop-pg"
+        _pending_drops[:] = [(t, h) for t, h in _pending_drops if (h or t.is_alive()) and h is not holder]
+        _pending_drops.append((timer, holder))
+        timer.start()
+
+
+def _drop_when_done(holder: list[Any], delay: float) -> None:
+    """The timer's end: release the old round's groups, or look again later while one of its
+    collectives still runs (gloo's own timeout ends it at the latest)."""
+    if any(not rounds.completed(w) for w in holder[1]):
+        _schedule_drop(holder, delay)
+    else:
+        holder.clear()
+
+
+#: Old groups still waiting for their release, as (timer, holder), and whether the process
+#: is ending (no more timers then: what is left is kept).
 _pending_drops: list[tuple[threading.Timer, list[Any]]] = []
+_drops_lock = threading.Lock()
+_drops_settled = False
 
 
 def _settle_drops(timeout: float = 5.0) -> None:
     """At exit: never let an old group's teardown run on a daemon thread while the interpreter
     finalizes. Python ends such a thread with pthread_exit when it asks for the GIL back, which
     inside gloo's (noexcept) destructor is std::terminate: "terminate called without an active
-    exception", exit code -6. Releases not started yet are cancelled and the groups kept (the
-    process is ending: the OS closes their sockets); releases under way are waited for."""
+    exception", exit code -6. Releases not started yet are cancelled and the groups, with the
+    collectives their round left running, kept (the process is ending: the OS closes their
+    sockets); releases under way are waited for."""
+    global _drops_settled
     deadline = time.monotonic() + timeout
-    while _pending_drops:
-        timer, holder = _pending_drops.pop()
+    with _drops_lock:
+        _drops_settled = True
+        pending = list(_pending_drops)
+        _pending_drops.clear()
+    for timer, holder in pending:
         timer.cancel()
         if holder:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(holder))  # never freed, not even by finalization
+            _keep_for_good(holder)
         timer.join(max(0.0, deadline - time.monotonic()))
+
+
+def _keep_for_good(obj: Any) -> None:
+    """Never free ``obj``, not even in the interpreter's teardown (a process ending)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 _MASTER_KEY = "elasticrun/master"
@@ -267,8 +301,9 @@ class Runtime:
         store it was formed on, for process sets and join)."""
         old = self._round
         kept = old.pg if old.pg is not self._solo_pg else None
-        if kept is not None or old.subgroups:
-            _drop_in_background((kept, dict(old.subgroups)))
+        running = old.unfinished()
+        if kept is not None or old.subgroups or running:
+            _drop_in_background((kept, dict(old.subgroups)), running)
         for group in list(old.device_groups.values()):  # never waited on: the old round may hold a hung kernel
             devices.abort_soon(group, f"round {old.number} is over")
         old.device_groups.clear()
@@ -595,6 +630,9 @@ class Runtime:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
         devices.settle_aborts()
         _settle_drops()
+        running = self._round.unfinished()
+        if running:  # a collective abandoned in this round: its group cannot be torn down without waiting for it
+            _keep_for_good([running, self._round.pg, dict(self._round.subgroups)])
         prefetch.stop()
         if self._durable is not None:
             self._durable.close()

@@ -243,3 +243,62 @@ def test_a_worker_alone_again_keeps_its_group_and_gets_a_new_store(monkeypatch: 
     finally:
         rt._client = None
         runtime.shutdown()
+
+
+class Flag:
+    """A work whose completion the test sets."""
+
+    def __init__(self, done: bool = False) -> None:
+        self.done = done
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+class Broken:
+    def is_completed(self) -> bool:
+        raise RuntimeError("the work's group is gone")
+
+
+def test_a_round_holds_every_work_until_it_completes_and_lets_go_of_completed_ones():
+    r = make_round()
+    first, second, third = Flag(), Flag(), Flag()
+    for w in (first, second, third):
+        r.track(w)
+    assert list(r.works) == [first, second, third]
+    second.done = True
+    r.track(Flag())  # the first still runs: nothing is looked at past it
+    assert list(r.works)[:3] == [first, second, third]
+    first.done = True
+    fourth = Flag()
+    r.track(fourth)  # completed ones at the front go
+    assert list(r.works) == [third, r.works[1], fourth]
+    assert not r.works[1].done
+
+
+def test_past_the_bound_a_round_forgets_every_completed_work_not_only_those_in_front():
+    r = make_round()
+    stuck = Flag()
+    r.track(stuck)
+    done = [Flag(True) for _ in range(rounds._HELD)]
+    for w in done:
+        r.track(w)
+    assert list(r.works) == [stuck]  # the 65th held work made it look past the stuck one
+    assert len(r.works) <= rounds._HELD
+
+
+def test_at_a_rounds_end_the_works_still_running_are_handed_over_and_the_round_holds_none():
+    r = make_round()
+    running, finished, broken = Flag(), Flag(True), Broken()
+    for w in (running, finished, broken):
+        r.works.append(w)
+    assert r.unfinished() == [running]  # a work that cannot say whether it ended has ended
+    assert list(r.works) == []
+    assert rounds.completed(broken) and not rounds.completed(running)
+
+
+def test_issue_holds_the_work_it_started():
+    r = make_round(pg=object())
+    work = Flag()
+    assert issuing.issue(r, lambda pg: work, "op") is work
+    assert list(r.works) == [work]
