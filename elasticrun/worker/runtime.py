@@ -59,9 +59,12 @@ forks.after_torch_import()  # in a DataLoader's spawn/forkserver worker: torch's
 _DROP_DELAY = 1.0
 
 
-def _drop_in_background(obj: Any, works: list[Any] | None = None, delay: float = _DROP_DELAY) -> None:
+def _drop_in_background(obj: Any, works: list[Any] | None = None, delay: float = _DROP_DELAY,
+                        at_most: float = 600.0) -> None:
     """Release an old process group off the training thread, ``delay`` seconds from now, and
-    not before ``works`` (the round's collectives still running: see Round.track) have ended.
+    not before ``works`` (the round's collectives still running: see Round.track) have ended,
+    or ``at_most`` seconds have passed (past gloo's own timeout, which ends a gloo collective:
+    a work that never says it ended, an aborted NCCL one, does not hold the group for good).
 
     Why later: the old group usually still has a collective blocked on a peer that is alive
     but gone to the next round (or leaving), and gloo's teardown waits for it. Measured with
@@ -71,7 +74,7 @@ def _drop_in_background(obj: Any, works: list[Any] | None = None, delay: float =
     teardown neither waits nor gets in the way. A collective still running then (a peer alive
     but silent, until gloo's timeout) keeps its group and tensors another ``delay``.
     """
-    _schedule_drop([obj, works or []], delay, again=False)
+    _schedule_drop([obj, works or [], time.monotonic() + at_most], delay, again=False)
 
 
 def _schedule_drop(holder: list[Any], delay: float, again: bool = True) -> None:
@@ -93,7 +96,7 @@ def _schedule_drop(holder: list[Any], delay: float, again: bool = True) -> None:
 def _drop_when_done(holder: list[Any], delay: float) -> None:
     """The timer's end: release the old round's groups, or look again later while one of its
     collectives still runs (gloo's own timeout ends it at the latest)."""
-    if any(not rounds.completed(w) for w in holder[1]):
+    if time.monotonic() < holder[2] and any(not rounds.completed(w) for w in holder[1]):
         _schedule_drop(holder, delay)
     else:
         holder.clear()
@@ -303,7 +306,8 @@ class Runtime:
         kept = old.pg if old.pg is not self._solo_pg else None
         running = old.unfinished()
         if kept is not None or old.subgroups or running:
-            _drop_in_background((kept, dict(old.subgroups)), running)
+            _drop_in_background((kept, dict(old.subgroups)), running,
+                                at_most=rounds.group_timeout(old.collective_timeout).total_seconds() + 10.0)
         for group in list(old.device_groups.values()):  # never waited on: the old round may hold a hung kernel
             devices.abort_soon(group, f"round {old.number} is over")
         old.device_groups.clear()

@@ -61,3 +61,9 @@ def test_at_exit_a_group_whose_collective_still_runs_is_kept_and_so_is_the_colle
     work.done = True
     assert not released.wait(0.3)  # kept for good: gloo's thread never frees its tensors in the teardown
     assert not runtime._pending_drops
+
+
+def test_a_collective_that_never_says_it_ended_holds_its_group_no_longer_than_asked() -> None:
+    released = threading.Event()
+    runtime._drop_in_background(Tracked(released), [Running()], delay=0.01, at_most=0.2)
+    assert released.wait(5.0)
