@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, assert_nothing_left
+from conftest import SCRIPTS, assert_nothing_left, tagged_pids
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -54,13 +54,53 @@ def stop_with_one_signal(job, sig: int = signal.SIGTERM) -> tuple[str, float, fl
     """One signal to the driver: (its stderr, the bound it printed, the seconds it took)."""
     os.kill(job.proc.pid, sig)
     sent = time.monotonic()
-    _, err = job.proc.communicate(timeout=120)
+    try:
+        _, err = job.proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # say what was still running, and what the driver said
+        alive = [f"{pid} {describe(pid)}" for pid in tagged_pids(job.tag)]
+        stop_everything(job)
+        _, err = job.proc.communicate(timeout=30)
+        pytest.fail(f"the job did not end within 120 s of one signal (driver exit code {job.proc.returncode}); "
+                    f"still running then:\n" + "\n".join(alive) + f"\nstderr:\n{err[-6000:]}")
     took = time.monotonic() - sent
     assert job.proc.returncode == 128 + sig, err
     m = re.search(r"the job ends within (\d+) s", err)
     assert m, err
     assert_nothing_left(job.tag)
     return err, float(m.group(1)), took
+
+
+def describe(pid: int) -> str:
+    """A live process for a failure message: its state, where it waits, its command line."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(") ", 1)[1].split()[0]
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+        return f"[{state} {wchan}] {cmdline}"
+    except OSError:
+        return "(gone)"
+
+
+def stop_everything(job) -> None:
+    """Kill the job and whatever it started (a worker in a session of its own too)."""
+    if job.proc is not None and job.proc.poll() is None:
+        os.killpg(job.proc.pid, signal.SIGKILL)
+    for pid in tagged_pids(job.tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def unmount(job, mnt: Path) -> None:
+    """Nothing of the job may still hold the small disk, or it stays mounted."""
+    stop_everything(job)
+    deadline = time.monotonic() + 10
+    while subprocess.run(["umount", str(mnt)], capture_output=True).returncode and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 class Marker:
@@ -129,7 +169,7 @@ def test_one_sigterm_stops_the_job_when_the_checkpoint_disk_is_full(job):
         assert "no last durable copy: durable copy not written (" in err and "No space left" in err, err
         assert not list(mnt.glob("ckpt-*")) and not list(mnt.glob(".tmp-*"))
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        unmount(job, mnt)
 
 
 # --- 2. a directory someone else can write is never trusted -------------------------------------
@@ -287,7 +327,7 @@ def test_output_files_on_a_disk_that_fills_cost_a_warning_not_the_job(job):
         assert "Traceback" not in r.stderr
         assert r.stdout.count("x" * 200) == 4000  # the console lost nothing
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        unmount(job, mnt)
 
 
 # --- 6. every duration is a finite number in a stated range ----------------------------------------
