@@ -631,7 +631,7 @@ class Runtime:
         # The current round's NCCL groups are kept to the end (an abort costs a second; the
         # process's end frees them); aborts already under way are waited for.
         for group in self._round.device_groups.values():
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+            _keep_for_good(group)
         devices.settle_aborts()
         _settle_drops()
         running = self._round.unfinished()
