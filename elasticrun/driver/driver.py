@@ -72,7 +72,11 @@ COMMIT_NEWS = 1.5
 STOP_MARGIN = 3.0
 
 
-class _Interrupted(Exception):
+class _Interrupted(BaseException):
+    """A stop signal (SIGINT, SIGTERM, SIGHUP). A BaseException, as KeyboardInterrupt is: no
+    ``except Exception`` on its way (a request's handler, logging's ``emit``, a launcher's error
+    report) may take it for an error, say it, and leave the job running after its one SIGTERM."""
+
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
@@ -203,12 +207,7 @@ class ElasticDriver:
     # --- plumbing --------------------------------------------------------------------------
     def _post(self, kind: str, payload: Any) -> None:
         self._events.put((kind, payload))
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full: the loop is already awake
-        except OSError:
-            pass  # the driver has closed: nobody is left to wake
+        self._wake()
 
     def _rank_of(self, worker_id: str) -> int:
         w = self.registry.workers.get(worker_id)
@@ -256,12 +255,14 @@ class ElasticDriver:
         # SIGTERM does, in order and with a last durable copy, instead of killing the driver.
         # An ignored SIGINT or SIGHUP stays ignored: a process started in the background by a
         # script, under nohup, or by a caller that chose to ignore it, is not stopped by one.
-        previous = ({s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-                     if signal.getsignal(s) is not signal.SIG_IGN or s == signal.SIGTERM}
-                    if threading.current_thread() is threading.main_thread() else {})
+        previous: dict[signal.Signals, Any] = {}
         if self.settings.status_interval > 0:
             self._status_due = time.monotonic() + self.settings.status_interval
         try:
+            if threading.current_thread() is threading.main_thread():
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                    if signal.getsignal(sig) is not signal.SIG_IGN or sig == signal.SIGTERM:
+                        previous[sig] = signal.signal(sig, self._on_signal)
             self.registry.discovered(first.hosts, time.monotonic(), first.draining)
             self._execute(self.registry.decide(time.monotonic()))
             if self.settings.hosts is None:  # a discovery script or callable: poll it
@@ -320,12 +321,27 @@ class ElasticDriver:
 
     _stopping = False
     _hurry = False  # a second signal while stopping: no final durable copy
+    #: The loop is applying what one wake-up brought (requests, events, a decision): a signal
+    #: then waits for the end of that step (milliseconds), so that the stop never begins from
+    #: a registry, a store or a launch left half done.
+    _in_step = False
+    _pending_signal = 0
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if self._stopping:
+        if self._stopping or self._pending_signal:  # a second signal: the (bounded) stop goes on, in a hurry
             self._hurry = True
-        if not self._stopping:  # while stopping, the (bounded) stop goes on
+        elif self._in_step:
+            self._pending_signal = signum
+        else:
+            self._stopping = True  # from here on a signal hurries the stop, never interrupts it
             raise _Interrupted(signum)
+        self._wake()  # the loop looks at once, not at its next timeout
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass  # the pipe is full (the loop is already awake), or closed (the job is over)
 
     def _first_discovery(self) -> HostList:
         try:
@@ -399,53 +415,62 @@ class ElasticDriver:
             if stop_at is not None:
                 due = min(due, stop_at)
             events = dict(poller.poll(int(max(0.0, min(0.5, due - now)) * 1000) + 1))
-            # Workers' messages first: what a worker sent before it died (its last heartbeat, its
-            # failure report) is read before the death its launcher posts.
-            polled = time.monotonic()
-            if self._zap_sock in events:  # handshakes first: a worker connecting waits on them
-                self._zap.serve()
-            if self._router not in events:
-                heard_until = polled
-            else:
-                for _ in range(1000):  # drain what is there, then look at the other sources again
+            done = False
+            self._in_step = True  # a stop signal waits for the end of this step (see _on_signal)
+            try:
+                # Workers' messages first: what a worker sent before it died (its last heartbeat, its
+                # failure report) is read before the death its launcher posts.
+                polled = time.monotonic()
+                if self._zap_sock in events:  # handshakes first: a worker connecting waits on them
+                    self._zap.serve()
+                if self._router not in events:
+                    heard_until = polled
+                else:
+                    for _ in range(1000):  # drain what is there, then look at the other sources again
+                        try:
+                            parts, n = _receive(self._router)
+                        except zmq.Again:
+                            heard_until = polled
+                            break
+                        if n == 2:
+                            self.handle_frame(*parts)
+                        else:  # a DEALER sends one frame, which the ROUTER receives after the peer's identity
+                            self._limited.warn("dropped control frames", f"dropped a message of {n} frames "
+                                               f"(a request is 1 frame)", f"messages of {n} frames")
+                    self._limited.flush()
+                if self._wake_r in events:
+                    os.read(self._wake_r, 4096)
+                while True:
                     try:
-                        parts, n = _receive(self._router)
-                    except zmq.Again:
-                        heard_until = polled
+                        kind, payload = self._events.get_nowait()
+                    except queue.Empty:
                         break
-                    if n == 2:
-                        self.handle_frame(*parts)
-                    else:  # a DEALER sends one frame, which the ROUTER receives after the peer's identity
-                        self._limited.warn("dropped control frames", f"dropped a message of {n} frames "
-                                           f"(a request is 1 frame)", f"messages of {n} frames")
-                self._limited.flush()
-            if self._wake_r in events:
-                os.read(self._wake_r, 4096)
-            while True:
-                try:
-                    kind, payload = self._events.get_nowait()
-                except queue.Empty:
-                    break
-                self._on_event(kind, payload)
-            now = time.monotonic()
-            if now - heard_until > _BEHIND_WARNING:
-                self._limited.warn("driver behind", f"the driver is {now - heard_until:.1f} "
-                                   f"s behind its workers' messages (too few cores for this many workers?): it "
-                                   f"judges no worker hung until it has read them", "behind")
-            if now >= next_tick or (self.registry.dirty and now >= hold_until):
-                self._execute(self.registry.decide(now, heard_until))
-                deadline = self.registry.next_deadline()
-                next_tick = min(deadline, now + 1.0) if deadline is not None else now + 1.0
-                took = time.monotonic() - now
-                hold_until = now + 2 * took  # = the decision's end + t
-            self._send_store_replies(self._store.expire(now))
-            self._ask_for_copy(now)
-            if self._status_due is not None and now >= self._status_due:
-                self._status(now)
-            if self.registry.finished is not None:
+                    self._on_event(kind, payload)
+                now = time.monotonic()
+                if now - heard_until > _BEHIND_WARNING:
+                    self._limited.warn("driver behind", f"the driver is {now - heard_until:.1f} "
+                                       f"s behind its workers' messages (too few cores for this many workers?): it "
+                                       f"judges no worker hung until it has read them", "behind")
+                if now >= next_tick or (self.registry.dirty and now >= hold_until):
+                    self._execute(self.registry.decide(now, heard_until))
+                    deadline = self.registry.next_deadline()
+                    next_tick = min(deadline, now + 1.0) if deadline is not None else now + 1.0
+                    took = time.monotonic() - now
+                    hold_until = now + 2 * took  # = the decision's end + t
+                self._send_store_replies(self._store.expire(now))
+                self._ask_for_copy(now)
+                if self._status_due is not None and now >= self._status_due:
+                    self._status(now)
+                done = self.registry.finished is not None or until is not None and (
+                    until() or self._hurry or (stop_at is not None and time.monotonic() >= stop_at))
+            finally:
+                self._in_step = False
+            signum, self._pending_signal = self._pending_signal, 0
+            if done:  # a signal that came in the step that finished the job has nothing left to stop
                 return self.registry.finished
-            if until is not None and (until() or self._hurry or (stop_at is not None and time.monotonic() >= stop_at)):
-                return None
+            if signum:  # it came during the step: the stop begins from a whole one
+                self._stopping = True
+                raise _Interrupted(signum)
 
     def _on_event(self, kind: str, payload: Any) -> None:
         now = time.monotonic()

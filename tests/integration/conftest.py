@@ -135,9 +135,11 @@ class Job:
                 "--marker-dir", str(self.markers), "--epochs", str(epochs), "--batches", str(batches),
                 "--sleep", str(sleep), *extra]
 
-    def start(self, launcher_args: list[str], command: list[str], **env: str) -> subprocess.Popen:
+    def start(self, launcher_args: list[str], command: list[str], driver: list[str] | None = None,
+              **env: str) -> subprocess.Popen:
+        """``driver``: what runs in place of ``python -m elasticrun`` (a wrapper script)."""
         self.started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "elasticrun", *launcher_args, *command],
+        self.proc = subprocess.Popen([sys.executable, *(driver or ["-m", "elasticrun"]), *launcher_args, *command],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=self.env(**env), cwd=self.tmp, start_new_session=True)
         return self.proc

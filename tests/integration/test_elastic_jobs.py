@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import PROGRESS_DISCOVERY
+from conftest import PROGRESS_DISCOVERY, SCRIPTS
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -193,6 +193,34 @@ def test_signal_stops_every_worker(job, sig):
     # The exit summary, as at a normal end, comes after the workers are stopped.
     assert re.search(r"^\[elasticrun\] summary: 1 round\(s\), 0 reset\(s\) .*; blacklisted hosts: none$",
                      stderr, re.M), stderr
+
+
+@pytest.mark.parametrize("inside", [
+    "elasticrun.driver.driver:ElasticDriver._on_heartbeat",  # a request's handler (any error there is logged)
+    "logging:StreamHandler.flush",  # a console line's write (logging reports its errors and goes on)
+    "elasticrun.driver.registry:Registry.decide",  # a decision, between reading the events and acting on them
+])
+def test_one_sigterm_stops_the_job_wherever_it_lands(job, inside):
+    """The driver's SIGTERM used to be an Exception raised wherever the signal landed: in a
+    request's handler or a log line's write, which take any Exception for an error of theirs,
+    it was said ("ignored a 'heartbeat' request ...: _Interrupted: SIGTERM") and the job went on."""
+    when = job.tmp / "signal-now"
+    job.start(["-np", "2", "-H", TWO.format(s=1), "--status-interval", "0.2"],
+              job.train_cmd(epochs=1000, batches=5, sleep=0.05),
+              driver=[str(SCRIPTS / "signal_inside.py")], SIGNAL_IN=inside, SIGNAL_WHEN=str(when))
+    deadline = time.monotonic() + 60
+    while not (job.log.exists() and job.log.read_text().count("\n") >= 2):  # training is under way
+        assert time.monotonic() < deadline, "the job never started training"
+        time.sleep(0.05)
+    when.touch()
+    touched = time.monotonic()
+    r = job.finish(timeout=60)  # asserts that nothing is left behind
+    took = time.monotonic() - touched
+    assert r.returncode == 128 + signal.SIGTERM, r.stderr
+    assert "received SIGTERM: stopping 2 worker(s)" in r.stderr, r.stderr
+    for never in ("_Interrupted", "Traceback", "Logging error", "ignored a"):
+        assert never not in r.stderr, r.stderr
+    assert took < 20, f"took {took:.1f} s\n{r.stderr}"
 
 
 def test_misconfigured_discovery_script_fails_at_once(job, tmp_path):
