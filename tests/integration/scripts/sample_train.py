@@ -10,6 +10,7 @@ Progress is written as EPOCH*1000+BATCH to --progress for the discovery schedule
 """
 
 import argparse
+import glob
 import json
 import os
 import signal
@@ -106,6 +107,7 @@ class LoggedState(hvd.elastic.TorchState):
     def restore(self):
         super().restore()
         pending.clear()
+        join_kill_all()
 
     def check_host_updates(self):
         try:
@@ -149,6 +151,17 @@ def maybe_signal(epoch: int, batch: int) -> None:
         if not os.path.exists(marker):
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def join_kill_all() -> None:
+    """--kill-all: a worker whose step failed because another one killed itself there first
+    (its last collective ended on that worker before it ended here) dies too, at its restore:
+    it would never reach the point itself, waiting for a round that cannot form."""
+    me = f"{rt.hostname}:{rt.slot}"
+    if (args.kill_all and glob.glob(os.path.join(args.log_dir, "killed-all-*"))
+            and not os.path.exists(os.path.join(args.log_dir, f"killed-all-{me}"))):
+        open(os.path.join(args.log_dir, f"killed-all-{me}"), "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def maybe_slow(epoch: int, batch: int) -> None:
