@@ -219,50 +219,41 @@ class ElasticDriver:
             log.warning("ignoring %s: Horovod's engine tuning flags have nothing to tune here (no tensor fusion "
                         "cycle, response cache, autotuner or stall check; see docs/porting-from-horovod.md)",
                         ", ".join(self.settings.ignored_horovodrun_flags))
+        # From the first moment: a signal during the first discovery (a script that hangs) stops
+        # it, its process group included, instead of killing the driver and leaving it running.
+        previous = self._catch_stop_signals()
+        ctx: zmq.Context | None = None
+        started = False  # past the first discovery: a stop or a failure from here on is the job's
         try:
             self._open_checkpoints()  # before anything starts: a directory in use or unusable is refused
             first = self._first_discovery()
-        except BaseException:
-            self._launcher.stop_all(0.0)  # nothing runs yet but, perhaps, a warm-start template
-            self._close_checkpoints()
-            raise
-        most = self.settings.max_np or self.settings.np
-        _raise_open_file_limit(most)
-        threads = io_threads(most, usable_cores())
-        if threads > 1:
-            log.info("up to %d workers: their connections' encryption runs on %d ZeroMQ I/O threads", most, threads)
-        ctx = zmq.Context(io_threads=threads)
-        # Only the job's workers get in: the socket is a CURVE server, and this ZAP handler
-        # (bound before it) admits only the job's client key, so no frame of anyone else ever
-        # reaches it. MAXMSGSIZE also bounds the handshake's frames.
-        # (Served by the loop itself, see ZapAuthenticator.start_inline.)
-        self._zap = ZapAuthenticator(ctx, [self._keys.worker.client_public])
-        self._zap_sock = self._zap.start_inline()
-        self._router = ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        # Hundreds of workers connect at once; the default accept queue (100) drops
-        # connections that then retry only after a second.
-        self._router.setsockopt(zmq.BACKLOG, 4096)
-        secure_server(self._router, self._keys, MAX_FRAME_BYTES)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # 127.0.0.1 (or --driver-address) now; for remote hosts, the address they route to, on demand.
-        self._endpoints = DriverEndpoints(self._router, driver_bind_address(self.settings))
-        self._control_addr = self._endpoints.local()
-        self.reply_to = self._send_reply
-        self._durable = self._start_durable(ctx)
-        # Signal handlers can only be set in the main thread (elasticrun.run() may be called elsewhere).
-        # SIGHUP (the terminal or SSH session it was started from went away) stops the job as
-        # SIGTERM does, in order and with a last durable copy, instead of killing the driver.
-        # An ignored SIGINT or SIGHUP stays ignored: a process started in the background by a
-        # script, under nohup, or by a caller that chose to ignore it, is not stopped by one.
-        previous: dict[signal.Signals, Any] = {}
-        if self.settings.status_interval > 0:
-            self._status_due = time.monotonic() + self.settings.status_interval
-        try:
-            if threading.current_thread() is threading.main_thread():
-                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                    if signal.getsignal(sig) is not signal.SIG_IGN or sig == signal.SIGTERM:
-                        previous[sig] = signal.signal(sig, self._on_signal)
+            started = True
+            most = self.settings.max_np or self.settings.np
+            _raise_open_file_limit(most)
+            threads = io_threads(most, usable_cores())
+            if threads > 1:
+                log.info("up to %d workers: their connections' encryption runs on %d ZeroMQ I/O threads", most, threads)
+            ctx = zmq.Context(io_threads=threads)
+            # Only the job's workers get in: the socket is a CURVE server, and this ZAP handler
+            # (bound before it) admits only the job's client key, so no frame of anyone else ever
+            # reaches it. MAXMSGSIZE also bounds the handshake's frames.
+            # (Served by the loop itself, see ZapAuthenticator.start_inline.)
+            self._zap = ZapAuthenticator(ctx, [self._keys.worker.client_public])
+            self._zap_sock = self._zap.start_inline()
+            self._router = ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            # Hundreds of workers connect at once; the default accept queue (100) drops
+            # connections that then retry only after a second.
+            self._router.setsockopt(zmq.BACKLOG, 4096)
+            secure_server(self._router, self._keys, MAX_FRAME_BYTES)
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # 127.0.0.1 (or --driver-address) now; for remote hosts, the address they route to, on demand.
+            self._endpoints = DriverEndpoints(self._router, driver_bind_address(self.settings))
+            self._control_addr = self._endpoints.local()
+            self.reply_to = self._send_reply
+            self._durable = self._start_durable(ctx)
+            if self.settings.status_interval > 0:
+                self._status_due = time.monotonic() + self.settings.status_interval
             self.registry.discovered(first.hosts, time.monotonic(), first.draining)
             self._execute(self.registry.decide(time.monotonic()))
             if self.settings.hosts is None:  # a discovery script or callable: poll it
@@ -271,6 +262,9 @@ class ElasticDriver:
             assert finished is not None  # without ``until``, the loop returns only a finished job
             return self._conclude(finished)
         except _Interrupted as exc:
+            if not started:
+                log.warning("received %s before any worker started: stopped", exc)
+                return 128 + exc.signum
             self._stopping = True  # a second Ctrl-C must not interrupt the stop itself
             self._final_copy(exc.signum)
             log.warning("received %s: stopping %d worker(s)", exc, len(self.registry.live()))
@@ -282,22 +276,48 @@ class ElasticDriver:
             self._summarize()
             return 128 + exc.signum
         except BaseException:
-            self._stopping = True
-            self._shutdown()
-            self._summarize()
+            if started:  # (a first discovery or a checkpoint directory refused: its one line says it all)
+                self._stopping = True
+                self._shutdown()
+                self._summarize()
             raise
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+            self._restore_signals(previous)
+            if not started:
+                self._launcher.stop_all(0.0)  # nothing runs yet but, perhaps, a warm-start template
             self._stop_discovery.set()
             if self._durable is not None:
                 self._durable.stop()
             self._close_checkpoints()
-            self._router.close(0)
-            self._zap.stop()
-            ctx.term()
+            if self._router is not None:
+                self._router.close(0)
+            zap = getattr(self, "_zap", None)
+            if zap is not None:
+                zap.stop()
+            if ctx is not None:
+                ctx.term()
             self.close()
             self._sink.close()
+
+    def _catch_stop_signals(self) -> dict[signal.Signals, Any]:
+        """Take SIGINT, SIGTERM and SIGHUP (what they were before, to put back at the end).
+
+        Only in the main thread (elasticrun.run() may be called elsewhere). SIGHUP (the
+        terminal or SSH session it was started from went away) stops the job as SIGTERM does,
+        in order and with a last durable copy, instead of killing the driver. An ignored SIGINT
+        or SIGHUP stays ignored: a process started in the background by a script, under nohup,
+        or by a caller that chose to ignore it, is not stopped by one."""
+        previous: dict[signal.Signals, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                if signal.getsignal(sig) is not signal.SIG_IGN or sig == signal.SIGTERM:
+                    previous[sig] = signal.signal(sig, self._on_signal)
+        return previous
+
+    @staticmethod
+    def _restore_signals(previous: dict[signal.Signals, Any]) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
     @property
     def keys(self) -> JobKeys:

@@ -233,6 +233,27 @@ def test_misconfigured_discovery_script_fails_at_once(job, tmp_path):
     assert "cannot reach the scheduler" in r.stderr
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_a_hanging_first_discovery_stops_it(job, tmp_path, sig):
+    """A discovery script that hangs (a scheduler's API that does not answer) and a stop before
+    it has answered: the driver stops the script, says so in one line, and exits 128+N. It
+    used to die of the SIGTERM without a word and leave the script running (a Ctrl-C gave a
+    traceback)."""
+    script, started = tmp_path / "hangs.sh", tmp_path / "asked"
+    script.write_text(f"#!/bin/sh\ntouch {started}\nsleep 600\n")
+    script.chmod(0o755)
+    job.start(["-np", "2", "--host-discovery-script", str(script), "--discovery-timeout", "300"],
+              job.train_cmd(epochs=1))
+    deadline = time.monotonic() + 30
+    while not started.exists():
+        assert time.monotonic() < deadline and job.proc.poll() is None, "the discovery script never ran"
+        time.sleep(0.02)
+    os.kill(job.proc.pid, sig)
+    r = job.finish(timeout=30)  # asserts that nothing is left behind: the script's sleep included
+    assert r.returncode == 128 + sig, r.output
+    assert r.stderr.strip() == f"[elasticrun] received {sig.name} before any worker started: stopped", r.stderr
+
+
 def test_start_timeout_when_too_few_hosts(job):
     r = job.run(["-np", "3", "--host-discovery-script", str(PROGRESS_DISCOVERY), "--start-timeout", "1"],
                 job.train_cmd(epochs=1), **discovery(f"0:{TWO.format(s=1)}"))
