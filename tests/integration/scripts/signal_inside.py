@@ -12,6 +12,7 @@ import importlib
 import os
 import signal
 import sys
+import threading
 import time
 
 where, _, attr_path = os.environ["SIGNAL_IN"].partition(":")
@@ -25,7 +26,10 @@ fired = False
 
 def wrapped(*args, **kwargs):
     global fired
-    if not fired and os.path.exists(os.environ["SIGNAL_WHEN"]):
+    # Only in the driver's main thread, where Python runs signal handlers (a console line is also
+    # written by the threads that relay the workers' output).
+    if (not fired and threading.current_thread() is threading.main_thread()
+            and os.path.exists(os.environ["SIGNAL_WHEN"])):
         fired = True
         os.kill(os.getpid(), signal.SIGTERM)
         # Python runs its handler in the main thread at its next check, within this wait.
