@@ -109,17 +109,52 @@ class History:
 
 
 def read_history(log_dir: Path) -> History:
+    """The committed history in the logs of every process (scripts/fault_train.py's; also
+    sample_train.py's, whose samples each name their commit).
+
+    Each save logs its samples, then its commit record (number, round, checksum); samples a
+    restored rank adopts after a sync are followed by ``{"adopted": N}``. A commit that only
+    ranks that died completed is lost with them: the survivors roll back past it and commit
+    the same number again in a later round. Its records and samples are a branch that ended,
+    not history, and are left out (the survivors redo those samples once)."""
+    segments: list[tuple[tuple[int, int] | None, dict | None, list[dict]]] = []  # (commit, round), record, samples
+    last: set[int] = set()  # the segment each process logged last (a lost commit must be its holder's last word)
+    for path in log_dir.glob("samples-*.jsonl"):
+        samples: list[dict] = []
+        first = len(segments)
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            if "checksum" in entry:  # a save's commit record
+                segments.append(((entry["commit"], entry["round"]), entry, samples))
+                samples = []
+            elif "adopted" in entry:  # samples of a commit a peer completed, adopted at the sync
+                segments.append((None, None, samples))
+                samples = []
+            elif "commit" in entry:  # sample_train.py's: each sample names its commit, logged once held
+                segments.append((None, None, [entry]))
+            else:
+                samples.append(entry)
+        assert not samples, f"{path.name}: samples logged without the commit that holds them"
+        if len(segments) > first:
+            last.add(len(segments) - 1)
+    newest_round: dict[int, int] = {}
+    for key, _, _ in segments:
+        if key is not None:
+            newest_round[key[0]] = max(newest_round.get(key[0], -1), key[1])
     counts: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     checksums: dict[int, set[str]] = collections.defaultdict(set)
     sizes: set[int] = set()
-    for path in log_dir.glob("samples-*.jsonl"):
-        for line in path.read_text().splitlines():
-            entry = json.loads(line)
-            if "checksum" in entry:  # a fault script's commit record (sample_train.py tags samples with "commit")
-                checksums[entry["commit"]].add(entry["checksum"])
-            else:
-                counts[entry["epoch"]].update(entry["indices"])
-                sizes.add(entry["size"])
+    for i, (key, record, samples) in enumerate(segments):
+        if key is not None and key[1] < newest_round[key[0]]:
+            # Committed again in a later round: this one was lost with its holders, which must
+            # all have died right after it (dropping the newest commit of a live holder is a bug).
+            assert i in last, f"commit {key[0]} of round {key[1]} was dropped, but its holder lived on"
+            continue
+        if record is not None:
+            checksums[record["commit"]].add(record["checksum"])
+        for entry in samples:
+            counts[entry["epoch"]].update(entry["indices"])
+            sizes.add(entry["size"])
     faults_file = log_dir / "faults.jsonl"
     faults = [json.loads(line) for line in faults_file.read_text().splitlines()] if faults_file.exists() else []
     return History(counts, checksums, sizes, faults)

@@ -5,8 +5,13 @@ process's log (``--log-dir/samples-PID.jsonl``) only when a commit's save comple
 with one ``commit`` record per save: the commit number (a state attribute, so it rolls back
 with the state) and a checksum of the model and optimizer state. A restore sets the buffer
 aside; it is logged after the next sync only if the state synced to already contains the
-commit it was meant for (a peer completed that commit: see the ``abandon`` fault). So the union of all logs is the committed history: every index of every epoch must
-appear once, and every rank that logged commit N must have logged the same checksum.
+commit it was meant for (a peer completed that commit: see the ``abandon`` fault), followed by an
+``{"adopted": N}`` record. So the union of all logs is the committed history, but for one
+case: a commit that only ranks that then died completed is lost with them (no holder is
+alive), the survivors roll back past it and commit the same number again in a later round;
+what the dead logged under the lost one is not history (test_fault_phases.read_history drops
+it). Every index of every epoch must appear once in that history, and every rank that logged
+commit N must have logged the same checksum.
 
 Faults (``--fault PHASE@WHO[@EPOCH:BATCH]``, repeatable; WHO is ``HOST:SLOT`` or ``rankN``;
 each fires once, remembered by a marker file in --log-dir). All are SIGKILL of the worker
@@ -223,10 +228,10 @@ class LoggedState(hvd.elastic.TorchState):
             super().sync()
         finally:
             in_sync.on = False
-        adopted = [lines for commit, lines in discarded if commit <= self.commits]
-        if adopted:
+        adopted = [(commit, lines) for commit, lines in discarded if commit <= self.commits]
+        if adopted:  # each batch of lines followed by the commit that holds it (no checksum: not a save)
             with open(log_path, "a") as f:
-                f.write("".join(line for lines in adopted for line in lines))
+                f.write("".join("".join(lines) + json.dumps({"adopted": commit}) + "\n" for commit, lines in adopted))
         discarded.clear()
 
     def check_host_updates(self):
