@@ -30,7 +30,9 @@ And one that is not a kill: ``abandon`` makes the chosen rank's commit give up i
 allgather when the round is aborted, as if the data were still in flight at that moment,
 although its peers completed the same allgather (combine with ``commit`` on another rank).
 
-Before dying, a fault appends ``{"phase", "who", "t"}`` to ``--log-dir/faults.jsonl``. Each
+Before dying, a fault appends ``{"phase", "who", "t"}`` to ``--log-dir/faults.jsonl``. A
+fault that fires also kills the workers of the same host armed with the same fault (same phase
+and step): a host dies at once. Each
 worker also appends ``{"round", "t"}`` of its first completed step in every round to
 ``--log-dir/steps-PID.jsonl`` (not transactional: for timing only).
 
@@ -82,10 +84,43 @@ def armed(phase: str, at: tuple[int, int] | None = None) -> str | None:
     return None
 
 
-def die(phase: str, marker: str) -> None:
-    open(marker, "w").close()
+def _pid_file(who: str) -> str:
+    return os.path.join(args.log_dir, f"pid-{who.replace(':', '_')}")
+
+
+with open(_pid_file(ME), "w") as _f:
+    _f.write(str(os.getpid()))
+
+
+def _claim(marker: str) -> bool:
+    """Create the fault's marker; False if it exists (two workers of a host may fire at once)."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def die(phase: str, marker: str, at: tuple[int, int] | None = None) -> None:
+    """SIGKILL this worker, and with it every worker of this host armed with the same fault.
+
+    A host dies at once: its workers do not each reach their own kill point. Killed one by
+    one, the first death could abort a peer's step on the same host before it got there, and
+    the driver could then send that peer away (its host blacklisted) with its fault unfired.
+    """
+    victims = [(ME, os.getpid())] if _claim(marker) else []  # else a peer claimed it: it records
+    for ph, who, when in FAULTS:
+        if ph == phase and when == at and who != ME and who.split(":")[0] == HOST and ":" in who:
+            if os.path.exists(_pid_file(who)) and _claim(os.path.join(args.log_dir, f"fired-{ph}-{who.replace(':', '_')}")):
+                with open(_pid_file(who)) as f:
+                    victims.append((who, int(f.read())))
     with open(os.path.join(args.log_dir, "faults.jsonl"), "a") as f:
-        f.write(json.dumps({"phase": phase, "who": ME, "rank": _rank(), "t": time.time()}) + "\n")
+        for who, _ in victims:
+            f.write(json.dumps({"phase": phase, "who": who, "rank": _rank() if who == ME else None,
+                                "t": time.time()}) + "\n")
+    for who, pid in victims:
+        if who != ME:
+            os.kill(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -263,7 +298,7 @@ def train(state):
             state.sampler.record_batch(idx, args.batch_size)
             pending.append(json.dumps({"epoch": state.epoch, "indices": ib.tolist(), "size": hvd.size()}) + "\n")
             if (m := armed("step", (state.epoch, state.batch))) is not None:
-                die("step", m)
+                die("step", m, (state.epoch, state.batch))
             time.sleep(args.sleep)
             state.commits += 1
             state.commit()
