@@ -1,7 +1,7 @@
 """Recovery time of a real elastic job, split into phases from the job's event log.
 
-    python benchmarks/recovery.py [--trials 20] [--slots 1] [--state-mb 0] [--commit-every 1] [--prepare-s 0]
-                                  [--no-prefetch] [--ssh]
+    python benchmarks/recovery.py [--trials 20] [--slots 1] [--state-mb 0] [--state-kind buffer] [--commit-every 1]
+                                  [--prepare-s 0] [--no-prefetch] [--ssh]
 
 One long job on two hosts (``localhost``, ``127.0.0.1``; ``--slots`` workers each) trains a
 tiny model, committing every step. Each trial:
@@ -54,7 +54,8 @@ VICTIM = os.environ.get("RECOVERY_VICTIM_HOST", "127.0.0.1")
 
 
 # --- the training worker --------------------------------------------------------------------
-def worker(stop_file: str, state_mb: int = 0, commit_every: int = 1, prepare_s: float = 0.0) -> None:
+def worker(stop_file: str, state_mb: int = 0, commit_every: int = 1, prepare_s: float = 0.0,
+           state_kind: str = "buffer") -> None:
     import torch
     import torch.nn.functional as F
 
@@ -67,8 +68,11 @@ def worker(stop_file: str, state_mb: int = 0, commit_every: int = 1, prepare_s: 
         # before its first sync; round 0's too, which only delays the start.
         time.sleep(prepare_s)
     model = torch.nn.Linear(16, 4)
-    if state_mb:  # state that every newcomer must receive (a buffer: synced, committed, not trained)
+    if state_mb and state_kind == "buffer":  # state every newcomer must receive: synced, committed, not trained
         model.register_buffer("ballast", torch.ones(state_mb << 18))
+    elif state_mb:  # a parameter: frozen (an embedding nobody trains), or trained by every step
+        model.ballast = torch.nn.Parameter(torch.ones(state_mb << 18), requires_grad=state_kind == "trained")
+    trained = state_mb and state_kind == "trained"
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters())
     state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
@@ -82,7 +86,10 @@ def worker(stop_file: str, state_mb: int = 0, commit_every: int = 1, prepare_s: 
     def train(state):
         while True:
             opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            loss = F.cross_entropy(model(x), y)
+            if trained:
+                loss = loss + model.ballast[:1].sum() * 1e-9  # a gradient as large as the parameter
+            loss.backward()
             opt.step()
             state.step += 1
             if survivor:
@@ -227,6 +234,7 @@ def run_job(args) -> dict[str, list[float]]:
            "--blacklist-cooldown-range", "1", "1", "--log-level", "WARNING",
            *(["--no-prefetch"] if getattr(args, "no_prefetch", False) else []), *getattr(args, "ssh_args", []),
            sys.executable, HERE, "--worker", stop_file, "--state-mb", str(args.state_mb),
+           "--state-kind", getattr(args, "state_kind", "buffer"),
            "--commit-every", str(args.commit_every), "--prepare-s", str(args.prepare_s)]
     # The driver's console goes to a file: a pipe nobody reads fills (64 KiB) and blocks it.
     console = open(os.path.join(tmp, "console.log"), "w")
@@ -356,6 +364,9 @@ def main() -> None:
     p.add_argument("--keep-events", metavar="FILE", help="copy the job's event log there (for elasticrun timeline)")
     p.add_argument("--state-mb", type=int, default=0,
                    help="add this many MiB to the state (a model buffer): what a newcomer's sync carries")
+    p.add_argument("--state-kind", choices=("buffer", "frozen", "trained"), default="buffer",
+                   help="what --state-mb is: a buffer (sent to every rank by a sync), a frozen parameter, or "
+                        "a parameter every step trains (its gradient allreduced, its commit copied every time)")
     p.add_argument("--commit-every", type=int, default=1, help="commit every N steps (1)")
     p.add_argument("--prepare-s", type=float, default=0.0,
                    help="the second host's workers sleep this long after hvd.init() (loading their data)")
@@ -367,7 +378,7 @@ def main() -> None:
     p.add_argument("--worker", metavar="STOP_FILE", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.state_mb, args.commit_every, args.prepare_s)
+        worker(args.worker, args.state_mb, args.commit_every, args.prepare_s, args.state_kind)
         return
     if args.ssh:
         with tempfile.TemporaryDirectory(prefix="elasticrun-recovery-sshd-") as d:
@@ -394,7 +405,7 @@ def report(args: argparse.Namespace) -> None:
         return
     floor = reform_floor()
     out = run_job(args)
-    size = f"tiny model + {args.state_mb} MiB of state" if args.state_mb else "tiny model"
+    size = f"tiny model + {args.state_mb} MiB of state ({args.state_kind})" if args.state_mb else "tiny model"
     every = "every step" if args.commit_every == 1 else f"every {args.commit_every} steps"
     prepare = f"; the second host's workers prepare {args.prepare_s:g} s after hvd.init()" if args.prepare_s else ""
     print(f"2 hosts x {args.slots} slot(s), {size}, commit {every}; {args.trials} kill trials, "

@@ -64,7 +64,8 @@ class Kind(str, enum.Enum):
     RESTORE = "restore"
     RENDEZVOUS_COMPLETE = "rendezvous_complete"
     GROUP_FORMED = "group_formed"
-    SYNC_DONE = "sync_done"                  # skipped: bytes a newcomer had fetched before (no sync needed)
+    SYNC_DONE = "sync_done"                  # skipped: bytes a newcomer had fetched before (no sync needed);
+    #                                          sent_to: ranks the model went to (0: every rank held it)
     STATE_FETCHED = "state_fetched"          # a newcomer fetched the committed model before joining
     FIRST_STEP = "first_step"                # the first collective of a new round completed
 
@@ -172,7 +173,7 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.RESTORE: ("round", "rank", "host", "slot", "ms"),
     Kind.RENDEZVOUS_COMPLETE: ("round", "rank", "host", "slot", "size", "waited_ms"),
     Kind.GROUP_FORMED: ("round", "rank", "host", "slot", "ms"),
-    Kind.SYNC_DONE: ("round", "rank", "host", "slot", "ms", "skipped"),
+    Kind.SYNC_DONE: ("round", "rank", "host", "slot", "ms", "skipped", "sent_to"),
     Kind.STATE_FETCHED: ("round", "rank", "host", "slot", "ms", "bytes"),
     Kind.FIRST_STEP: ("round", "rank", "host", "slot", "what"),
 }

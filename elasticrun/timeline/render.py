@@ -127,6 +127,8 @@ def to_chrome_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
             elif k in (Kind.GROUP_FORMED, Kind.SYNC_DONE, Kind.RESTORE):
                 name = {Kind.GROUP_FORMED: "group formation", Kind.SYNC_DONE: "sync", Kind.RESTORE: "restore"}[k]
                 extra = {"skipped_bytes": e["skipped"]} if e.get("skipped") else {}
+                if e.get("sent_to") is not None:
+                    extra["model_sent_to_ranks"] = e["sent_to"]
                 span(name, pid, tid, t - float(e.get("ms", 0)) / 1000, t, "reset", **where, **extra)
                 if k != Kind.RESTORE:
                     train_from = (t, dict(where, size=size_of(a, e.get("round"))))

@@ -25,7 +25,7 @@ from elasticrun.worker.rounds import Round
 from elasticrun.worker.waiting import Handle, synchronize
 
 __all__ = ["broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_parameters",
-           "broadcast_optimizer_state"]
+           "broadcast_optimizer_state", "sync_optimizer_state"]
 
 _ALIGN = 16  # byte offsets stay aligned so that views of the flat buffer can be any dtype
 _BCAST_CHUNK_BYTES = 64 << 20
@@ -282,6 +282,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     the root is what every rank loads.
     """
     del model
+    sync_optimizer_state(optimizer, root_rank, process_set, process_set)
+
+
+def sync_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, process_set: ProcessSet,
+                         receivers: ProcessSet | None) -> None:
+    """:func:`broadcast_optimizer_state`, but the state's tensors go only to the members of
+    ``receivers`` (None: to nobody). Every rank of ``process_set`` takes the root's
+    param_group options; a rank outside ``receivers`` keeps its state tensors, which the
+    caller knows equal the root's (worker/torch_state.py: a sync's holders of the newest
+    commit), so that a sync sends a large state only to the ranks that lack it."""
     if not optimizer.state:
         # As Horovod's: an optimizer that never stepped gets zero gradients for its trainable
         # parameters that have none (Horovod makes them for the dummy step it takes there).
@@ -295,14 +305,23 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     tensors: list[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors)
     skeleton = broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.skeleton", process_set)
-    if r.rank != root_rank:
-        specs: list[_TensorSpec] = []
-        _collect_specs(skeleton, specs)
-        tensors = [torch.empty(s.shape, dtype=s.dtype, device=devices.kind_device(s.kind))
-                   for s in sorted(specs, key=lambda s: s.number)]
-    _broadcast_tensors(tensors, root_rank, "broadcast_optimizer_state", process_set)
-    if r.rank != root_rank:
-        optimizer.load_state_dict(_fill(skeleton, tensors))
+    receiving = receivers is not None and r.rank in process_sets.members(receivers, r)
+    if r.rank == root_rank:
+        if receiving:
+            assert receivers is not None  # receiving
+            _broadcast_tensors(tensors, root_rank, "broadcast_optimizer_state", receivers)
+        return
+    if not receiving:
+        for group, theirs in zip(optimizer.param_groups, skeleton["param_groups"]):
+            group.update({k: v for k, v in theirs.items() if k != "params"})
+        return
+    assert receivers is not None  # receiving
+    specs: list[_TensorSpec] = []
+    _collect_specs(skeleton, specs)
+    tensors = [torch.empty(s.shape, dtype=s.dtype, device=devices.kind_device(s.kind))
+               for s in sorted(specs, key=lambda s: s.number)]
+    _broadcast_tensors(tensors, root_rank, "broadcast_optimizer_state", receivers)
+    optimizer.load_state_dict(_fill(skeleton, tensors))
 
 
 def _collect_specs(obj: Any, out: list[_TensorSpec]) -> None:

@@ -106,7 +106,12 @@ class State:
         except HostsUpdatedInterrupt:
             if not just_saved:
                 self.save()
+            self.mark_committed()
             raise
+
+    def mark_committed(self) -> None:
+        """Hook: the live state is the commit just saved (an interrupt is on its way). A state
+        that keeps committed copies may note it to spare the sync after the reset."""
 
     def save(self) -> None:
         raise NotImplementedError
@@ -248,7 +253,8 @@ def _run(func: Callable[..., Any], state: State, rt: Any, args: Any, kwargs: Any
                 synced = time.monotonic()
                 state.sync()
                 rt.emit(Kind.SYNC_DONE, ms=round((time.monotonic() - synced) * 1000, 2),
-                        skipped=state.__dict__.pop("_skipped_bytes", None))
+                        skipped=state.__dict__.pop("_skipped_bytes", None),
+                        sent_to=state.__dict__.pop("_sent_to", None))
             rt.has_state = True
             if resetting:
                 rt.current_round.mark_reset()

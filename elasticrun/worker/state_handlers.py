@@ -24,10 +24,11 @@ from typing import Any, Callable
 
 import torch
 
-from elasticrun.worker import collectives
-from elasticrun.worker.broadcast import broadcast_optimizer_state, broadcast_parameters
+from elasticrun.worker import collectives, process_sets, rounds
+from elasticrun.worker.broadcast import broadcast_parameters, sync_optimizer_state
 from elasticrun.worker.copier import CopyPlan, DeviceCopy, Watch, WatchedPlan, commit_buffers
 from elasticrun.worker.optimizer import abandon_step
+from elasticrun.worker.process_sets import ProcessSet, global_process_set
 from elasticrun.worker.sampler import ElasticSampler
 
 __all__ = ["StateHandler", "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler",
@@ -158,6 +159,7 @@ class ModelStateHandler(StateHandler):
         self._lock = threading.Lock()
         # What the last restore() wrote: name -> (live tensor, its version counter after the copy).
         self._restored: dict[str, tuple[torch.Tensor, int]] = {}
+        self._at_commit = False  # a restore or mark_committed() since the last save
         self.save()
 
     def _plan_is_current(self) -> bool:
@@ -169,7 +171,7 @@ class ModelStateHandler(StateHandler):
         live one already (a sync that skipped them: see worker/prefetch.py, or tensors
         :meth:`unchanged_since_restore` names); not copied."""
         with self._lock:
-            self._restored = {}
+            self._restored, self._at_commit = {}, False
             if self._watch is not None and self._watch.expired(time.monotonic()):
                 self._watch = None  # its newcomer never joined; a later one fetches under a new watch
             if self._plan is not None and self._plan_is_current():
@@ -262,7 +264,7 @@ class ModelStateHandler(StateHandler):
             return watch
 
     def restore(self) -> None:
-        self._restored = {}
+        self._restored, self._at_commit = {}, False
         live = self.value.state_dict(keep_vars=True)
         fits = set(live) == set(self._buffers) | set(self._extra) and all(
             isinstance(live[k], torch.Tensor) and live[k].shape == b.shape and live[k].dtype == b.dtype
@@ -278,8 +280,28 @@ class ModelStateHandler(StateHandler):
             if names:
                 torch._foreach_copy_([live[k] for k in names], [self._buffers[k] for k in names])
         self._restored = {k: (live[k], live[k]._version) for k in names}
+        self._at_commit = True
 
-    def unchanged_since_restore(self) -> frozenset[str]:
+    def mark_committed(self) -> None:
+        """The live model is its committed copy now (an interrupt right after a save): note
+        each tensor's version, as a restore does, so that a sync knows this rank holds it."""
+        with self._lock:
+            if self._plan is not None and self._plan_is_current():
+                self._restored = {name: (src, src._version) for name, src, _ in self._named_pairs()}
+                self._at_commit = True
+
+    def holds_commit(self) -> bool:
+        """Whether every parameter still holds what the last restore (or mark_committed)
+        left in it: then this rank's parameters are its committed copy. Buffers do not
+        count: a sync sends them to every rank (BatchNorm statistics differ between ranks by
+        design)."""
+        return self._at_commit and self.parameter_names() <= self.unchanged_since_restore(forget=False)
+
+    def parameter_names(self) -> frozenset[str]:
+        return frozenset(k for k, v in self.value.state_dict(keep_vars=True).items()
+                         if isinstance(v, torch.nn.Parameter))
+
+    def unchanged_since_restore(self, forget: bool = True) -> frozenset[str]:
         """Tensors that still hold what the last :meth:`restore` copied into them from their
         committed copies, and forget that restore. A save may skip them.
 
@@ -294,19 +316,38 @@ class ModelStateHandler(StateHandler):
         writes that bypass torch's in-place operations: through ``.data``, a numpy view, an
         in-place allreduce, or a raw ``torch.distributed`` call. Such a write on the root,
         made between the restore and the sync (in a reset callback), reaches the committed
-        copy at the next commit; a failure before it runs the callback again."""
+        copy at the next commit; a failure before it runs the callback again.
+
+        ``forget=False``: keep the restore for a later call (a sync asks before its
+        broadcasts, :meth:`holds_commit`, and after them)."""
         with self._lock:
-            restored, self._restored = self._restored, {}
+            restored = self._restored
+            if forget:
+                self._restored, self._at_commit = {}, False
             if not restored or self._plan is None or not self._plan_is_current():
                 return frozenset()
             return frozenset(name for name, src, _ in self._named_pairs()
                              if (was := restored.get(name)) is not None and was[0] is src and src._version == was[1])
 
-    def sync(self, root: int, keep: frozenset[str] = frozenset()) -> None:
+    def sync(self, root: int, keep: frozenset[str] = frozenset(),
+             receivers: ProcessSet | None = global_process_set) -> None:
         """``keep``: tensors every rank already holds as the root does (agreed by
-        worker/prefetch.py): not sent."""
+        worker/prefetch.py): not sent. ``receivers``: the ranks the parameters go to (None:
+        none; worker/torch_state.py leaves out the ranks that hold them already); buffers go
+        to every rank."""
         live = self.value.state_dict()
-        broadcast_parameters({k: v for k, v in live.items() if k not in keep} if keep else live, root_rank=root)
+        if keep:
+            live = {k: v for k, v in live.items() if k not in keep}
+        if receivers is global_process_set:
+            broadcast_parameters(live, root_rank=root)
+            return
+        params = self.parameter_names()
+        if buffers := {k: v for k, v in live.items() if k not in params}:
+            broadcast_parameters(buffers, root_rank=root, prefix="buffers.")
+        r = rounds.current()
+        if receivers is not None and r.rank in process_sets.members(receivers, r):
+            broadcast_parameters({k: v for k, v in live.items() if k in params}, root_rank=root,
+                                 prefix="parameters.", process_set=receivers)
 
 
 class OptimizerStateHandler(StateHandler):
@@ -338,6 +379,7 @@ class OptimizerStateHandler(StateHandler):
         self._plain_keys: list[tuple[int, dict[str, Any], str]] = []  # non-tensor entries: deep-copied
         # What the last restore() copied in place: (position, key) -> (live tensor, its version then).
         self._restored: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}
+        self._at_commit = False  # a restore or mark_committed() since the last save
         self.save()
 
     def _params(self) -> list[torch.Tensor]:
@@ -372,7 +414,7 @@ class OptimizerStateHandler(StateHandler):
     def save(self, keep: frozenset[tuple[int, str]] = frozenset()) -> None:
         """Commit the optimizer. ``keep``: state tensors (position, key) whose committed copy
         equals the live one already (:meth:`unchanged_since_restore`); not copied."""
-        self._restored = {}
+        self._restored, self._at_commit = {}, False
         if self._save_unless_current():
             assert self._plan is not None  # current: it was just checked
             if keep:
@@ -381,10 +423,12 @@ class OptimizerStateHandler(StateHandler):
             else:
                 self._plan.run()
 
-    def unchanged_since_restore(self) -> frozenset[tuple[int, str]]:
+    def unchanged_since_restore(self, forget: bool = True) -> frozenset[tuple[int, str]]:
         """As :meth:`ModelStateHandler.unchanged_since_restore`, for the state tensors that
-        the last restore copied in place; forgets that restore."""
-        restored, self._restored = self._restored, {}
+        the last restore copied in place; forgets that restore unless ``forget=False``."""
+        restored = self._restored
+        if forget:
+            self._restored, self._at_commit = {}, False
         if not restored or not self._plan_is_current(self._params()):
             return frozenset()
         assert self._plan is not None  # current: it was just checked
@@ -436,8 +480,18 @@ class OptimizerStateHandler(StateHandler):
         where = {id(v): i for i, v in enumerate(chain.from_iterable(map(dict.values, self._state_dicts)))}
         self._tensor_positions = [where[id(t)] for t in sources]
 
+    def mark_committed(self) -> None:
+        """As :meth:`ModelStateHandler.mark_committed`."""
+        if self._plan is not None and self._plan_is_current(self._params()):
+            self._restored = {key: (src, src._version) for key, (src, _) in zip(self._buffers, self._plan.members())}
+            self._at_commit = True
+
+    def holds_commit(self) -> bool:
+        """As :meth:`ModelStateHandler.holds_commit`: every state tensor holds its commit."""
+        return self._at_commit and set(self._buffers) <= self.unchanged_since_restore(forget=False)
+
     def restore(self) -> None:
-        self._restored = {}
+        self._restored, self._at_commit = {}, False
         opt = self.value
         abandon_step(opt)  # a step in progress belongs to the failed round
         for group, saved in zip(opt.param_groups, self._groups):
@@ -470,9 +524,13 @@ class OptimizerStateHandler(StateHandler):
             if dsts:
                 torch._foreach_copy_(dsts, srcs)
         self._restored = {key: (t, t._version) for key, t in zip(keys, dsts)}
+        # Every state tensor was copied in place (one replaced by a new tensor is not in
+        # _restored, so holds_commit() says no).
+        self._at_commit = True
 
-    def sync(self, root: int) -> None:
-        broadcast_optimizer_state(self.value, root_rank=root)
+    def sync(self, root: int, receivers: ProcessSet | None = global_process_set) -> None:
+        """``receivers``: the ranks the state's tensors go to (see ModelStateHandler.sync)."""
+        sync_optimizer_state(self.value, root, global_process_set, receivers)
 
 
 class LRSchedulerStateHandler(StateHandler):

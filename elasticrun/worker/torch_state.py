@@ -16,9 +16,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed
 
-from elasticrun.worker import collectives, durable, prefetch, rounds
+from elasticrun.worker import collectives, durable, prefetch, process_sets, rounds
 from elasticrun.worker.copier import DeviceCopy
 from elasticrun.worker.elastic import ObjectState
+from elasticrun.worker.process_sets import ProcessSet, global_process_set
 # The handler API, importable from here as before the split.
 from elasticrun.worker.state_handlers import (
     HandlerFactory,
@@ -34,6 +35,19 @@ from elasticrun.worker.state_handlers import (
 
 __all__ = ["StateHandler", "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler",
            "LRSchedulerStateHandler", "HandlerFactory", "TorchState", "register_handler", "get_handler_factory"]
+
+
+#: Below this many bytes of model and optimizer state, a sync that some ranks could skip still
+#: broadcasts to all: forming a subgroup of the others costs a few milliseconds, about what
+#: sending this much more costs over loopback gloo.
+_SEND_TO_SOME_BYTES = 16 << 20
+
+
+def _state_bytes(handler: Any) -> int:
+    """Bytes of a model's or an optimizer's committed tensors (0 for other handlers)."""
+    if isinstance(handler, (ModelStateHandler, OptimizerStateHandler)):
+        return sum(b.numel() * b.element_size() for b in handler._buffers.values())
+    return 0
 
 
 def _call_all(functions: list[Callable[[], None]]) -> None:
@@ -251,7 +265,13 @@ class TorchState(ObjectState):
         self.fetch_before_joining()
         fetched = self.__dict__.pop("_fetched", None)
         held = self._commit_seq
-        root, some_fetched = self._newest_commit_root(fetched is not None)
+        tensors = {name: h for name, h in self._handlers.items()
+                   if isinstance(h, (ModelStateHandler, OptimizerStateHandler))}
+        holds = bool(self.__dict__.get("_synced")) and all(h.holds_commit() for h in tensors.values())
+        root, some_fetched, receivers = self._newest_commit_root(fetched is not None, holds)
+        r = rounds.current()
+        self.__dict__["_sent_to"] = (0 if receivers is None else r.size - 1 if receivers is global_process_set
+                                     else len(process_sets.members(receivers, r)) - 1)  # for the sync's event
         keep: dict[str, frozenset[str]] = {}
         if some_fetched:
             keep = prefetch.agree(self, root, fetched,
@@ -262,26 +282,36 @@ class TorchState(ObjectState):
                     handler.end_watch()  # a fetch under way is stale now: its newcomer joins with a full sync
         for name in sorted(self._handlers):
             handler = self._handlers[name]
-            if name in keep and isinstance(handler, ModelStateHandler):
-                handler.sync(root, keep[name])
+            if isinstance(handler, ModelStateHandler):
+                handler.sync(root, keep.get(name, frozenset()), receivers)
+            elif isinstance(handler, OptimizerStateHandler):
+                handler.sync(root, receivers)
             else:
                 sync_handler(handler, root)
         if self._object_keys:
             for name, value in collectives.broadcast_object(self._live(), root_rank=root, trusted=True).items():
                 setattr(self, name, value)
-        # Committed again below (just synced: nothing to merge), but for the root, whose tensors
-        # the sync only read: what a restore copied from its committed copies and nothing wrote
-        # since is not copied back (after a failure, the root saves what changed, not the model).
-        unchanged = {name: h.unchanged_since_restore() for name, h in self._handlers.items()
-                     if isinstance(h, (ModelStateHandler, OptimizerStateHandler))}
+        # Committed again below (just synced: nothing to merge), but for what the sync did not
+        # write: the root's tensors (it only sends), and those of the ranks it left out
+        # (they held the commit already). What a restore copied from the committed copies
+        # (or an interrupt found equal to them) and nothing wrote since is not copied back:
+        # for a 1 GiB model, a whole copy off every survivor's recovery.
         saved_as: dict[str, frozenset[Any]] = dict(keep)
-        if root == rounds.current().rank:
-            for name, names in unchanged.items():
-                if names:
-                    saved_as[name] = saved_as.get(name, frozenset()) | names
+        for name, h in tensors.items():
+            unchanged = h.unchanged_since_restore()
+            if unchanged:
+                saved_as[name] = saved_as.get(name, frozenset()) | unchanged
         self._save_local(keep=saved_as)
         self.__dict__["_synced"] = True
         self._serve_newcomers()
+
+    def mark_committed(self) -> None:
+        """The live state is the commit just saved (an interrupt raised right after the save):
+        the tensors' handlers note it, so that the sync after the reset need not send this
+        rank what it holds (see :meth:`_newest_commit_root`)."""
+        for handler in self._handlers.values():
+            if isinstance(handler, (ModelStateHandler, OptimizerStateHandler)):
+                handler.mark_committed()
 
     def fetch_before_joining(self) -> None:
         """A worker launched into a running job fetches the committed model from rank 0
@@ -293,20 +323,44 @@ class TorchState(ObjectState):
             self.wait_for_commit()
             self.__dict__["_fetched"] = prefetch.fetch(self, rt.worker_id, rt.emit)
 
-    def _newest_commit_root(self, fetched: bool = False) -> tuple[int, bool]:
+    def _newest_commit_root(self, fetched: bool = False,
+                            holds: bool = False) -> tuple[int, bool, ProcessSet | None]:
         """Collective: the lowest rank holding the newest commit, which every rank adopts;
-        and whether some rank fetched the committed model before joining.
+        whether some rank fetched the committed model before joining; and the ranks the
+        parameters and optimizer state must go to (None: none; the global set: all).
 
-        Rank 0 unless a commit completed on some ranks while others abandoned it (a peer
-        died at the end of its merge and they saw the abort first). Syncing from rank 0
-        then would mix rank 0's older model with the newer, merged sampler set: samples
-        lost.
+        The root is rank 0 unless a commit completed on some ranks while others abandoned it
+        (a peer died at the end of its merge and they saw the abort first). Syncing from
+        rank 0 then would mix rank 0's older model with the newer, merged sampler set:
+        samples lost.
+
+        ``holds``: this rank's parameters and optimizer state are its copy of the commit it
+        holds, unchanged since (a restore, or an interrupt right after the commit). Ranks
+        holding the same commit hold the same tensors (every step applies the same averaged
+        gradients: what keeps data-parallel replicas equal at all), so when the root holds
+        its commit too, a rank that holds the newest needs nothing sent: after a failure
+        the sync sends no model at all, and a newcomer's costs one transfer, not one per
+        survivor (gloo's broadcast sends to each rank in turn).
         """
-        newest = torch.tensor([self._commit_seq * 65536 + 65535 - rounds.current().rank, int(fetched)],
-                              dtype=torch.int64)
-        collectives.allreduce_inplace(newest, torch.distributed.ReduceOp.MAX, "state.newest_commit")
-        self._commit_seq = int(newest[0].item()) // 65536
-        return 65535 - int(newest[0].item()) % 65536, bool(newest[1].item())
+        r = rounds.current()
+        v = torch.zeros(3 + r.size, dtype=torch.int64)
+        v[0] = self._commit_seq * 65536 + 65535 - r.rank
+        v[1] = int(fetched)
+        v[2] = sum(_state_bytes(h) for h in self._handlers.values())
+        v[3 + r.rank] = self._commit_seq + 1 if holds else 0
+        collectives.allreduce_inplace(v, torch.distributed.ReduceOp.MAX, "state.newest_commit")
+        words = v.tolist()
+        self._commit_seq = words[0] // 65536
+        root = 65535 - words[0] % 65536
+        held = [x == self._commit_seq + 1 for x in words[3:]]
+        needs = [i for i in range(r.size) if i != root and not (held[root] and held[i])]
+        if not needs:
+            return root, bool(words[1]), None
+        if len(needs) == r.size - 1 or words[2] < _SEND_TO_SOME_BYTES or r.device_backend == "nccl":
+            # Everyone: the whole round's broadcast is as cheap as a subgroup's (small state;
+            # NCCL's pipelined broadcast, where a new subgroup would cost a communicator).
+            return root, bool(words[1]), global_process_set
+        return root, bool(words[1]), ProcessSet([root, *needs])
 
     def on_reset(self) -> None:
         for handler in self._handlers.values():

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SCRIPTS
+from elasticrun.common.events import read_events
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -187,6 +188,19 @@ def test_fault_phase(job, name):
     r = job.run(list(scenario.launcher), fault_cmd(log_dir, scenario), timeout=90)
     check(scenario, r, log_dir)
 
+
+
+def test_after_a_failure_the_sync_sends_the_survivors_no_model(job):
+    """Survivors that restored the newest commit hold the root's model and optimizer state
+    already: the sync after the failure sends them none (``sent_to`` 0 on ``sync_done``),
+    and the committed history still checks (every sample once, equal checksums)."""
+    scenario = SCENARIOS["commit"]
+    log_dir, events_file = job.tmp / "samples", job.tmp / "events.jsonl"
+    r = job.run([*scenario.launcher, "--events", str(events_file)], fault_cmd(log_dir, scenario), timeout=90)
+    check(scenario, r, log_dir)
+    syncs = sorted((e["round"], e["rank"], e.get("sent_to")) for e in read_events(str(events_file))
+                   if e["kind"] == "sync_done")
+    assert syncs == [(0, 0, 2), (0, 1, 2), (0, 2, 2), (1, 0, 0), (1, 1, 0)], syncs
 
 
 # --- reset storms ---------------------------------------------------------------------------------
