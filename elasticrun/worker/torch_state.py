@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed
 
-from elasticrun.worker import collectives, durable, prefetch, process_sets, rounds
+from elasticrun.worker import collectives, durable, prefetch, rounds
 from elasticrun.worker.copier import DeviceCopy
 from elasticrun.worker.elastic import ObjectState
 from elasticrun.worker.process_sets import ProcessSet, global_process_set
@@ -43,9 +43,13 @@ __all__ = ["StateHandler", "ModelStateHandler", "OptimizerStateHandler", "Sample
 _SEND_TO_SOME_BYTES = 16 << 20
 
 
-def _state_bytes(handler: Any) -> int:
-    """Bytes of a model's or an optimizer's committed tensors (0 for other handlers)."""
-    if isinstance(handler, (ModelStateHandler, OptimizerStateHandler)):
+def _bytes_to_send(handler: Any, keep: frozenset[str]) -> int:
+    """Bytes of a model's parameters (but ``keep``) or of an optimizer's state tensors: what a
+    sync sends to the ranks that lack them (0 for other handlers)."""
+    if isinstance(handler, ModelStateHandler):
+        params = handler.parameter_names() - keep
+        return sum(b.numel() * b.element_size() for k, b in handler._buffers.items() if k in params)
+    if isinstance(handler, OptimizerStateHandler):
         return sum(b.numel() * b.element_size() for b in handler._buffers.values())
     return 0
 
@@ -268,10 +272,7 @@ class TorchState(ObjectState):
         tensors = {name: h for name, h in self._handlers.items()
                    if isinstance(h, (ModelStateHandler, OptimizerStateHandler))}
         holds = bool(self.__dict__.get("_synced")) and all(h.holds_commit() for h in tensors.values())
-        root, some_fetched, receivers = self._newest_commit_root(fetched is not None, holds)
-        r = rounds.current()
-        self.__dict__["_sent_to"] = (0 if receivers is None else r.size - 1 if receivers is global_process_set
-                                     else len(process_sets.members(receivers, r)) - 1)  # for the sync's event
+        root, some_fetched, needs = self._newest_commit_root(fetched is not None, holds)
         keep: dict[str, frozenset[str]] = {}
         if some_fetched:
             keep = prefetch.agree(self, root, fetched,
@@ -280,6 +281,10 @@ class TorchState(ObjectState):
             for handler in self._handlers.values():
                 if isinstance(handler, ModelStateHandler):
                     handler.end_watch()  # a fetch under way is stale now: its newcomer joins with a full sync
+        receivers = self._receivers(root, needs, keep)
+        r = rounds.current()
+        self.__dict__["_sent_to"] = (0 if receivers is None else r.size - 1 if receivers is global_process_set
+                                     else len(needs))  # for the sync's event
         for name in sorted(self._handlers):
             handler = self._handlers[name]
             if isinstance(handler, ModelStateHandler):
@@ -323,11 +328,10 @@ class TorchState(ObjectState):
             self.wait_for_commit()
             self.__dict__["_fetched"] = prefetch.fetch(self, rt.worker_id, rt.emit)
 
-    def _newest_commit_root(self, fetched: bool = False,
-                            holds: bool = False) -> tuple[int, bool, ProcessSet | None]:
+    def _newest_commit_root(self, fetched: bool = False, holds: bool = False) -> tuple[int, bool, list[int]]:
         """Collective: the lowest rank holding the newest commit, which every rank adopts;
-        whether some rank fetched the committed model before joining; and the ranks the
-        parameters and optimizer state must go to (None: none; the global set: all).
+        whether some rank fetched the committed model before joining; and the other ranks
+        the parameters and optimizer state must be sent to.
 
         The root is rank 0 unless a commit completed on some ranks while others abandoned it
         (a peer died at the end of its merge and they saw the abort first). Syncing from
@@ -343,24 +347,32 @@ class TorchState(ObjectState):
         survivor (gloo's broadcast sends to each rank in turn).
         """
         r = rounds.current()
-        v = torch.zeros(3 + r.size, dtype=torch.int64)
+        v = torch.zeros(2 + r.size, dtype=torch.int64)
         v[0] = self._commit_seq * 65536 + 65535 - r.rank
         v[1] = int(fetched)
-        v[2] = sum(_state_bytes(h) for h in self._handlers.values())
-        v[3 + r.rank] = self._commit_seq + 1 if holds else 0
+        v[2 + r.rank] = self._commit_seq + 1 if holds else 0
         collectives.allreduce_inplace(v, torch.distributed.ReduceOp.MAX, "state.newest_commit")
         words = v.tolist()
         self._commit_seq = words[0] // 65536
         root = 65535 - words[0] % 65536
-        held = [x == self._commit_seq + 1 for x in words[3:]]
-        needs = [i for i in range(r.size) if i != root and not (held[root] and held[i])]
+        held = [x == self._commit_seq + 1 for x in words[2:]]
+        return root, bool(words[1]), [i for i in range(r.size) if i != root and not (held[root] and held[i])]
+
+    def _receivers(self, root: int, needs: list[int], keep: dict[str, frozenset[str]]) -> ProcessSet | None:
+        """The ranks the sync sends the parameters and optimizer state to: None (nobody),
+        the global set, or a set of the root and ``needs``. The whole round's broadcast stands
+        in for a set when that costs as little: a small state (forming a group costs a few
+        milliseconds, about what sending 16 MiB to a few more ranks does; the size is agreed,
+        so that every rank chooses alike), and a round with NCCL (whose broadcast is
+        pipelined, where a new group would cost a communicator)."""
+        r = rounds.current()
         if not needs:
-            return root, bool(words[1]), None
-        if len(needs) == r.size - 1 or words[2] < _SEND_TO_SOME_BYTES or r.device_backend == "nccl":
-            # Everyone: the whole round's broadcast is as cheap as a subgroup's (small state;
-            # NCCL's pipelined broadcast, where a new subgroup would cost a communicator).
-            return root, bool(words[1]), global_process_set
-        return root, bool(words[1]), ProcessSet([root, *needs])
+            return None
+        if len(needs) == r.size - 1 or r.device_backend == "nccl":
+            return global_process_set
+        size = torch.tensor([sum(_bytes_to_send(h, keep.get(name, frozenset())) for name, h in self._handlers.items())])
+        collectives.allreduce_inplace(size, torch.distributed.ReduceOp.MAX, "state.sync_bytes")
+        return global_process_set if int(size.item()) < _SEND_TO_SOME_BYTES else ProcessSet([root, *needs])
 
     def on_reset(self) -> None:
         for handler in self._handlers.values():
