@@ -287,10 +287,13 @@ class TorchState(ObjectState):
                                      else len(needs))  # for the sync's event
         for name in sorted(self._handlers):
             handler = self._handlers[name]
-            if isinstance(handler, ModelStateHandler):
+            # A subclass that defines its own sync(root) is called as before: it sends to all.
+            if isinstance(handler, ModelStateHandler) and type(handler).sync is ModelStateHandler.sync:
                 handler.sync(root, keep.get(name, frozenset()), receivers)
-            elif isinstance(handler, OptimizerStateHandler):
+            elif isinstance(handler, OptimizerStateHandler) and type(handler).sync is OptimizerStateHandler.sync:
                 handler.sync(root, receivers)
+            elif name in keep and isinstance(handler, ModelStateHandler):
+                handler.sync(root, keep[name])
             else:
                 sync_handler(handler, root)
         if self._object_keys:

@@ -246,3 +246,44 @@ def test_after_an_interrupt_at_a_commit_survivors_are_sent_no_model(tmp_path):
     _same_as_root(results)
     for rank, r in enumerate(results):
         assert _params_sent(r["calls"]) == [], (rank, r["calls"])
+
+
+class _Tagged(torch.nn.Sequential):
+    """A model type with a handler of its own (registered in the ranks' processes)."""
+
+
+def custom_handler(rank: int, size: int, workdir: Path) -> dict[str, Any]:
+    """A handler subclass written against the documented ``sync(self, root)``."""
+    import elasticrun.torch as hvd
+    from elasticrun.worker.state_handlers import ModelStateHandler
+
+    class Counting(ModelStateHandler):
+        syncs = 0
+
+        def sync(self, root: int) -> None:
+            Counting.syncs += 1
+            super().sync(root)
+
+    hvd.elastic.TorchState.register_handler(_Tagged, Counting)
+    torch.manual_seed(rank + 1)
+    model = _Tagged(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    state = hvd.elastic.TorchState(model, opt, epoch=rank)
+    state.sync()
+    _step(model, opt, rank)
+    state.save()
+    _step(model, opt, rank)
+    state.restore()
+    calls = _record()
+    state.sync()
+    return dict(_result(model, opt, state, calls), syncs=Counting.syncs)
+
+
+def test_a_handler_subclass_with_its_own_sync_is_called_as_documented(tmp_path):
+    results = gloo_world.run_world(HERE, "custom_handler", 3, tmp_path)
+    _same_as_root(results)
+    for rank, r in enumerate(results):
+        assert r["syncs"] == 2, rank  # its sync(root), at both syncs
+        assert ("broadcast_parameters", (0, 1, 2)) in r["calls"], rank  # it sends to all, as it always did
