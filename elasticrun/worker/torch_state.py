@@ -10,6 +10,7 @@ commit's copy runs on a thread, and everything that could change what it copies 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import weakref
 from typing import Any, Callable
 
@@ -33,6 +34,8 @@ from elasticrun.worker.state_handlers import (
     sync_handler,
 )
 
+log = logging.getLogger("elasticrun.worker")
+
 __all__ = ["StateHandler", "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler",
            "LRSchedulerStateHandler", "HandlerFactory", "TorchState", "register_handler", "get_handler_factory"]
 
@@ -52,6 +55,19 @@ def _bytes_to_send(handler: Any, keep: frozenset[str]) -> int:
     if isinstance(handler, OptimizerStateHandler):
         return sum(b.numel() * b.element_size() for b in handler._buffers.values())
     return 0
+
+
+def _sent_words(needs: list[int], receivers: ProcessSet | None, r: Any) -> str:
+    """Where a sync sent the model and optimizer state, for the root's log line."""
+    ranks = ", ".join(map(str, needs[:8])) + (f" and {len(needs) - 8} more" if len(needs) > 8 else "")
+    if receivers is None:
+        return "every rank holds the model and optimizer state: none sent"
+    if receivers is not global_process_set:
+        return f"model and optimizer state sent to rank(s) {ranks} only (the others hold them)"
+    if len(needs) < r.size - 1:
+        why = "NCCL" if r.device_backend == "nccl" else "a small state"
+        return f"model and optimizer state sent to every rank ({why}: as cheap as to rank(s) {ranks} alone)"
+    return "model and optimizer state sent to every rank"
 
 
 def _call_all(functions: list[Callable[[], None]]) -> None:
@@ -285,6 +301,8 @@ class TorchState(ObjectState):
         r = rounds.current()
         self.__dict__["_sent_to"] = (0 if receivers is None else r.size - 1 if receivers is global_process_set
                                      else len(needs))  # for the sync's event
+        if r.rank == root and r.size > 1:
+            log.info("sync of commit %d from rank %d: %s", self._commit_seq, root, _sent_words(needs, receivers, r))
         for name in sorted(self._handlers):
             handler = self._handlers[name]
             # A subclass that defines its own sync(root) is called as before: it sends to all.

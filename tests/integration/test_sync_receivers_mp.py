@@ -61,7 +61,19 @@ def _record() -> list[tuple[str, tuple[int, ...]]]:
         return inner(tensors, root_rank, name, process_set)
 
     broadcast._broadcast_tensors = recording
+    import logging
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            _LOGS.append(record.getMessage())
+
+    logger = logging.getLogger("elasticrun.worker")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Keep())
     return calls
+
+
+_LOGS: list[str] = []  # the worker's log lines from _record() on (what the root says of its sync)
 
 
 def _result(model: Any, opt: Any, state: Any, calls: list) -> dict[str, Any]:
@@ -71,7 +83,7 @@ def _result(model: Any, opt: Any, state: Any, calls: list) -> dict[str, Any]:
             "committed": {k: b.clone() for k, b in mh._buffers.items()},
             "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()],
             "committed_momentum": [b.clone() for b in oh._buffers.values()],
-            "lr": opt.param_groups[0]["lr"]}
+            "lr": opt.param_groups[0]["lr"], "logs": [m for m in _LOGS if m.startswith("sync of commit")]}
 
 
 def _survivors_at_a_commit(rank: int, width: int, newcomer: int | None = None,
@@ -129,6 +141,9 @@ def test_after_a_failure_survivors_holding_the_newest_commit_are_sent_no_model(t
     for rank, r in enumerate(results):
         assert _params_sent(r["calls"]) == [], (rank, r["calls"])  # no parameter, no optimizer tensor
         assert ("buffers.broadcast_parameters", (0, 1, 2)) in r["calls"], rank  # BatchNorm stats: to all
+    assert results[0]["logs"] == [f"sync of commit {results[0]['seq']} from rank 0: every rank holds the model "
+                                  "and optimizer state: none sent"]
+    assert results[1]["logs"] == []  # the root says it
     # Each rank's statistics were its own before the sync; rank 0's everywhere after it.
     assert all(torch.equal(r["live"]["1.running_mean"], torch.zeros(1024)) for r in results)
 
@@ -144,6 +159,7 @@ def test_a_newcomer_is_sent_the_model_alone_and_ends_equal(tmp_path):
     for rank in (0, 2):
         assert _params_sent(results[rank]["calls"]) == [("parameters.broadcast_parameters", (0, 2)),
                                                         ("broadcast_optimizer_state", (0, 2))], rank
+    assert results[0]["logs"][0].endswith("model and optimizer state sent to rank(s) 2 only (the others hold them)")
 
 
 def small_newcomer(rank: int, size: int, workdir: Path) -> dict[str, Any]:
@@ -156,6 +172,8 @@ def test_a_small_state_still_goes_to_every_rank_in_one_broadcast(tmp_path):
     for rank, r in enumerate(results):
         assert _params_sent(r["calls"]) == [("broadcast_parameters", (0, 1, 2)),
                                             ("broadcast_optimizer_state", (0, 1, 2))], rank
+    assert results[0]["logs"][0].endswith("model and optimizer state sent to every rank (a small state: as cheap "
+                                          "as to rank(s) 2 alone)")
 
 
 def _scale_on(who: int) -> Any:
