@@ -81,7 +81,8 @@ def test_tensors_written_after_the_fetch_are_sent_again(job):
 @pytest.mark.parametrize("how", ["flag", "environment"])
 def test_without_fetching_the_sync_sends_everything(job, how):
     r = run(job, launcher=("--no-prefetch",)) if how == "flag" else run(job, ELASTICRUN_PREFETCH="0")
-    assert "fetched" not in r.stderr and "sent" not in r.stderr, r.output
+    assert "fetched" not in r.stderr and "of the committed model to newcomer" not in r.stderr, r.output
+    assert "model and optimizer state sent to every rank" in r.stderr, r.output  # the join's sync, to the newcomer
 
 
 def test_with_background_commits(job):
