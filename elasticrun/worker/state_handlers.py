@@ -295,7 +295,11 @@ class ModelStateHandler(StateHandler):
         left in it: then this rank's parameters are its committed copy. Buffers do not
         count: a sync sends them to every rank (BatchNorm statistics differ between ranks by
         design)."""
-        return self._at_commit and self.parameter_names() <= self.unchanged_since_restore(forget=False)
+        if not self._at_commit or self._plan is None or not self._plan_is_current():
+            return False
+        unchanged = self.unchanged_since_restore(forget=False)
+        # The plan's sources are the live tensors (no state_dict walk on the recovery path).
+        return all(name in unchanged for name, src, _ in self._named_pairs() if isinstance(src, torch.nn.Parameter))
 
     def parameter_names(self) -> frozenset[str]:
         return frozenset(k for k, v in self.value.state_dict(keep_vars=True).items()
@@ -335,19 +339,18 @@ class ModelStateHandler(StateHandler):
         worker/prefetch.py): not sent. ``receivers``: the ranks the parameters go to (None:
         none; worker/torch_state.py leaves out the ranks that hold them already); buffers go
         to every rank."""
-        live = self.value.state_dict()
-        if keep:
-            live = {k: v for k, v in live.items() if k not in keep}
         if receivers is global_process_set:
-            broadcast_parameters(live, root_rank=root)
+            live = self.value.state_dict()
+            broadcast_parameters({k: v for k, v in live.items() if k not in keep} if keep else live, root_rank=root)
             return
-        params = self.parameter_names()
-        if buffers := {k: v for k, v in live.items() if k not in params}:
+        entries = [(k, v) for k, v in self.value.state_dict(keep_vars=True).items() if k not in keep]
+        if buffers := {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in entries
+                       if not isinstance(v, torch.nn.Parameter)}:
             broadcast_parameters(buffers, root_rank=root, prefix="buffers.")
         r = rounds.current()
         if receivers is not None and r.rank in process_sets.members(receivers, r):
-            broadcast_parameters({k: v for k, v in live.items() if k in params}, root_rank=root,
-                                 prefix="parameters.", process_set=receivers)
+            broadcast_parameters({k: v.detach() for k, v in entries if isinstance(v, torch.nn.Parameter)},
+                                 root_rank=root, prefix="parameters.", process_set=receivers)
 
 
 class OptimizerStateHandler(StateHandler):
@@ -488,7 +491,9 @@ class OptimizerStateHandler(StateHandler):
 
     def holds_commit(self) -> bool:
         """As :meth:`ModelStateHandler.holds_commit`: every state tensor holds its commit."""
-        return self._at_commit and set(self._buffers) <= self.unchanged_since_restore(forget=False)
+        # A plan no longer current (state added since, by a step in a reset callback): no.
+        return (self._at_commit and self._plan_is_current(self._params())
+                and set(self._buffers) <= self.unchanged_since_restore(forget=False))
 
     def restore(self) -> None:
         self._restored, self._at_commit = {}, False
