@@ -68,6 +68,7 @@ During a round, host changes do not stop it until they can take effect:
 from __future__ import annotations
 
 import enum
+import signal
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Generator, Mapping, Union, get_args
 
@@ -85,6 +86,10 @@ class WorkerState(enum.Enum):
     FAILED = "failed"
     LEFT = "left"
 
+
+#: Exit codes of a worker that SIGTERM ended: killed by it, or exited 128 + 15 (a shell's way of
+#: saying so; a worker stopping at --sigterm-grace or a second SIGTERM exits so itself).
+SIGTERM_EXITS = frozenset({-signal.SIGTERM, 128 + signal.SIGTERM})
 
 _GONE = (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.LEFT)
 
@@ -268,6 +273,15 @@ class Blacklist:
 
 
 @dataclass(frozen=True)
+class Drain:
+    """A host is going (one of its workers got SIGTERM): nothing starts there until discovery
+    lists it anew, and its workers leave at their next step."""
+
+    host: str
+    now: float
+
+
+@dataclass(frozen=True)
 class Pardon:
     """Forget a host's blacklisting (every worker was lost at once)."""
 
@@ -308,7 +322,7 @@ class Mark:
     value: Any
 
 
-Change = Union[Move, Record, Blacklist, Pardon, Refresh, JudgeStragglers, NewRound, Mark]
+Change = Union[Move, Record, Blacklist, Drain, Pardon, Refresh, JudgeStragglers, NewRound, Mark]
 Step = Union[Action, Change]
 #: A decision: yields actions and changes, is sent the answers of the changes that have one.
 Decision = Generator[Step, Any, None]
@@ -451,9 +465,7 @@ class Registry:
         if w is None or w.state in _GONE:
             return
         self._dirty = True
-        if w.host not in self.hosts.draining():
-            self._outbox.append(Event(Kind.HOST_LEAVING, {"host": w.host, "why": why}))
-        self.hosts.drain(w.host, now)
+        self._outbox += self._drive(self._drain(w.host, why, now))
 
     def restore_failed(self, worker_id: str, error: str) -> None:
         """The durable copy does not fit the script's state (a changed model): the job stops,
@@ -624,6 +636,8 @@ class Registry:
             self._heard_floor = min(self._heard_floor, step.now + self.config.start_timeout)
         elif isinstance(step, Blacklist):
             return self.hosts.blacklist(step.host, step.now)
+        elif isinstance(step, Drain):
+            self.hosts.drain(step.host, step.now)
         elif isinstance(step, Pardon):
             self.hosts.pardon(step.host, step.now)
         elif isinstance(step, Refresh):
@@ -744,10 +758,22 @@ class Registry:
         hold = was_member or self.aborted
         yield Move(w.id, WorkerState.FAILED, why)
         yield Event(Kind.WORKER_FAILED, {"host": w.host, "label": w.label, "rank": w.rank, "why": why})
-        if not self.hosts.is_blacklisted(w.host):  # once per host: its other workers fail with it
+        if why.cause is Cause.EXITED and why.fields.get("code") in SIGTERM_EXITS:
+            # SIGTERM from outside the job (the driver's own stops move a worker out before they
+            # signal it): a reclaim, a pod deletion, scancel. The host is going, as when a worker
+            # says "leaving" from its handler. One that died of it before it had one (importing
+            # torch, loading data, in its rendezvous) or past --sigterm-grace is no sign that the
+            # host is bad: blacklisting it would keep out a pod that comes back under its name.
+            yield from self._drain(w.host, "SIGTERM", now)
+        elif not self.hosts.is_blacklisted(w.host):  # once per host: its other workers fail with it
             yield from self._blacklist(w.host, now, hold=hold)
         if was_member and not self.aborted:
             yield AbortRound(self.round, Reason(Cause.MEMBER_FAILED, {"label": w.label, "why": why}))
+
+    def _drain(self, host: str, why: str, now: float) -> Decision:
+        if host not in self.hosts.draining():
+            yield Event(Kind.HOST_LEAVING, {"host": host, "why": why})
+        yield Drain(host, now)
 
     def _blacklist(self, host: str, now: float, straggler: bool = False, hold: bool = False) -> Decision:
         until = yield Blacklist(host, now)

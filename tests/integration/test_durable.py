@@ -130,6 +130,32 @@ def test_a_host_discovery_lists_as_draining_is_out_within_two_steps(job):
     assert not any(e["kind"] == "worker_started" and e["host"] == "127.0.0.2" and e["t"] > noticed for e in ev)
 
 
+def test_a_sigterm_before_hvd_init_is_a_leave_and_the_host_may_come_back(job):
+    """A worker reclaimed while it starts (importing torch, loading its data: before hvd.init()
+    installs the handler that says "leaving") dies of the SIGTERM. That is the same news as a
+    leave: its host is going. It used to get the host blacklisted for good, so a pod that
+    Kubernetes brings back under its name never got a worker again. Now the host is moved out
+    and, once discovery lists it anew, it trains with the job."""
+    schedule = "0:localhost:1;1002:localhost:1,127.0.0.1:1;1012:localhost:1;1018:localhost:1,127.0.0.1:1"
+    ev_path = job.tmp / "events.jsonl"
+    r = job.run(["-np", "1", "--max-np", "2", "--host-discovery-script", str(PROGRESS_DISCOVERY),
+                 "--discovery-interval", "0.1", "--events", str(ev_path)],
+                sample_cmd(job, "--commit-every", "2", "--sleep", "0.05", "--sigterm-at-start", "127.0.0.1"),
+                HOSTS_SCHEDULE=schedule)
+    assert r.returncode == 0, r.output
+    err = r.stderr
+    assert re.search(r"127\.0\.0\.1\[0\] \(rank \d+\) exited with code -15\n.*host 127\.0\.0\.1 leaving \(SIGTERM\)",
+                     err), err
+    assert "blacklisted" not in err.replace("blacklisted hosts: none", ""), err
+    assert "aborted" not in err, err  # it was not a member: the round trained on untouched
+    log = entries(job.tmp / "samples")
+    assert_exactly_once(log)
+    # Back once discovery listed it anew: a second worker there trained with the job.
+    assert any(e["size"] == 2 for e in log), sorted({(e["epoch"], e["size"]) for e in log})
+    started = [e for e in events(ev_path) if e["kind"] == "worker_started" and e["host"] == "127.0.0.1"]
+    assert len(started) == 2, started
+
+
 # --- the job outlives its workers ----------------------------------------------------------------
 def committed_history(log: list[dict], ev: list[dict]) -> tuple[list[dict], dict]:
     """The committed history across one resume from a durable copy: batches committed after

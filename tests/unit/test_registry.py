@@ -1528,6 +1528,39 @@ class TestGoingAway:
         job.discover({"a": 1}, at=5)  # gone from the listing ...
         assert len(of(job.discover({"a": 1, "b": 2}, at=6), Launch)) == 2  # ... and back: a new host
 
+    @pytest.mark.parametrize("code", [-15, 143])
+    def test_a_newcomer_that_dies_of_sigterm_before_init_takes_its_host_out_unblamed(self, code):
+        """Reclaimed while it imports torch or loads data: no handler to say "leaving" yet. The
+        news is the same as a leave's: the host goes, without a blacklisting, and is new once
+        discovery lists it again (a Kubernetes pod back under its name)."""
+        job = Job(np=1, min_np=1)
+        job.start({"a": 1})
+        job.discover({"a": 1, "b": 1}, at=1)
+        acts = checked(job.exit("w1", code, at=2))
+        assert [text(e) for e in events(acts, "worker_failed")] == [f"b[0] (rank 1) exited with code {code}"]
+        assert [text(e) for e in events(acts, "host_leaving")] == ["host b leaving (SIGTERM)"]
+        assert not job.hosts.is_blacklisted("b") and "b" in job.hosts.draining()
+        assert not of(acts, AbortRound) and not of(acts, Notify) and not of(acts, Launch)
+        assert job.state("w0") is WorkerState.RUNNING
+        assert not of(job.discover({"a": 1, "b": 1}, at=3), Launch)  # still listed: still going
+        job.discover({"a": 1}, at=4)
+        assert [l.info.key for l in of(job.discover({"a": 1, "b": 1}, at=5), Launch)] == [("b", 0)]
+
+    def test_a_member_that_dies_of_sigterm_aborts_the_round_and_its_host_leaves_unblamed(self):
+        """Past --sigterm-grace (exit 143), or a script that put SIGTERM's default back: the
+        member died mid-step, so the round is aborted (the survivors roll back), but its host
+        is going, not bad: its other worker leaves, and no blacklisting is said."""
+        job = Job(np=3, min_np=1)
+        job.start({"a": 1, "b": 2})
+        acts = checked(job.exit("w1", 143, at=1))
+        assert [why(a) for a in of(acts, AbortRound)] == ["b[0] exited with code 143"]
+        assert [text(e) for e in events(acts, "host_leaving")] == ["host b leaving (SIGTERM)"]
+        assert job.state("w1") is WorkerState.FAILED
+        acts = checked(job.rdv_all(["w2", "w0"], at=2))
+        assert [d.worker_id for d in of(acts, Dismiss)] == ["w2"]
+        assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0)}
+        assert not events(acts, "host_blacklisted") and not job.hosts.blacklisted()
+
 
 class TestDurableCopies:
     """Issue 14: with a durable copy, losing every worker to the infrastructure is survived."""
@@ -1830,6 +1863,22 @@ class TestPlainCommands:
         [finish] = of(acts, Finish)
         assert not finish.ok and why(finish) == "rank 1 (a[1]) exited with code 3"
         assert not events(acts, "host_blacklisted")
+
+    @pytest.mark.parametrize("first", ["sigterm", "success"])
+    def test_a_process_killed_by_sigterm_fails_the_job(self, first):
+        """As under horovodrun, SIGTERM's exit too, also when it comes before anything tells
+        the job is plain (an elastic job's worker would have left: its host is drained)."""
+        job = Job(np=2, start_timeout=30)
+        w0, w1 = self.launch(job, {"a": 1, "b": 1})
+        if first == "sigterm":
+            job.exit(w1, -15, at=1)
+            acts = job.exit(w0, 0, at=2)
+        else:
+            job.exit(w0, 0, at=1)
+            acts = job.exit(w1, -15, at=2)
+        assert job.reg.plain
+        [finish] = of(acts, Finish)
+        assert not finish.ok and why(finish) == "rank 1 (b[0]) exited with code -15"
 
     def test_all_exit_0_is_success(self):
         job = Job(np=2)

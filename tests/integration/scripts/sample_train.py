@@ -49,6 +49,9 @@ p.add_argument("--kill-all", default=None, metavar="EPOCH:BATCH",
 p.add_argument("--classes", type=int, default=2, help="the model's outputs (a different model to resume into)")
 p.add_argument("--slow-start", default=None, metavar="HOST:SECONDS",
                help="workers on HOST take that much longer to start (before hvd.init())")
+p.add_argument("--sigterm-at-start", default=None, metavar="HOST",
+               help="the first worker on HOST gets SIGTERM before hvd.init() (a reclaim while it imports or "
+                    "loads its data: no handler of elasticrun's is installed yet)")
 p.add_argument("--slow", default=None, metavar="HOST:SLOT:SECONDS[@EPOCH:BATCH]",
                help="that worker sleeps SECONDS in every step (a straggler), from that step on")
 p.add_argument("--no-commit", action="store_true", help="never commit (nor at the end of an epoch)")
@@ -64,6 +67,15 @@ if args.slow_start:
     host, seconds = args.slow_start.rsplit(":", 1)
     if os.environ.get("ELASTICRUN_HOSTNAME") == host:
         time.sleep(float(seconds))
+
+if args.sigterm_at_start == os.environ.get("ELASTICRUN_HOSTNAME"):
+    try:
+        os.close(os.open(os.path.join(args.log_dir, "sigterm-at-start"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        pass  # (once: a worker started there later runs normally)
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # (never reached: SIGTERM's default action ends the process)
 
 torch.manual_seed(0)
 torch.set_num_threads(1)
