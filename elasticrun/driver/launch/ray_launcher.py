@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import tempfile
 import threading
@@ -67,6 +68,39 @@ def held_on_nodes(agents: list[tuple[str, float | None]], now: float, settle: fl
     return {node: Held(settled.get(node, 0), n) for node, n in live.items()}
 
 
+class PrivateLog(logging.FileHandler):
+    """A log file in a directory others can write (``/tmp``): a new file of this user's alone
+    (0600), made on the first record, under a name nobody can guess. The name used to be
+    ``elasticrun-ray-PID.log``: anyone on the machine could plant a link or a file of theirs
+    there first, and the driver appended Ray's log to whatever it pointed at. ``O_EXCL`` and
+    ``O_NOFOLLOW`` refuse both; a record that finds the name taken is dropped, not redirected."""
+
+    def __init__(self, directory: str, prefix: str) -> None:
+        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}.log"
+        super().__init__(os.path.join(directory, name), delay=True)
+        self._made = False
+
+    def _open(self) -> Any:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+        # The first open makes the file; a later one (after close()) reopens the same file, ours.
+        try:
+            fd = os.open(self.baseFilename, flags | (0 if self._made else os.O_CREAT | os.O_EXCL), 0o600)
+        except OSError:
+            return None  # (the name taken, a full disk: the record is dropped, see handleError)
+        self._made = True
+        return os.fdopen(fd, "a", encoding=self.encoding or "utf-8", errors=self.errors)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        """Ray's chatter is not worth a traceback on the console: a file that cannot be made
+        or written (a full disk, the name taken) loses it quietly; the job's own lines are
+        never in it."""
+
+
+def ray_log_path() -> str | None:
+    """Where this process's Ray log goes (None: not set up)."""
+    return next((h.baseFilename for h in logging.getLogger("ray").handlers if isinstance(h, PrivateLog)), None)
+
+
 def connect(address: str) -> bool:
     """Join the Ray cluster at ``address`` as a driver (its own Ray job, whose actors Ray
     destroys when this process ends); True if this call connected (then ``ray.shutdown``
@@ -77,15 +111,12 @@ def connect(address: str) -> bool:
         return False
     # Ray's own logs (node deaths with a raylet's state dump, autoscaler chatter) go to a file:
     # elasticrun's console says what happened to the job in its own words, once.
-    path = os.path.join(tempfile.gettempdir(), f"elasticrun-ray-{os.getpid()}.log")
     ray_log = logging.getLogger("ray")
-    if not any(isinstance(h, logging.FileHandler) and h.baseFilename == path for h in ray_log.handlers):
-        try:
-            handler = logging.FileHandler(path, delay=True)
-            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
-            ray_log.addHandler(handler)
-        except OSError:
-            pass
+    if not any(isinstance(h, PrivateLog) for h in ray_log.handlers):
+        handler = PrivateLog(tempfile.gettempdir(), "elasticrun-ray")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+        ray_log.addHandler(handler)
+    path = ray_log_path()
     ray_log.propagate = False
     log.debug("Ray's logs go to %s", path)
     try:
