@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from elasticrun.common import env
-from elasticrun.worker import runtime
+from elasticrun.common.auth import WorkerKeys
+from elasticrun.worker import client, runtime
 
 
 def join(rank: int, size: int, store_file: str | Path, timeout: float = 30.0) -> runtime.Runtime:
@@ -34,6 +35,10 @@ def join(rank: int, size: int, store_file: str | Path, timeout: float = 30.0) ->
             del os.environ[name]
     rt = runtime.init()
     rt.collective_timeout = timeout
+    # The driver hands every worker the job's keys; pickles over gloo are sealed with its
+    # secret (worker/sealing.py). Every rank of a test world gets the same one.
+    client._keys = WorkerKeys(secret=b"gloo-world-secret".ljust(32, b"."), server_public=b"", client_public=b"",
+                              client_secret=b"")
     return reform(rank, size, store_file)
 
 

@@ -18,8 +18,9 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from elasticrun.worker import devices, issuing, process_sets, rounds, waiting
+from elasticrun.worker import devices, issuing, process_sets, rounds, sealing, waiting
 from elasticrun.worker import descriptors as ops
+from elasticrun.worker.exceptions import HorovodInternalError
 from elasticrun.worker.process_sets import ProcessSet, global_process_set
 from elasticrun.worker.rounds import Round
 from elasticrun.worker.waiting import Handle, synchronize
@@ -30,6 +31,7 @@ __all__ = ["broadcast_", "broadcast_async", "broadcast_async_", "broadcast_objec
 _ALIGN = 16  # byte offsets stay aligned so that views of the flat buffer can be any dtype
 _BCAST_CHUNK_BYTES = 64 << 20
 _IN_PLACE_BYTES = 1 << 20  # tensors this large are broadcast from and into their own storage
+_MAX_OBJECT = 1 << 40  # more than any host holds: a larger length was not written by a rank of the job
 _OBJECT_HEAD = 4096  # broadcast_object's first broadcast: a length and up to this much of the pickle
 
 
@@ -100,7 +102,10 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     if is_root and r.size == 1 and issuing.is_global(process_set):  # nobody to send it to
         waiting.solo(r, f"broadcast_object {name or ''}")
         return obj
-    payload = cloudpickle.dumps(obj) if is_root else b""
+    # Sealed with the job's secret: gloo's connections are not authenticated (worker/sealing.py).
+    context = f"broadcast_object|round {r.number}|root {root_rank}|set {issuing.ps_id(process_set)}|{name}"
+    size = len(process_sets.members(process_set, r))
+    payload = sealing.seal(cloudpickle.dumps(obj), context, size) if is_root else b""
     # One broadcast carries the length and, when they fit, the bytes too (an object is usually
     # small, and every sync broadcasts one: a round trip saved); a second carries the rest.
     head = bytearray(_OBJECT_HEAD)
@@ -116,11 +121,14 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                        process_set, trusted=True)
         return obj
     length = int.from_bytes(head[:8], "little")
+    what = f"broadcast_object {name or ''}".rstrip()
     if length <= _OBJECT_HEAD - 8:
-        return cloudpickle.loads(bytes(head[8:8 + length]))
+        return cloudpickle.loads(sealing.opened(bytes(head[8:8 + length]), context, what, size))
+    if length > _MAX_OBJECT:  # (a length a stranger wrote: no allocation of it)
+        raise HorovodInternalError(f"{what}: {length} bytes announced over gloo; not from a rank of this job")
     data = torch.empty(length, dtype=torch.uint8)
     broadcast_(data, root_rank, name or "object", process_set, trusted=True)
-    return cloudpickle.loads(issuing.tensor_bytes(data))
+    return cloudpickle.loads(sealing.opened(issuing.tensor_bytes(data), context, what, size))
 
 
 # ------------------------------------------------------------------- a model's or an optimizer's state

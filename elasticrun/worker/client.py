@@ -52,6 +52,11 @@ def job_keys() -> WorkerKeys:
         return _keys
 
 
+def loaded_keys() -> WorkerKeys | None:
+    """The keys :func:`job_keys` read, if it has (None in a process that is in no job)."""
+    return _keys
+
+
 class DriverTimeout(RuntimeError):
     """The driver did not answer in time."""
 

@@ -25,7 +25,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from elasticrun.worker import agreement, devices, process_sets, rounds, waiting
+from elasticrun.worker import agreement, devices, process_sets, rounds, sealing, waiting
 from elasticrun.worker import descriptors as ops
 from elasticrun.worker.agreement import CollectiveMismatch
 from elasticrun.worker.descriptors import Op
@@ -273,9 +273,27 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
     """Gather a picklable object from every rank into a list ordered by rank. A rank in
     ``join()`` contributes None."""
-    data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
+    # Each rank seals its own pickle with the job's secret: gloo's connections are not
+    # authenticated (worker/sealing.py). Bound to the sender's place in the set.
+    r = rounds.current()
+    members = process_sets.members(process_set, r)
+    me = members.index(r.rank) if r.rank in members else -1
+
+    def context(i: int) -> str:
+        return f"allgather_object|round {r.number}|set {ps_id(process_set)}|member {i}|{name}"
+
+    data = torch.frombuffer(bytearray(sealing.seal(cloudpickle.dumps(obj), context(me), len(members))),
+                            dtype=torch.uint8)
     counts = [int(c.item()) for c in allgather_same(torch.tensor([data.numel()], dtype=torch.int64),
                                                    f"{name or 'allgather_object'}.size", process_set)]
+    what = name or "allgather_object"
+    if max(counts) > _MAX_OBJECT or min(counts) < 0:  # (a length a stranger wrote: no allocation of it)
+        raise HorovodInternalError(f"{what}: a size of {max(counts)} bytes came over gloo; not from a rank of this job")
     padded = torch.cat([data, data.new_zeros(max(counts) - data.numel())])
-    parts = allgather_same(padded, name or "allgather_object", process_set)
-    return [cloudpickle.loads(tensor_bytes(p[:n])) if n else None for p, n in zip(parts, counts)]
+    parts = allgather_same(padded, what, process_set)
+    return [cloudpickle.loads(sealing.opened(tensor_bytes(p[:n]), context(i), what, len(members))) if n else None
+            for i, (p, n) in enumerate(zip(parts, counts))]
+
+
+#: More than any host holds: an object's length above it was not written by a rank of the job.
+_MAX_OBJECT = 1 << 40
