@@ -653,6 +653,12 @@ def warm_spawn(path: str, command: List[str], env: Dict[str, str], cwd: str, gra
     try:
         sock.settimeout(timeout)
         sock.connect(path)
+        # Only to a listener of this user: a template that stopped removes its private
+        # directory, and anyone may make one at the same path before this launch connects.
+        # The request carries the worker's environment and the job's key pipe.
+        uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+        if uid != os.getuid():
+            return "refused the template's socket: it is served by uid %d, not this user's (%d)" % (uid, os.getuid())
         data = encode_request(command, env, cwd, grace, keys is not None, len(fds) > len(ours) + 2)
         sent = sock.sendmsg([data[:65536]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         if sent < len(data):

@@ -24,6 +24,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -200,6 +201,16 @@ def _read_line(sock: socket.socket, buf: bytes, deadline: float | None) -> bytes
     return buf
 
 
+def peer_not_us(sock: socket.socket) -> str:
+    """Why the process listening on the other end of ``sock`` is not one of this user's ("" if
+    it is). The template's directory is private, but a template that stopped removes it, and
+    anyone can make a new one at the same path before a launch still on its way connects: the
+    request carries the worker's environment and the job's key pipe, so it goes only to a
+    listener of our own user (as the template accepts only us)."""
+    uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+    return "" if uid == os.getuid() else f"it is served by uid {uid}, not this user's ({os.getuid()})"
+
+
 def start_worker(socket_path: str, command: Sequence[str], env: Mapping[str, str], cwd: str, fds: Sequence[int],
                  grace: float, timeout: float = 10.0, *, keys: bool | None = None,
                  notice: bool = False) -> WarmWorker:
@@ -220,6 +231,9 @@ def start_worker(socket_path: str, command: Sequence[str], env: Mapping[str, str
         sock.settimeout(timeout)
         try:
             sock.connect(socket_path)
+            stranger = peer_not_us(sock)
+            if stranger:  # (before anything is sent: the environment, the key pipe)
+                raise Unavailable(f"refused the socket at {socket_path}: {stranger}")
             data = warmstart.encode_request(command, env, cwd, grace, keys=keys, notice=notice)
             sent = sock.sendmsg([data[:1 << 16]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
             if sent < len(data):  # (an empty send to a template that already answered is EPIPE)
