@@ -24,6 +24,7 @@ import stat
 import threading
 from collections.abc import Sequence
 
+from elasticrun.common.paths import open_user_file
 from elasticrun.common.ratelimit import LimitedLog
 
 log = logging.getLogger("elasticrun")
@@ -68,8 +69,11 @@ def open_beneath(directory: str, names: Sequence[str], mode: int = 0o644) -> int
                 raise
             os.close(fd)
             fd = inner
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.EINVAL, f"{names[-1]} is not a regular file")
+        if st.st_nlink > 1:  # a hard link someone made to another file of yours: appends would land there
+            raise OSError(errno.EPERM, f"{names[-1]} has other hard links (not written)")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -100,7 +104,7 @@ class DiagnosticFile:
             return True
         try:
             if self._beneath is None:
-                self._fd = os.open(self.path, _APPEND, self._mode)
+                self._fd = open_user_file(self.path, _APPEND, self._mode)
             else:
                 names = os.path.relpath(self.path, self._beneath).split(os.sep)
                 self._fd = open_beneath(self._beneath, names, self._mode)

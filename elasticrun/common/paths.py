@@ -8,6 +8,7 @@ the job would (it would create them anyway) and leave no file behind.
 
 from __future__ import annotations
 
+import errno
 import os
 import selectors
 import stat
@@ -40,6 +41,48 @@ def _make_dirs(path: str, flag: str, given: str) -> None:
         raise ValueError(f"{flag} {given}: cannot create directory {where}: {_reason(exc)}") from None
 
 
+def planted(path: str) -> str:
+    """Why the job must not write to ``path``, a name the user gave ("" if it may): a symbolic
+    link or a file that someone else put in a shared, sticky directory such as /tmp. A
+    neighbour who guesses ``--timeline-filename /tmp/t.json`` could otherwise plant a link there
+    to one of your files and have the job truncate it. The kernel refuses both where
+    ``fs.protected_symlinks`` and ``fs.protected_regular`` are set (most distributions); many
+    containers clear them, so the job checks for itself, with the kernel's rule: in a sticky,
+    world-writable directory, only what you or the directory's owner made is followed or
+    written, and no file with other hard links. Your own links anywhere (``--events
+    /dev/stdout``) are yours to choose."""
+    return _look(path)[0]
+
+
+def _look(path: str) -> tuple[str, bool]:
+    """(:func:`planted`'s answer, whether ``path`` is a link that may be followed), from one lstat."""
+    full = os.path.abspath(path)
+    try:
+        d = os.stat(os.path.dirname(full))
+        st = os.lstat(full)
+    except OSError:
+        return "", False  # (nothing there yet, or nothing to look at: the open says what is wrong)
+    link = stat.S_ISLNK(st.st_mode)
+    if not (d.st_mode & stat.S_ISVTX and d.st_mode & stat.S_IWOTH):
+        return "", link
+    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:  # (a hard link to a file of yours, made by anyone)
+        return "it is a file with other hard links, in a shared directory (not written)", False
+    if st.st_uid in (os.geteuid(), d.st_uid):
+        return "", link  # (the sticky bit keeps anyone else from replacing it before the open)
+    if link:
+        return f"it is a symbolic link that uid {st.st_uid} put in a shared directory (not followed)", True
+    return f"it belongs to uid {st.st_uid}, in a shared directory (not written)", False
+
+
+def open_user_file(path: str, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` of a file the user named, refusing what :func:`planted` names (OSError
+    EPERM). A link planted after that look is not followed (``O_NOFOLLOW``)."""
+    why, link = _look(path)
+    if why:
+        raise OSError(errno.EPERM, why)
+    return os.open(path, flags | (0 if link else os.O_NOFOLLOW), mode)
+
+
 def check_writable_file(path: str, flag: str) -> None:
     """Make sure the job can append to file ``path``: its directory exists (created if
     missing) and the file can be opened for writing. Raises ValueError with one line
@@ -48,6 +91,9 @@ def check_writable_file(path: str, flag: str) -> None:
     if os.path.isdir(full):
         raise ValueError(f"{flag} {path}: is a directory")
     _make_dirs(os.path.dirname(full), flag, path)
+    why = planted(full)
+    if why:
+        raise ValueError(f"{flag} {path}: {why}; remove it or choose another path")
     # O_NONBLOCK: opening a FIFO with no reader fails at once instead of waiting for one.
     flags = os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC
     created = False

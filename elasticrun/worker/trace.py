@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Any
 
+from elasticrun.common.paths import open_user_file, planted
+
 __all__ = ["Timeline", "active", "note_rank", "start", "stop", "writes"]
 
 log = logging.getLogger("elasticrun.worker")
@@ -49,6 +51,9 @@ def _check_writable(path: str) -> None:
         raise FileNotFoundError(f"timeline {path}: no directory {directory}")
     if not os.access(directory, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise PermissionError(f"timeline {path}: not writable")
+    why = planted(path)
+    if why:
+        raise PermissionError(f"timeline {path}: {why}; remove it or choose another path")
 
 
 class Timeline:
@@ -115,7 +120,8 @@ class Timeline:
     def _write(self, events: list[dict[str, Any]]) -> None:
         if self._file is None:
             self.written_to = self.path.replace(RANK_FIELD, str(self.rank or 0))
-            self._file = open(self.written_to, "w", encoding="utf-8")
+            fd = open_user_file(self.written_to, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
+            self._file = os.fdopen(fd, "w", encoding="utf-8")
             self._file.write("[\n")
         for event in events:
             self._file.write((",\n" if self._count else "") + json.dumps(event))

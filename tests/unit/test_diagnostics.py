@@ -112,3 +112,17 @@ def test_writes_from_many_threads_stay_whole_lines(tmp_path):
     f.close()
     lines = (tmp_path / "rank.0" / "stdout").read_text().splitlines()
     assert len(lines) == 800 and all(line.endswith("y" * 500) for line in lines)
+
+
+def test_a_hard_link_planted_beneath_the_output_directory_is_not_appended_to(tmp_path):
+    """A teammate's hard link in a shared --output-filename DIR to another file of yours
+    (possible where fs.protected_hardlinks is 0, as in many containers): not written."""
+    victim = tmp_path / "precious"
+    victim.write_text("precious\n")
+    logs = tmp_path / "shared"
+    (logs / "rank.0").mkdir(parents=True)
+    os.link(victim, logs / "rank.0" / "stdout")
+    with pytest.raises(OSError) as caught:
+        _append(logs, ["rank.0", "stdout"], "job output\n")
+    assert caught.value.strerror == "stdout has other hard links (not written)"
+    assert victim.read_text() == "precious\n"

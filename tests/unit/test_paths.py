@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticrun.common.paths import check_writable_dir, check_writable_file, read_bounded
+from elasticrun.common.paths import check_writable_dir, check_writable_file, open_user_file, planted, read_bounded
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -128,3 +128,84 @@ def test_a_directory_and_endless_devices_are_refused_or_cut(tmp_path: Path):
         read_bounded(str(tmp_path), 1000)
     assert read_bounded("/dev/zero", 1000) == b"\0" * 1001
     assert read_bounded("/dev/null", 1000) == b""
+
+
+# --- a shared, sticky directory (/tmp): what a neighbour planted is not followed or written ---------
+NEIGHBOUR = 65534  # nobody
+
+
+@pytest.fixture
+def shared(tmp_path: Path) -> Path:
+    d = tmp_path / "tmp"
+    d.mkdir()
+    d.chmod(0o1777)  # as /tmp
+    return d
+
+
+def _own(path: Path, uid: int) -> None:
+    os.chown(path, uid, uid, follow_symlinks=False)
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make files of another user")
+
+
+@needs_root
+def test_a_neighbours_link_in_a_shared_directory_is_refused_up_front_and_at_the_open(shared, tmp_path):
+    victim = tmp_path / "bashrc"
+    victim.write_text("precious\n")
+    link = shared / "t.json"
+    link.symlink_to(victim)
+    _own(link, NEIGHBOUR)
+    why = refused(check_writable_file, link, "--timeline-filename")
+    assert why == (f"it is a symbolic link that uid {NEIGHBOUR} put in a shared directory (not followed); "
+                   f"remove it or choose another path")
+    with pytest.raises(OSError) as caught:
+        open_user_file(str(link), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    assert "symbolic link that uid 65534" in caught.value.strerror
+    assert victim.read_text() == "precious\n"
+
+
+@needs_root
+def test_a_neighbours_file_and_a_hard_link_in_a_shared_directory_are_not_written(shared, tmp_path):
+    theirs = shared / "events.jsonl"
+    theirs.write_text("")
+    _own(theirs, NEIGHBOUR)
+    assert "belongs to uid 65534" in refused(check_writable_file, theirs, "--events")
+    mine = tmp_path / "notes"
+    mine.write_text("precious\n")
+    os.link(mine, shared / "t2.json")  # (protected_hardlinks=0: anyone may link to a file of yours)
+    assert "other hard links" in planted(str(shared / "t2.json"))
+    with pytest.raises(OSError):
+        open_user_file(str(shared / "t2.json"), os.O_WRONLY | os.O_TRUNC)
+    assert mine.read_text() == "precious\n"
+
+
+def test_your_own_links_and_files_anywhere_are_yours_to_choose(shared, tmp_path):
+    real = tmp_path / "real.json"
+    (shared / "mine.json").symlink_to(real)  # made by you (the directory's other users are not you)
+    assert planted(str(shared / "mine.json")) == ""
+    fd = open_user_file(str(shared / "mine.json"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.write(fd, b"x"), os.close(fd)
+    assert real.read_text() == "x"
+    assert planted("/dev/stdout") == ""  # (/dev is not a shared sticky directory)
+    check_writable_file(str(shared / "new.json"), "--events")  # nothing there yet
+
+
+def test_a_link_planted_after_the_look_is_not_followed(shared, tmp_path, monkeypatch):
+    """Between planted()'s look and the open, a link appears: O_NOFOLLOW refuses it."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    target = shared / "race.json"
+    import elasticrun.common.paths as paths
+
+    real = paths._look
+
+    def look_then_plant(path: str) -> tuple[str, bool]:
+        seen = real(path)
+        target.symlink_to(victim)
+        return seen
+
+    monkeypatch.setattr(paths, "_look", look_then_plant)
+    with pytest.raises(OSError):
+        open_user_file(str(target), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    assert victim.read_text() == "precious\n"
