@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("nacl", reason="PyNaCl is not installed: pip install 'ray==2.60.0' 'pynacl>=1.5'")
 
-from elasticrun.driver.launch.ray_agent import WorkerAgent, seal  # noqa: E402
+from elasticrun.driver.launch.ray_agent import WorkerAgent, seal, seal_start  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -102,6 +102,21 @@ def test_the_worker_gets_its_keys_through_a_pipe_and_its_output_and_exit_come_ba
     assert ("stderr", "to stderr") in lines
     child = int(next(line for s, line in lines if line.startswith("child "))[6:])
     assert not _alive(child)  # the watchdog kills what the worker left in its group
+
+
+def test_the_environment_travels_sealed_with_the_keys(agents, tmp_path):
+    """The driver's call carries no environment in the clear (Ray keeps a task's arguments in
+    its tables, for anyone who can use the cluster): it is in the sealed box, and reaches the
+    worker."""
+    agent = agents("w1")
+    hello = agent.hello()
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path), "HF_TOKEN": "hf_not_in_the_clear"}
+    sealed = seal_start(hello["public_key"], KEYS, env)
+    assert b"hf_not_in_the_clear" not in sealed and KEYS not in sealed
+    code = "import os, sys; print('token', os.environ.get('HF_TOKEN')); sys.exit(0)"
+    assert "pgid" in agent.start([sys.executable, "-c", code], {}, str(tmp_path), 2.0, sealed)
+    lines, status = _collect(agent, lambda lines: False)
+    assert status == 0 and ("stdout", "token hf_not_in_the_clear") in lines, lines
 
 
 def test_the_sealed_keys_open_only_with_this_agents_key(agents):

@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Mapping
 
 from elasticrun.common.lines import lines
 
@@ -60,6 +60,14 @@ LINES_PER_POLL = 2_000
 CHARS_PER_POLL = 2 << 20
 #: Variables Ray sets for the actor that must win over the forwarded environment.
 RAY_OWNED = ("CUDA_VISIBLE_DEVICES",)
+
+
+def seal_start(public_key: bytes, keys: bytes | None, env: Mapping[str, str]) -> bytes:
+    """What :meth:`WorkerAgent.start` needs that must not sit in Ray's tables in the clear, the
+    job's keys and the worker's environment (``AWS_*``, ``HF_TOKEN``, ...: elasticrun forwards the
+    whole environment by default), in one box sealed to the agent's key."""
+    envelope = {"envelope": 1, "keys": keys.decode("ascii") if keys is not None else None, "env": dict(env)}
+    return seal(public_key, json.dumps(envelope).encode())
 
 
 def seal(public_key: bytes, blob: bytes) -> bytes:
@@ -112,9 +120,15 @@ class WorkerAgent:
         from nacl.public import SealedBox
 
         self._contact()
-        keys = SealedBox(self._key).decrypt(sealed_keys).decode("ascii") if sealed_keys else None
+        opened = SealedBox(self._key).decrypt(sealed_keys).decode("ascii") if sealed_keys else None
+        keys, sealed_env = opened, {}
+        if opened is not None and opened.startswith('{"envelope"'):  # seal_start's box: the keys and the environment
+            box = json.loads(opened)
+            keys, sealed_env = box["keys"], box["env"]
+        opened = None
         merged = dict(os.environ)
         merged.update(env)
+        merged.update(sealed_env)
         for name in RAY_OWNED:  # the GPUs Ray gave this actor are the worker's
             if name in os.environ:
                 merged[name] = os.environ[name]

@@ -11,9 +11,10 @@ in-process recovery); only its host source and its launcher change:
   the same watchdog as SSH launches) and streams its output and exit back.
 
 How the job's keys reach a worker: the agent makes a key pair when it is created and sends
-its public key; the driver seals the key blob to it (``ray_agent.seal``) and passes only the
-sealed bytes through Ray. Neither the actor's arguments (``ray list actors``, the dashboard,
-the GCS's tables) nor Ray's logs ever hold the keys; the worker reads them from a pipe.
+its public key; the driver seals the key blob and the worker's environment to it
+(``ray_agent.seal_start``) and passes only the sealed bytes through Ray. Neither the actor's
+arguments (``ray list actors``, the dashboard, the GCS's tables) nor Ray's logs ever hold the
+keys or the environment (cloud credentials, tokens); the worker reads the keys from a pipe.
 
 Nothing is left behind: the actors belong to the driver's Ray job (never ``detached``), so
 Ray destroys them when the driver exits or dies; each agent also stops its worker and exits
@@ -38,7 +39,7 @@ from elasticrun.common.errors import JobFailed
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.ray_nodes import SETTLE_SECONDS, Held, RayDiscovery, Requirement
 from elasticrun.driver.output import Output
-from elasticrun.driver.launch.ray_agent import WorkerAgent, seal
+from elasticrun.driver.launch.ray_agent import WorkerAgent, seal_start
 
 log = logging.getLogger("elasticrun")
 
@@ -241,9 +242,11 @@ class RayLauncher:
         a.started_at = time.monotonic()
         if a.killed or self._stopping:
             return -(a.cancel or signal.SIGTERM)
-        sealed = seal(hello["public_key"], keys) if keys is not None else None
+        # The environment travels sealed with the keys: an actor's arguments are visible to anyone
+        # who can use the cluster (``ray list tasks``, the dashboard, the GCS's tables).
+        sealed = seal_start(hello["public_key"], keys, env)
         cwd = self.settings.remote_cwd or os.getcwd()
-        started = ray.get(a.handle.start.remote(list(command), dict(env), cwd, self.settings.stop_grace, sealed,
+        started = ray.get(a.handle.start.remote(list(command), {}, cwd, self.settings.stop_grace, sealed,
                                                 timeout), timeout=timeout + 10)
         sealed = None
         if "error" in started:
