@@ -247,11 +247,15 @@ def test_the_driver_killed_leaves_no_actor_and_no_process_behind(job, cluster, n
 def test_the_keys_are_in_no_actor_argument_log_or_environment(job, cluster, nodes, tmp_path):
     out = tmp_path / "probe"
     out.mkdir()
-    run(job, cluster, ray_args(cluster, "-np", "2"), [sys.executable, str(SCRIPTS / "key_probe.py"), str(out)])
+    token = "tok-" + os.urandom(8).hex()  # a credential in the user's environment, forwarded to every worker
+    run(job, cluster, ray_args(cluster, "-np", "2"), [sys.executable, str(SCRIPTS / "key_probe.py"), str(out)],
+        PROBE_TOKEN=token)
     wait_for(lambda: len(list(out.glob("*.json"))) == 2, 120, "both workers to report")
     infos = [json.loads(p.read_text()) for p in out.glob("*.json")]
     keys = infos[0]
+    assert all(Path(f"/proc/{i['pid']}/environ").read_bytes().count(token.encode()) == 1 for i in infos)  # it got there
     secrets = [keys["secret"], keys["client_secret"], keys["client_public"], keys["server_public"]]
+    assert token not in json.dumps([agents(), task_events()], default=str), "the environment in Ray's tables"
     assert {i["host"] for i in infos} == {nodes[0].node_id, nodes[1].node_id}
     seen = json.dumps([agents(), task_events()], default=str)
     assert "WorkerAgent" in seen
