@@ -244,7 +244,7 @@ class RayLauncher:
             return -(a.cancel or signal.SIGTERM)
         # The environment travels sealed with the keys: an actor's arguments are visible to anyone
         # who can use the cluster (``ray list tasks``, the dashboard, the GCS's tables).
-        sealed = seal_start(hello["public_key"], keys, env)
+        sealed: bytes | None = seal_start(hello["public_key"], keys, env)
         cwd = self.settings.remote_cwd or os.getcwd()
         started = ray.get(a.handle.start.remote(list(command), {}, cwd, self.settings.stop_grace, sealed,
                                                 timeout), timeout=timeout + 10)
