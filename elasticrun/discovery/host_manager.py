@@ -64,6 +64,9 @@ class HostManager:
     # lasts while it lists them so) or LEAVING (one of their workers got SIGTERM; it lasts
     # until discovery stops listing the host, which is then new if it ever comes back).
     _draining: dict[str, str] = field(default_factory=dict)
+    # LEAVING hosts where a worker that said so still runs: they stay LEAVING even while
+    # discovery misses them for a while (a flap must not give that worker a place again).
+    _held: set[str] = field(default_factory=set)
     _now: float = float("-inf")
     # Every cooldown that ended by then has let its host back (``update`` looked after it).
     _settled_at: float = float("-inf")
@@ -77,7 +80,8 @@ class HostManager:
         self._discovered = dict(discovered)
         self._now = max(self._now, now)
         for host, why in list(self._draining.items()):
-            if host not in self._discovered or (why == NOTICE and draining is not None and host not in draining):
+            if ((host not in self._discovered and host not in self._held)
+                    or (why == NOTICE and draining is not None and host not in draining)):
                 del self._draining[host]
         for host in draining or ():
             if host in self._discovered:
@@ -88,10 +92,21 @@ class HostManager:
         self._settled_at = self._now
         return self._diff(before)
 
-    def drain(self, host: str, now: float) -> HostChange:
-        """A worker of ``host`` was told it will be stopped (SIGTERM): the host is going."""
-        if host in self._discovered:
-            self._draining.setdefault(host, LEAVING)
+    def drain(self, host: str, now: float, hold: bool = False) -> HostChange:
+        """A worker of ``host`` was told it will be stopped (SIGTERM): the host is going. It
+        stays so until discovery stops listing it (a NOTICE becomes LEAVING: a notice that
+        drops out of the next listing no longer lets the host back). ``hold``: that worker
+        still runs, so the host stays LEAVING until :meth:`release`, listed or not."""
+        if host in self._discovered or hold:
+            self._draining[host] = LEAVING
+        if hold:
+            self._held.add(host)
+        return self.update(self._discovered, now)
+
+    def release(self, host: str, now: float) -> HostChange:
+        """The last worker of ``host`` that said it was leaving has exited: from now on its
+        LEAVING lasts, as any other, until discovery stops listing the host."""
+        self._held.discard(host)
         return self.update(self._discovered, now)
 
     def blacklist(self, host: str, now: float) -> float | None:

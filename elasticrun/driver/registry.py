@@ -142,6 +142,7 @@ class WorkerRecord:
     # heartbeats come; ``bye_at`` is when it said it.
     bye: str | None = None
     bye_at: float = 0.0
+    leaving: bool = False  # it said it got SIGTERM: it leaves at its next step; its host is going
     # (host, slot): a plain attribute, not a property; every decision reads it for each worker.
     key: tuple[str, int] = field(init=False, repr=False, compare=False)
 
@@ -275,10 +276,12 @@ class Blacklist:
 @dataclass(frozen=True)
 class Drain:
     """A host is going (one of its workers got SIGTERM): nothing starts there until discovery
-    lists it anew, and its workers leave at their next step."""
+    lists it anew, and its workers leave at their next step. ``hold``: a worker that said so
+    still runs there (see ``HostManager.drain``)."""
 
     host: str
     now: float
+    hold: bool = False
 
 
 @dataclass(frozen=True)
@@ -465,7 +468,8 @@ class Registry:
         if w is None or w.state in _GONE:
             return
         self._dirty = True
-        self._outbox += self._drive(self._drain(w.host, why, now))
+        w.leaving = True
+        self._outbox += self._drive(self._drain(w.host, why, now, hold=True))
 
     def restore_failed(self, worker_id: str, error: str) -> None:
         """The durable copy does not fit the script's state (a changed model): the job stops,
@@ -506,6 +510,8 @@ class Registry:
             return
         self._dirty = True
         w.exited, w.exit_code = True, code
+        if w.leaving and not any(o.leaving and not o.exited and o.host == w.host for o in self.workers.values()):
+            self.hosts.release(w.host, now)  # (its host stays going until discovery drops it)
         self._busy[w.key] -= 1
         if not self._busy[w.key]:
             del self._busy[w.key]
@@ -637,7 +643,7 @@ class Registry:
         elif isinstance(step, Blacklist):
             return self.hosts.blacklist(step.host, step.now)
         elif isinstance(step, Drain):
-            self.hosts.drain(step.host, step.now)
+            self.hosts.drain(step.host, step.now, step.hold)
         elif isinstance(step, Pardon):
             self.hosts.pardon(step.host, step.now)
         elif isinstance(step, Refresh):
@@ -765,15 +771,19 @@ class Registry:
             # torch, loading data, in its rendezvous) or past --sigterm-grace is no sign that the
             # host is bad: blacklisting it would keep out a pod that comes back under its name.
             yield from self._drain(w.host, "SIGTERM", now)
+        elif w.host in self.hosts.draining() and why.cause in (Cause.EXITED, Cause.SILENT):
+            # A host that said it is going (SIGTERM, discovery's notice) went before its workers
+            # left: the notice came true, it is no fault of the host's. (Its own exception is.)
+            yield Drain(w.host, now)
         elif not self.hosts.is_blacklisted(w.host):  # once per host: its other workers fail with it
             yield from self._blacklist(w.host, now, hold=hold)
         if was_member and not self.aborted:
             yield AbortRound(self.round, Reason(Cause.MEMBER_FAILED, {"label": w.label, "why": why}))
 
-    def _drain(self, host: str, why: str, now: float) -> Decision:
+    def _drain(self, host: str, why: str, now: float, hold: bool = False) -> Decision:
         if host not in self.hosts.draining():
             yield Event(Kind.HOST_LEAVING, {"host": host, "why": why})
-        yield Drain(host, now)
+        yield Drain(host, now, hold)
 
     def _blacklist(self, host: str, now: float, straggler: bool = False, hold: bool = False) -> Decision:
         until = yield Blacklist(host, now)
@@ -1126,12 +1136,20 @@ class Registry:
                         yield Event(Kind.HOST_WHITELISTED, {"host": h, "because": "collapse"})
                     yield Pardon(h, now)
                 yield from self._say_held(lifted=hosts)
+                # The wait it is about to promise ("up to --elastic-timeout") starts now, not
+                # when the last survivors began to wait for others.
+                yield Mark("_wait_started", None)
+                yield Mark("_wait_reminder", None)
                 target = self._target()
             yield from self._say_once("collapse", Event(Kind.WORKERS_LOST, {
                 "limit": self.config.elastic_timeout, "min_np": self.config.min_np, "commit": self.durable_commit},
                 level="warning"))
         yield from self._say_held()  # the round has settled: nobody is still in it
-        if self.hosts.all_blacklisted() and self.hosts.is_permanent():
+        # After every worker was lost, the job waits for hosts up to --elastic-timeout, as it
+        # said; the known hosts failing again (they were the machines that went) must not end
+        # it sooner, while discovery may still list new ones.
+        resuming = "collapse" in self._said and not self.config.fixed_hosts
+        if self.hosts.all_blacklisted() and self.hosts.is_permanent() and not resuming:
             yield Finish(False, Reason(Cause.ALL_BLACKLISTED, {"hosts": list(self.hosts.blacklisted())}))
             return
         limit = self.config.reset_limit

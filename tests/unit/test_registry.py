@@ -1546,6 +1546,68 @@ class TestGoingAway:
         job.discover({"a": 1}, at=4)
         assert [l.info.key for l in of(job.discover({"a": 1, "b": 1}, at=5), Launch)] == [("b", 0)]
 
+    def test_a_leaving_host_stays_out_when_its_notice_drops_out_of_the_next_listing(self):
+        """Discovery said `draining`, then the worker got SIGTERM; the next listing lacks the word
+        (a spot script that could not read the notice as the machine shut down). The host used
+        to be usable again: its leaving worker got a place, died at --sigterm-grace, and the
+        round rolled back, against "nothing is rolled back"."""
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        job.reg.discovered({"a": 1, "b": 1}, 1.0, draining={"b"})
+        job.tick(1)
+        job.reg.leaving("w1", "SIGTERM", 2.0)
+        job.tick(2)
+        job.reg.discovered({"a": 1, "b": 1}, 3.0, draining=set())
+        acts = job.tick(3)
+        assert not events(acts, "host_added") and not of(acts, Launch)
+        acts = job.rdv_all(["w0", "w1"], at=4)
+        assert [d.worker_id for d in of(acts, Dismiss)] == ["w1"]
+        assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0)}
+
+    def test_a_leaving_host_that_discovery_misses_for_a_moment_stays_out_while_its_worker_runs(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        job.reg.leaving("w1", "SIGTERM", 1.0)
+        job.tick(1)
+        job.discover({"a": 1}, at=2)  # one listing misses it (an API's lag) ...
+        acts = job.discover({"a": 1, "b": 1}, at=3)  # ... the next has it: its worker still leaves
+        assert not events(acts, "host_added") and not of(acts, Launch)
+        acts = job.rdv_all(["w0", "w1"], at=4)
+        assert [d.worker_id for d in of(acts, Dismiss)] == ["w1"]
+        assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0)}
+        job.exit("w1", 0, at=5)  # gone: from now on the host is new once discovery drops it
+        assert not of(job.discover({"a": 1, "b": 1}, at=6), Launch)
+        job.discover({"a": 1}, at=7)
+        assert [l.info.key for l in of(job.discover({"a": 1, "b": 1}, at=8), Launch)] == [("b", 0)]
+
+    @pytest.mark.parametrize("notice", ["sigterm", "discovery"])
+    @pytest.mark.parametrize("code", [-9, 255])
+    def test_a_host_that_said_it_was_going_and_died_first_is_not_blamed(self, notice, code):
+        """Powered off before its workers could leave (-9; 255 when its SSH session dropped):
+        the notice came true. The round rolls back (a member died mid-step), but the host is not
+        blacklisted, so a new machine under its name (a spot instance given its IP) is used."""
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        if notice == "sigterm":
+            job.reg.leaving("w1", "SIGTERM", 1.0)
+        else:
+            job.reg.discovered({"a": 1, "b": 1}, 1.0, draining={"b"})
+        job.tick(1)
+        acts = job.exit("w1", code, at=2)
+        assert [why(a) for a in of(acts, AbortRound)] == [f"b[0] exited with code {code}"]
+        acts = job.rdv("w0", at=3, has_state=True, restored=True)
+        assert not events(acts, "host_blacklisted") and not job.hosts.blacklisted()
+        job.discover({"a": 1}, at=4)
+        assert [l.info.key for l in of(job.discover({"a": 1, "b": 1}, at=300), Launch)] == [("b", 0)]
+
+    def test_a_script_error_on_a_draining_host_still_blacklists_it(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        job.reg.discovered({"a": 1, "b": 1}, 1.0, draining={"b"})
+        job.tick(1)
+        job.failing("w1", "RuntimeError: CUDA error", at=2)
+        assert job.hosts.is_blacklisted("b")
+
     def test_a_member_that_dies_of_sigterm_aborts_the_round_and_its_host_leaves_unblamed(self):
         """Past --sigterm-grace (exit 143), or a script that put SIGTERM's default back: the
         member died mid-step, so the round is aborted (the survivors roll back), but its host
@@ -1621,6 +1683,42 @@ class TestDurableCopies:
             "host a is let back: since it failed, every other worker has been lost too, which is no one host's fault"]
         assert not events(acts, "host_blacklisted") and events(acts, "workers_lost")
         assert not job.hosts.blacklisted()
+
+    def test_the_wait_promised_after_every_worker_is_lost_counts_from_then(self):
+        """Two hosts reclaimed; the survivor waits for --min-np; 490 s later it is lost too. The
+        line "waiting up to --elastic-timeout 600 s" must hold from then: it used to give up
+        110 s later, at the end of the survivor's wait."""
+        job = Job(np=3, min_np=2, elastic_timeout=600.0)
+        job.start({"a": 1, "b": 1, "c": 1}, at=0)
+        job.reg.durable(7)
+        job.exit("w0", -9, at=10)
+        job.exit("w1", -9, at=10)
+        job.rdv("w2", at=10.5, has_state=True, restored=True)
+        job.discover({"c": 1}, at=11)
+        acts = job.exit("w2", -9, at=500)
+        assert [text(e) for e in events(acts, "workers_lost")] == [
+            "every worker is gone; waiting up to --elastic-timeout 600 s for --min-np 2 slots to resume from the "
+            "durable copy of commit 7"]
+        assert [e.fields["left_s"] for e in events(acts, "waiting_for_slots")] == [600.0]
+        assert not of(job.tick(1099), Finish)
+        [finish] = of(job.tick(1100.5), Finish)
+        assert why(finish).startswith("timed out after 600 s (--elastic-timeout)")
+
+    def test_after_every_worker_is_lost_the_old_hosts_failing_again_do_not_end_the_wait(self):
+        """Every host lost at once (SSH sessions dropped), discovery still listing them: they are
+        let back and tried again, and fail again (the machines are gone). The job used to end at
+        once, "every host is blacklisted", 570 s before the wait it had promised was over."""
+        job = Job(np=2, min_np=1, elastic_timeout=600.0, start_timeout=30.0)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.reg.durable(7)
+        job.exit("w0", 255, at=10)
+        acts = job.exit("w1", 255, at=10)
+        assert events(acts, "workers_lost") and len(of(acts, Launch)) == 2
+        job.exit("w2", 255, at=40)
+        acts = job.tick(41)
+        assert not of(acts, Finish) and job.hosts.all_blacklisted()
+        acts = job.discover({"a": 1, "b": 1, "c": 1}, at=300)  # a new machine, within the wait
+        assert [l.info.key for l in of(acts, Launch)] == [("c", 0)] and not of(acts, Finish)
 
     def test_every_worker_lost_without_a_copy_names_the_blacklisted_hosts_before_the_end(self):
         job = Job(np=2, min_np=1)
