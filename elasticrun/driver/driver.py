@@ -673,6 +673,13 @@ class ElasticDriver:
                                                  **words.plain(act.fields)})
                 if act.kind is Kind.ROUND_FORMED:
                     self._resets.round_formed(self.registry.round, int(act.fields.get("size", 0)))
+                elif act.kind is Kind.HANDOVER_PENDING and self._copies is not None:
+                    # Every worker holding the state is going, and none can take it over yet:
+                    # a durable copy of the newest commit now, so that losing them all costs no
+                    # training (rather than up to --checkpoint-interval of it).
+                    if self._ask_for_copy(time.monotonic(), force=True) is not None:
+                        log.warning("asking for a durable copy of the newest commit now: every worker holding the "
+                                    "job's state is leaving")
             elif isinstance(act, reg.Launch):
                 self._journal.write(Kind.WORKER_STARTED, worker=act.worker_id, host=act.info.host, slot=act.info.slot,
                                     rank=act.info.rank)

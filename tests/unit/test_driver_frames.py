@@ -113,3 +113,30 @@ def test_receive_takes_messages_of_any_number_of_frames(frames):
         router.close(0)
         dealer.close(0)
         ctx.term()
+
+
+def test_a_pending_handover_asks_for_a_durable_copy_at_once(caplog):
+    """Every holder of the state is leaving (SIGTERM, a draining notice) and no newcomer can take
+    it over: with --checkpoint-dir the driver asks for a copy of the newest commit then, not at
+    the next --checkpoint-interval, so that losing them costs no training."""
+    from elasticrun.common.events import Kind
+    from elasticrun.driver import registry as reg
+    from elasticrun.driver.durable.decisions import CopySchedule
+
+    d = _driver()
+    try:
+        published = []
+        d._publish = lambda type_, body: published.append((type_, body))  # type: ignore[method-assign]
+        d._copies = CopySchedule(interval=3600.0)
+        d._copies.request(0.0)  # the round's first copy was asked for a moment ago: none is due
+        d.registry.round = 0  # a round trains
+        with caplog.at_level(logging.WARNING, logger="elasticrun"):
+            d._execute([reg.Event(Kind.HANDOVER_PENDING, {"hosts": ["b"]})])
+        assert published == [("durable_request", {"id": 2})]
+        assert "asking for a durable copy of the newest commit now" in caplog.text
+        d._copies = None  # without --checkpoint-dir: nothing to ask
+        published.clear()
+        d._execute([reg.Event(Kind.HANDOVER_PENDING, {"hosts": ["b"]})])
+        assert published == []
+    finally:
+        d.close()
