@@ -775,7 +775,12 @@ def _install_sigterm(rt: Runtime) -> None:
         if rt._driver_stopping or rt._control is None:
             stop_now("the job is ending")
         elif rt._leaving is not None:
-            stop_now("a second SIGTERM")
+            # Within forks.WINDOW of the first, it is the same news sent twice: a machine's
+            # shutdown signals every process, and the watchdog (or warm-start template) over
+            # this worker forwards its own SIGTERM to the worker's group. A deliberate second
+            # SIGTERM (a user insisting) comes later.
+            if time.monotonic() - rt._leaving >= forks.WINDOW:
+                stop_now("a second SIGTERM")
         else:
             rt._leaving = time.monotonic()
             rt._control.post("leaving", {"worker": rt.worker_id, "why": "SIGTERM"})

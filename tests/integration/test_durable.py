@@ -89,6 +89,22 @@ def test_a_worker_told_to_stop_leaves_at_its_next_step_without_a_rollback(job):
     assert interrupts and all(e.get("agreed_in") == "gradient allreduce" for e in interrupts), interrupts
 
 
+def test_the_same_sigterm_twice_within_a_second_is_one_leave(job):
+    """A machine's shutdown signals every process: the worker, and the SSH watchdog (or warm-start
+    template) over it, which forwards its own SIGTERM to the worker's group. The worker took the
+    second for a user insisting and stopped at once: a rollback instead of a leave."""
+    r = job.run(["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.2:1"],
+                sample_cmd(job, "--commit-every", "1000", "--sigterm", "127.0.0.2:0@1:3", "--sigterm-twice",
+                           "--sleep", "0.05"))
+    assert r.returncode == 0, r.output
+    assert "host 127.0.0.2 leaving (SIGTERM)" in r.stderr, r.stderr
+    assert "a second SIGTERM" not in r.output and "aborted" not in r.stderr, r.output
+    assert "127.0.0.2[0] exits 0: no place for 127.0.0.2[0] in the next round" in r.stderr, r.stderr
+    log = entries(job.tmp / "samples")
+    assert {e["size"] for e in log} == {2, 1}
+    assert_exactly_once(log)
+
+
 @pytest.mark.parametrize("context", ["fork", "forkserver"])
 def test_a_sigterm_to_every_process_of_a_worker_with_dataloader_workers_is_still_a_leave(job, context):
     """A machine's shutdown or Slurm's preemption sends SIGTERM to every process at once: the

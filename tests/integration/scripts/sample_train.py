@@ -38,6 +38,9 @@ p.add_argument("--progress", required=True)
 p.add_argument("--await-size", action="append", default=[], help="EPOCH:BATCH:SIZE")
 p.add_argument("--kill", default=None, help="HOST:SLOT@EPOCH:BATCH: SIGKILL that worker there (once)")
 p.add_argument("--sigterm", default=None, help="HOST:SLOT@EPOCH:BATCH: that worker gets SIGTERM there (once)")
+p.add_argument("--sigterm-twice", action="store_true",
+               help="--sigterm's worker gets a second SIGTERM 0.1 s after the first (a machine's shutdown "
+                    "signals every process, and the worker's watchdog forwards its own)")
 p.add_argument("--sigterm-group", default=None,
                help="HOST:SLOT@EPOCH:BATCH: that worker's whole process group (it and its DataLoader's workers) "
                     "gets SIGTERM there (once), as a machine's shutdown or Slurm's preemption sends it")
@@ -152,6 +155,9 @@ def maybe_signal(epoch: int, batch: int) -> None:
         if who == me and tuple(map(int, at.split(":"))) == (epoch, batch) and not os.path.exists(marker):
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGTERM)  # as a cloud's reclaim notice would
+            if args.sigterm_twice:  # the same notice again, as its SSH watchdog forwards a shutdown's
+                time.sleep(0.1)
+                os.kill(os.getpid(), signal.SIGTERM)
     if args.sigterm_group:
         who, at = args.sigterm_group.split("@")
         marker = os.path.join(args.log_dir, "sigterm-group")
