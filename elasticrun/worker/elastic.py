@@ -26,8 +26,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 class State:
     """Base class of elastic state: save / restore / sync, plus reset callbacks."""
 
-    def __init__(self) -> None:
+    def __init__(self, bcast_object: Callable[[Any], Any] | None = None,
+                 get_rank: Callable[[], int] | None = None) -> None:
+        """``bcast_object``, ``get_rank``: Horovod's ``State(bcast_object, get_rank)`` takes the
+        framework's object broadcast and rank; a subclass written for it passes them to
+        ``super().__init__`` and ports unchanged. The broadcast is what ``ObjectState.sync``
+        uses; the job knows its ranks without ``get_rank``."""
         self._reset_callbacks: list[Callable[[], None]] = []
+        if bcast_object is not None:
+            self._bcast_object = bcast_object
+        self._get_rank = get_rank
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         """Call these after every reset (e.g. to scale the learning rate with the new size)."""
@@ -131,8 +139,12 @@ class ObjectState(State):
     new worker starts from a commit too.
     """
 
-    def __init__(self, bcast_object: Callable[[Any], Any] | None = None, **kwargs: Any):
-        super().__init__()
+    def __init__(self, bcast_object: Callable[[Any], Any] | None = None, get_rank: Callable[[], int] | None = None,
+                 **kwargs: Any):
+        """``ObjectState(epoch=0, batch=0)``; Horovod's ``ObjectState(hvd.broadcast_object,
+        hvd.rank, epoch=0)`` too (its two framework arguments, by position or name, are not
+        state)."""
+        super().__init__(bcast_object, get_rank)
         self._bcast_object = bcast_object or (lambda obj: collectives.broadcast_object(obj, root_rank=0, trusted=True))
         self._saved_state: dict[str, Any] = {}
         self.__dict__.setdefault("_commit_seq", 0)

@@ -18,6 +18,7 @@ The op constants are Horovod's integers (``hvd.Average`` is 0, ``hvd.Sum`` 1, ``
 from __future__ import annotations
 
 import ctypes
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -201,6 +202,10 @@ def resolve_op(op: int | str | None, average: bool | None) -> int:
     if op is not None and average is not None:
         raise ValueError("pass either op or the deprecated average argument, not both")
     if average is not None:
+        # Horovod's words and category: a script that turns DeprecationWarnings into errors
+        # (pytest -W error) finds the same call here.
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
+                      DeprecationWarning, stacklevel=3)
         return Average if average else Sum
     return Average if op is None else op_value(op)
 

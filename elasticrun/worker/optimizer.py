@@ -198,6 +198,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # it; collectives divides the postscale by the size for op=Average.
         self._dist_prescale = 1.0 / gradient_predivide_factor
         self._dist_postscale = float(gradient_predivide_factor)
+        # With fp16 on the wire the postscale (and the average's division) comes after the sum,
+        # as in Horovod: divided first, a small gradient over many ranks fell below float16's
+        # smallest value (1e-6 over 64 ranks: 0) where Horovod's keeps it.
+        self._dist_scale_after = isinstance(compression, type) and issubclass(compression, FP16Compressor)
         self.backward_passes_per_step = int(backward_passes_per_step)
         self._dist_bucket_cap = max(1, int(bucket_cap_mb * (1 << 20)))
         self._dist_names = self._dist_check_names(named_parameters)
@@ -383,9 +387,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """What a gradient is multiplied by: Horovod's prescale before the sum and postscale (over
         the size, for an average) after it, both applied before the sum, while the gradient is
         copied into the bucket (as DDP divides before its allreduce): the reduced sums are then
-        the gradients themselves, and nothing is copied back."""
+        the gradients themselves, and nothing is copied back. With fp16 compression only the
+        prescale: the rest is :meth:`_dist_after`'s."""
+        return self._dist_prescale if self._dist_scale_after else self._dist_prescale * self._dist_post(r)
+
+    def _dist_post(self, r: Round) -> float:
         size = r.size if self._dist_ps is None else len(process_sets.members(self._dist_ps, r))
-        return self._dist_prescale * (self._dist_postscale / size if self._dist_op == Average else self._dist_postscale)
+        return self._dist_postscale / size if self._dist_op == Average else self._dist_postscale
+
+    def _dist_after(self, reduced: torch.Tensor, ctx: Any, b: _Bucket, r: Round) -> torch.Tensor:
+        """The reduced bucket as the gradients' dtype: decompressed, and with fp16 compression
+        postscaled in the same pass (the float16 sum times the postscale, written as float32;
+        the step flags after the gradients are copied as they are)."""
+        post = self._dist_post(r) if self._dist_scale_after else 1.0
+        if post == 1.0 or ctx is None:
+            out = self._dist_compression.decompress(reduced, ctx)
+            if post != 1.0:
+                out[:b.numel].mul_(post)
+            return out
+        out = torch.empty(reduced.shape, dtype=ctx, device=reduced.device)
+        torch.mul(reduced[:b.numel], post, out=out[:b.numel])
+        out[b.numel:].copy_(reduced[b.numel:])
+        return out
 
     def _dist_stage(self, b: _Bucket, i: int, r: Round) -> None:
         """Put parameter ``i``'s gradient, scaled, into the bucket's flat buffer (zeros if it has
@@ -435,7 +458,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 flags = StepFlags(1.0 if pending else 0.0, added, wanted, busy)
                 for i, value in enumerate(flags.encode()):  # scalar fills: no host-to-device copy to wait on
                     b.buffer[b.numel + i] = value
-            tensor, b.ctx = self._dist_compression.compress(b.buffer)  # scaled already (see _dist_scale)
+            tensor, b.ctx = self._dist_compression.compress(b.buffer)  # prescaled (see _dist_scale)
             b.handle = collectives.allreduce_async_(tensor, name=b.name, op=Sum, trusted=True,
                                                     process_set=self._dist_ps or global_process_set)
 
@@ -446,7 +469,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                 return
-            out = self._dist_compression.decompress(collectives.synchronize(b.handle), b.ctx)
+            out = self._dist_after(collectives.synchronize(b.handle), b.ctx, b, r)
             if self._dist_flags and _carries_flags(b):  # any positive sum (or average) means "some rank"
                 agreed = StepFlags.decode(out[b.numel:b.numel + StepFlags.SIZE].tolist())
                 r.host_updates.agreed(r.number, agreed.pending > 0, agreed.added)

@@ -15,6 +15,7 @@ see :class:`ElasticSampler`.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from typing import Any
 
@@ -22,6 +23,8 @@ import torch
 from torch.utils.data import Sampler
 
 from elasticrun.worker import rounds
+
+log = logging.getLogger("elasticrun.worker")
 
 #: Returns ``(rank, size)`` of the current world; called on every reset.
 WorldProvider = Callable[[], tuple[int, int]]
@@ -139,6 +142,7 @@ class ElasticSampler(Sampler[int]):
         # Position in ``indices`` where the latest pass started; batch numbers passed to
         # record_batch count from here.
         self._pass_start = 0
+        self._repeat_said = -1  # the epoch whose repeated pass was last warned of
         self.reset()
 
     # ------------------------------------------------------------------ partitioning
@@ -195,14 +199,27 @@ class ElasticSampler(Sampler[int]):
         """Yield this rank's indices, skipping the ones already recorded since the reset.
 
         So a pass restarted without a reset does not repeat processed work; batch numbers
-        given to :meth:`record_batch` count from the start of this pass.
+        given to :meth:`record_batch` count from the start of this pass. A pass over an epoch
+        whose every index is recorded, with no :meth:`set_epoch` since, hands out the same
+        indices again, as Horovod's sampler (and torch's DistributedSampler) does: a script
+        that forgets ``set_epoch`` trains on repeated data, never silently on none.
         """
+        if self.indices and self._consumed >= len(self.indices):
+            if self._repeat_said != self.epoch:
+                self._repeat_said = self.epoch
+                log.warning("ElasticSampler: another pass over epoch %d, whose samples were all recorded, without "
+                            "set_epoch(): the same samples again (as Horovod's sampler does); call "
+                            "sampler.set_epoch(epoch) when an epoch starts", self.epoch)
+            self._pass_start = 0
+            return iter(self.indices)
         self._pass_start = self._consumed
         return iter(self.indices[self._consumed :])
 
     def __len__(self) -> int:
-        """Number of indices the next pass will yield (shrinks as batches are recorded)."""
-        return len(self.indices) - self._consumed
+        """Number of indices of this pass: fixed when it starts, as Horovod's ``num_samples``
+        is between resets (a learning-rate warmup computes ``batch_idx / len(loader)`` at every
+        step: a length that shrank as batches were recorded made it run ahead)."""
+        return len(self.indices) - self._pass_start
 
     # ------------------------------------------------------------------ recording
 

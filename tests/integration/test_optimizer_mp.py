@@ -131,6 +131,16 @@ def main_world(rank: int, size: int, workdir: Path) -> dict[str, Any]:
         opt.step()
         out[name] = {"local": local, "reduced": grads(model), "dtype": model[0].weight.grad.dtype}
 
+    # fp16 compression of gradients near float16's smallest value: summed, then averaged (as
+    # Horovod does). Divided by the size first, 5e-8 / 2 fell below float16's range: 0.
+    tiny = nn.Linear(4, 1, bias=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(tiny.parameters(), lr=0.1), compression=hvd.Compression.fp16)
+    tiny.weight.grad = torch.full_like(tiny.weight, 5e-8)
+    opt.synchronize()
+    out["fp16_tiny"] = tiny.weight.grad.tolist()
+    with opt.skip_synchronize():
+        opt.step()
+
     # backward_passes_per_step=2: local accumulation, one reduction on the 2nd backward.
     model = make_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), backward_passes_per_step=2)
@@ -381,6 +391,11 @@ def test_fp16_compression_and_predivide(main: list[dict[str, Any]]) -> None:
         for r in res:
             assert r["dtype"] == torch.float32
             assert close(r["reduced"], expected, **tol), name
+
+
+def test_fp16_compression_averages_after_the_sum_as_horovod_does(main: list[dict[str, Any]]) -> None:
+    for r in main:  # float16(5e-8) is its smallest subnormal, 5.96e-8: the average of two of them
+        assert r["fp16_tiny"] == [[float(torch.tensor(5e-8, dtype=torch.float16))] * 4], r["fp16_tiny"]
 
 
 def test_backward_passes_per_step_accumulates_locally(main: list[dict[str, Any]]) -> None:

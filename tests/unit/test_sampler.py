@@ -8,6 +8,7 @@ restored the way the TorchState handler does it.
 
 from __future__ import annotations
 
+import logging
 import pickle
 from dataclasses import dataclass, field
 
@@ -317,3 +318,37 @@ def test_state_dict_round_trip() -> None:
     before = list(state["processed_indices"])
     t.record_indices(range(30))
     assert state["processed_indices"] == before
+
+
+def test_the_length_of_a_pass_stays_fixed_while_its_batches_are_recorded() -> None:
+    """Horovod's imagenet elastic example warms its learning rate up with
+    ``epoch + (batch_idx + 1) / len(train_loader)`` at every step: the length must be the pass's,
+    as Horovod's ``num_samples`` is, not what is left of it (that ran the warmup ahead: 6/5
+    instead of 6/10 at batch 5)."""
+    s = make(40, 1, 2, shuffle=False)
+    loader = DataLoader(torch.arange(40), batch_size=2, sampler=s)
+    fractions = []
+    for b, _ in enumerate(loader):
+        fractions.append((b + 1) / len(loader))
+        s.record_batch(b, 2)
+    assert fractions == [(b + 1) / 10 for b in range(10)]
+    s.merge_processed(range(0, 40, 2))  # the other rank's, as a commit merges them
+    s.reset()  # (a reset after the epoch: nothing is left of it, and no pass repeats it)
+    assert len(s) == 0 and list(s) == []
+
+
+def test_a_pass_after_the_whole_epoch_was_recorded_without_set_epoch_repeats_it(caplog) -> None:
+    """As Horovod's sampler and torch's DistributedSampler do: a script that forgets
+    set_epoch() trains each epoch on the same samples, said once, never on none at all."""
+    s = make(20, 0, 2, shuffle=False)
+    for b, _ in enumerate(DataLoader(torch.arange(20), batch_size=5, sampler=s)):
+        s.record_batch(b, 5)
+    with caplog.at_level(logging.WARNING, logger="elasticrun.worker"):
+        again = [list(batch) for batch in DataLoader(torch.arange(20), batch_size=5, sampler=s)]
+        third = list(s)
+    assert sum(again, []) == list(range(0, 20, 2)) == third
+    assert len([r for r in caplog.records if "without set_epoch()" in r.getMessage()]) == 1
+    assert s.get_indices(1, 5) == [10, 12, 14, 16, 18]  # its batches number from its own start
+    s.set_epoch(1)
+    assert list(s) == list(range(0, 20, 2))  # a new epoch: a new pass, no warning
+    assert len([r for r in caplog.records if "without set_epoch()" in r.getMessage()]) == 1
