@@ -1165,9 +1165,9 @@ class Registry:
                 yield from self._wait(need, now)
             return
         # Enough slots. Workers still starting are bounded by --start-timeout on their own.
-        yield from self._stop_waiting()
         yield from self._launch_missing(target, now)
         if self.round < 0:  # the first round: everyone planned, so that no reset follows at once
+            yield from self._stop_waiting()
             if self._in[WorkerState.WAITING] < len(target_keys):
                 return  # (while thousands trickle in: not a look at each of them per decision)
             by_key = self._by_key()
@@ -1175,8 +1175,15 @@ class Registry:
                 yield from self._form_round([(i.key, by_key[i.key]) for i in target])
             return
         plan = self._plan(target, (WorkerState.WAITING,), holders)
-        if len(plan) >= need:  # else the rest are starting
+        if len(plan) >= need:
+            yield from self._stop_waiting()
             yield from self._form_round(plan)
+        else:
+            # The rest are starting. A newcomer that reached the driver is bounded by nothing
+            # else: one stuck in its script before it asks for its place (a hung data loader;
+            # its heartbeats come from a thread) would hold the survivors, fewer than --min-np
+            # without it, forever. They wait for it as for any slot: up to --elastic-timeout.
+            yield from self._wait(need, now)
 
     def _resumable(self, failed: list[WorkerRecord]) -> bool:
         """Every worker is gone, and a durable copy can carry on: some member of the last round

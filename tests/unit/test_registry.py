@@ -1684,6 +1684,24 @@ class TestDurableCopies:
         assert not events(acts, "host_blacklisted") and events(acts, "workers_lost")
         assert not job.hosts.blacklisted()
 
+    def test_a_newcomer_stuck_before_asking_for_its_place_holds_the_survivors_no_longer_than_the_timeout(self):
+        """Below --min-np without a newcomer that reached the driver but never asks for its
+        place (stuck in its script; its heartbeats come from a thread): the survivors used to
+        wait for it with no deadline, and nothing was said."""
+        job = Job(np=2, min_np=2, elastic_timeout=60.0, heartbeat_timeout=None)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.exit("w1", 1, at=1)  # b fails: blacklisted
+        job.rdv("w0", at=2, has_state=True, restored=True)  # the survivor, alone: below --min-np
+        acts = job.discover({"a": 1, "c": 1}, at=4)  # a new host: a newcomer there
+        [launch] = of(acts, Launch)
+        job.reg.heartbeat(launch.worker_id, 5.0)  # it reached the driver, and never asks for a place
+        acts = job.tick(6)
+        assert not of(acts, Assign) and not of(acts, Finish)
+        job.reg.heartbeat(launch.worker_id, 50.0)
+        assert not of(job.tick(61), Finish)
+        [finish] = of(job.tick(70), Finish)
+        assert why(finish).startswith("timed out after 60 s (--elastic-timeout) waiting for 2 slots"), why(finish)
+
     def test_the_wait_promised_after_every_worker_is_lost_counts_from_then(self):
         """Two hosts reclaimed; the survivor waits for --min-np; 490 s later it is lost too. The
         line "waiting up to --elastic-timeout 600 s" must hold from then: it used to give up
