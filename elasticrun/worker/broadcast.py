@@ -31,7 +31,6 @@ __all__ = ["broadcast_", "broadcast_async", "broadcast_async_", "broadcast_objec
 _ALIGN = 16  # byte offsets stay aligned so that views of the flat buffer can be any dtype
 _BCAST_CHUNK_BYTES = 64 << 20
 _IN_PLACE_BYTES = 1 << 20  # tensors this large are broadcast from and into their own storage
-_MAX_OBJECT = 1 << 40  # more than any host holds: a larger length was not written by a rank of the job
 _OBJECT_HEAD = 4096  # broadcast_object's first broadcast: a length and up to this much of the pickle
 
 
@@ -124,7 +123,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     what = f"broadcast_object {name or ''}".rstrip()
     if length <= _OBJECT_HEAD - 8:
         return cloudpickle.loads(sealing.opened(bytes(head[8:8 + length]), context, what, size))
-    if length > _MAX_OBJECT:  # (a length a stranger wrote: no allocation of it)
+    if length > issuing.MAX_OBJECT:  # (a length a stranger wrote: no allocation of it)
         raise HorovodInternalError(f"{what}: {length} bytes announced over gloo; not from a rank of this job")
     data = torch.empty(length, dtype=torch.uint8)
     broadcast_(data, root_rank, name or "object", process_set, trusted=True)

@@ -292,7 +292,7 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     counts = [int(c.item()) for c in allgather_same(torch.tensor([data.numel()], dtype=torch.int64),
                                                    f"{name or 'allgather_object'}.size", process_set)]
     what = name or "allgather_object"
-    if max(counts) > _MAX_OBJECT or min(counts) < 0:  # (a length a stranger wrote: no allocation of it)
+    if max(counts) > MAX_OBJECT or min(counts) < 0:  # (a length a stranger wrote: no allocation of it)
         raise HorovodInternalError(f"{what}: a size of {max(counts)} bytes came over gloo; not from a rank of this job")
     padded = torch.cat([data, data.new_zeros(max(counts) - data.numel())])
     parts = allgather_same(padded, what, process_set)
@@ -301,4 +301,4 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
 
 
 #: More than any host holds: an object's length above it was not written by a rank of the job.
-_MAX_OBJECT = 1 << 40
+MAX_OBJECT = 1 << 40
