@@ -224,11 +224,22 @@ class Client:
         self.fds = []
 
 
+def leave_seconds(env: dict[str, Any]) -> float:
+    """A worker's limit for a graceful leave (its ``--sigterm-grace``) from its request's
+    environment; 0 if not said."""
+    try:
+        value = float(env.get(envvars.SIGTERM_GRACE) or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+    return value if 0.0 <= value < 1e6 else 0.0
+
+
 @dataclass
 class Child:
     pid: int
     client: Client | None
     grace: float
+    leave: float = 0.0  # its --sigterm-grace: how long a graceful leave may take
     kill_at: float | None = None  # SIGKILL due then (a stop began)
 
 
@@ -274,7 +285,7 @@ class Template:
             signal.signal(sig, self._on_stop_signal)
 
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
-        self.begin_stop(f"signal {signal.Signals(signum).name}")
+        self.begin_stop(f"signal {signal.Signals(signum).name}", leaving=True)
 
     # -- the loop ----------------------------------------------------------------------------
     def serve(self) -> WorkerJob | None:
@@ -331,8 +342,22 @@ class Template:
         if not data:
             self.sel.unregister(0)
             self.begin_stop("its standard input was closed (the driver is gone)")
+            self.driver_gone(time.monotonic())
 
-    def begin_stop(self, why: str) -> None:
+    def driver_gone(self, now: float) -> None:
+        """No leave can complete without the driver: a SIGKILL due later than ``grace`` from
+        now (a stop begun by a signal) is brought forward."""
+        for child in self.children.values():
+            if child.kill_at is not None:
+                child.kill_at = min(child.kill_at, now + child.grace)
+        if self.stopping and self.children:
+            self.stop_deadline = max(c.kill_at or now for c in self.children.values()) + REAP_SECONDS
+
+    def begin_stop(self, why: str, leaving: bool = False) -> None:
+        """Stop the workers: SIGTERM, SIGKILL after their grace. ``leaving``: this template was
+        signalled itself (the host is going, and so were its workers, which an elastic worker
+        takes as notice to leave at its next commit): SIGKILL only after their
+        ``--sigterm-grace`` and then the grace, so that a graceful leave is not cut short."""
         if self.stopping or os.getpid() != self.pid:  # never in a child still on its way out
             return
         self.stopping = True
@@ -350,13 +375,13 @@ class Template:
             self.drop(client)
         now = time.monotonic()
         for child in self.children.values():
-            self.stop_child(child, now)
-        self.stop_deadline = now + max([c.grace for c in self.children.values()] + [0.0]) + REAP_SECONDS
+            self.stop_child(child, now, leaving)
+        self.stop_deadline = max([c.kill_at or now for c in self.children.values()] + [now]) + REAP_SECONDS
 
-    def stop_child(self, child: Child, now: float) -> None:
+    def stop_child(self, child: Child, now: float, leaving: bool = False) -> None:
         if child.kill_at is None:
             killpg(child.pid, signal.SIGTERM)
-            child.kill_at = now + child.grace
+            child.kill_at = now + child.grace + (child.leave if leaving else 0.0)
 
     def accept(self) -> None:
         while True:
@@ -496,7 +521,7 @@ class Template:
         os.close(sync_r)
         client.close_fds()
         client.child = pid
-        self.children[pid] = Child(pid, client, float(req["grace"]))
+        self.children[pid] = Child(pid, client, float(req["grace"]), leave_seconds(req.get("env") or {}))
         self.send(client, pid=pid)
         return None
 

@@ -239,6 +239,63 @@ def test_watch_kills_after_the_grace_period(tmp_path):
         w.close()
 
 
+# A worker that takes 1 s to leave once told (as an elastic worker runs on to its next commit).
+def _leaves_in_a_second(pids: Path) -> str:
+    return "trap 'sleep 1; exit 3' TERM; " + _sleepers(pids) + "; wait"
+
+
+@pytest.mark.parametrize("signalled,driver_goes,code", [
+    (True, False, 3),  # the host is going: the worker's leave is let finish
+    (False, False, -9),  # the driver's stop: the grace only
+    (True, True, -9),  # signalled, then the driver is gone: no leave can complete
+])
+def test_a_signalled_watchdog_waits_for_the_workers_leave_up_to_its_sigterm_grace(
+        signalled, driver_goes, code, tmp_path):
+    w = _Watch(_leaves_in_a_second(tmp_path / "pids"), tmp_path, grace=0.3)
+    marked = threading.Event()
+    try:
+        w.children()  # its trap is set
+        if signalled:
+            marked.set()
+        w.stop.set()
+        if driver_goes:
+            threading.Timer(0.1, os.close, args=(w.driver_w,)).start()
+            w.driver_w = -1
+        started = time.monotonic()
+        status = rb.watch(w.pid, w.grace, w.stop, driver_fd=w.driver_r, leave=5.0, signalled=marked)
+        elapsed = time.monotonic() - started
+        assert rb.exit_code(status) == code
+        assert elapsed < (3 if code == 3 else 0.9), elapsed
+    finally:
+        w.close()
+
+
+def test_leave_seconds_is_the_workers_sigterm_grace_or_nothing():
+    assert rb.SIGTERM_GRACE == envvars.SIGTERM_GRACE
+    assert rb.leave_seconds({rb.SIGTERM_GRACE: "20.0"}) == 20.0
+    for bad in ({}, {rb.SIGTERM_GRACE: "soon"}, {rb.SIGTERM_GRACE: "-1"}, {rb.SIGTERM_GRACE: "inf"},
+                {rb.SIGTERM_GRACE: "nan"}):
+        assert rb.leave_seconds(bad) == 0.0
+
+
+def test_a_watchdog_signalled_with_its_worker_lets_it_leave(tmp_path):
+    """A spot host going down signals every process: the watchdog and its worker. The worker's
+    SIGTERM is notice to leave at its next commit; the watchdog waits for that up to the worker's
+    --sigterm-grace, instead of SIGKILLing it after the stop grace (a leave turned into a
+    rollback)."""
+    ready = tmp_path / "ready"
+    env = {"PATH": os.environ["PATH"], envvars.SIGTERM_GRACE: "5"}
+    proc = _start(["sh", "-c", f"trap 'sleep 1; exit 3' TERM; touch {ready}; sleep 300 & wait"], env, grace=0.3)
+    deadline = time.monotonic() + 20
+    while not ready.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, _ = _finish(proc, 20)
+    assert _reports(out)[0][-1] == {"exit": 3}
+    assert proc.returncode == 3
+
+
 def test_main_reports_why_it_cannot_start_the_worker(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     request = {"mark": MARK, "env": {"PATH": "/bin"}, "cwd": "/nonexistent", "grace": 1, "command": ["true"]}

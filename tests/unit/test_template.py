@@ -300,6 +300,36 @@ def test_the_driver_going_away_stops_the_template_and_its_workers(tmp_path):
     t.stop(5)
 
 
+@pytest.mark.parametrize("driver_goes", [False, True])
+def test_a_signalled_template_lets_its_workers_leave_up_to_their_sigterm_grace(driver_goes, tmp_path):
+    """A spot host going down signals the template and its workers: a worker's SIGTERM is notice
+    to leave at its next commit, so it is SIGKILLed only after its --sigterm-grace and the grace,
+    not the grace alone (a leave turned into a rollback). Once the driver is gone no leave can
+    complete: the grace from then."""
+    (tmp_path / "leaving.py").write_text(
+        "import signal, sys, time\n"
+        "def leave(*_):\n    print('leaving', flush=True)\n    time.sleep(1)\n    sys.exit(3)\n"
+        "signal.signal(signal.SIGTERM, leave)\nprint('up', flush=True)\ntime.sleep(300)\n")
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    t = warm.LocalTemplate([sys.executable, "-m", warm.TEMPLATE_MODULE, "--bare", "--grace", "0.3"], env)
+    t.wait_ready(30)
+    w = _ask(t.info["socket"], [sys.executable, "leaving.py"], dict(env, **{envvars.SIGTERM_GRACE: "5"}),
+             str(tmp_path), grace=0.3)
+    with os.fdopen(os.dup(w._out), "rb") as f:
+        assert f.readline() == b"up\n"
+        started = time.monotonic()
+        t.proc.send_signal(signal.SIGTERM)
+        assert f.readline() == b"leaving\n"  # the template passed the signal on
+        if driver_goes:
+            t.proc.stdin.close()
+        code = w.w.wait()
+    assert code == (-signal.SIGKILL if driver_goes else 3)
+    assert time.monotonic() - started < (0.9 if driver_goes else 3)
+    assert t.proc.wait(15) == 0
+    _wait_gone(w.pid, 5)
+    t.stop(5)
+
+
 def _wait_gone(pid: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

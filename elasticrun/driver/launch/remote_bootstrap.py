@@ -17,7 +17,8 @@ Its second stdin line is the launch request (JSON): ``mark``, ``command``, ``env
 3. stays behind as a **watchdog**: when its stdin reaches EOF (the SSH connection is gone
    because the driver died, was killed with SIGKILL, or closed the channel) or it gets
    SIGTERM/SIGINT/SIGHUP, it sends SIGTERM to the worker's group and SIGKILL after the grace
-   period; when the worker exits on its own, it SIGKILLs what is left of the group (the
+   period (after the worker's ``--sigterm-grace`` and then the grace period when the signal
+   was its own: the host is going, and the worker may be leaving gracefully); when the worker exits on its own, it SIGKILLs what is left of the group (the
    worker's children), reports the worker's exit status (one marker line) and exits.
 
 Warm start (``elasticrun/worker/template.py``). A request with ``"template": true`` starts
@@ -71,6 +72,8 @@ DEATH_FD = "ELASTICRUN_DEATH_FD"
 #: elasticrun.common.env.JOB_ID and WORKER_ID: every worker's environment names both, and so
 #: does that of every process it starts, unless that process clears it (:func:`sweep`).
 JOB_ID = "ELASTICRUN_JOB_ID"
+#: The worker's own limit for a graceful leave after SIGTERM (elasticrun.common.env.SIGTERM_GRACE).
+SIGTERM_GRACE = "ELASTICRUN_SIGTERM_GRACE"
 WORKER_ID = "ELASTICRUN_WORKER_ID"
 
 
@@ -380,10 +383,47 @@ def release(gate: int, errors: int) -> bytes:
     return failed
 
 
-def stop_on_signals(stop: threading.Event) -> None:
-    """SIGTERM, SIGINT and SIGHUP (the driver's ``kill``, a hang-up) set ``stop``."""
+def stop_on_signals(stop: threading.Event, signalled: Optional[threading.Event] = None) -> None:
+    """SIGTERM, SIGINT and SIGHUP (the host shutting down, an admin's ``kill``, a hang-up) set
+    ``signalled``, then ``stop``. The driver never signals the watchdog: it signals the worker's
+    group, or closes the channel."""
+    def on_signal(*_: Any) -> None:
+        if signalled is not None:
+            signalled.set()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
+
+
+def leave_seconds(env: Mapping[str, str]) -> float:
+    """The worker's limit for a graceful leave (its ``--sigterm-grace``), 0 if not said."""
+    try:
+        value = float(env.get(SIGTERM_GRACE) or 0.0)
+    except ValueError:
+        return 0.0
+    return value if 0.0 <= value < 1e6 else 0.0
+
+
+def wait_after_sigterm(done: Callable[[], bool], grace: float, leave: float,
+                       signalled: Optional[threading.Event], driver_gone: Optional[threading.Event]) -> None:
+    """Once the worker's group got SIGTERM: wait until ``done()``, at most ``grace``.
+
+    When this watchdog was signalled itself (a spot host shutting down signals every process;
+    the worker got its SIGTERM too, which to an elastic worker is notice to leave), the worker
+    may take up to ``leave`` (its ``--sigterm-grace``) to reach its next commit and go: then the
+    wait is ``leave + grace``, so that the watchdog does not turn a graceful leave into a kill
+    (and a rollback). Once the driver's connection is gone no leave can complete, so the wait
+    ends at most ``grace`` after that."""
+    now = time.time()
+    deadline = now + grace
+    if signalled is not None and signalled.is_set() and not (driver_gone is not None and driver_gone.is_set()):
+        deadline = now + leave + grace
+    while not done() and time.time() < deadline:
+        if driver_gone is not None and driver_gone.is_set():
+            deadline = min(deadline, time.time() + grace)
+            driver_gone = None
+        time.sleep(0.02)
 
 
 def killpg(pgid: int, sig: int) -> None:
@@ -535,16 +575,19 @@ def said_swept(stopped: List[Tuple[int, str]]) -> str:
             "session): %s" % (len(stopped), shown))
 
 
-def until_stopped(stop: threading.Event, waiter: Callable[[], None], name: str, driver_fd: int) -> None:
+def until_stopped(stop: threading.Event, waiter: Callable[[], None], name: str, driver_fd: int,
+                  driver_gone: Optional[threading.Event] = None) -> None:
     """Run ``waiter`` (which sets ``stop`` once the worker is done) and a reader of ``driver_fd``
-    (which sets it at EOF: the driver's connection is gone, or it closed this channel) on
-    daemon threads; return once ``stop`` is set, by either or by a signal."""
+    (which sets ``driver_gone`` and ``stop`` at EOF: the driver's connection is gone, or it
+    closed this channel) on daemon threads; return once ``stop`` is set, by either or by a signal."""
     def watch_driver() -> None:
         try:
             while os.read(driver_fd, 4096):
                 pass
         except OSError:
             pass
+        if driver_gone is not None:
+            driver_gone.set()
         stop.set()
 
     threading.Thread(target=waiter, name=name, daemon=True).start()
@@ -589,10 +632,12 @@ def let_the_notice_speak(pid: int, notice: "Optional[DeathNotice]", heard: Optio
 
 
 def watch(pid: int, grace: float, stop: threading.Event, driver_fd: int = 0,
-          notice: "Optional[DeathNotice]" = None, report: Optional[Callable[..., None]] = None) -> Optional[int]:
+          notice: "Optional[DeathNotice]" = None, report: Optional[Callable[..., None]] = None,
+          leave: float = 0.0, signalled: Optional[threading.Event] = None) -> Optional[int]:
     """Wait for the worker ``pid`` to exit, ``driver_fd`` to reach EOF or ``stop``; then clean up.
 
-    If the worker is still running: SIGTERM to its group, SIGKILL after ``grace``. Either
+    If the worker is still running: SIGTERM to its group, SIGKILL after ``grace`` (after
+    ``leave + grace`` if ``signalled``: :func:`wait_after_sigterm`). Either
     way, SIGKILL to whatever is left of the group (the worker's own children). Returns the
     worker's wait status, or None if it was not reaped within REAP_SECONDS. With a ``notice``,
     ``report(dying=code)`` may come first (:func:`hear_death`).
@@ -609,12 +654,11 @@ def watch(pid: int, grace: float, stop: threading.Event, driver_fd: int = 0,
             notice.wake()
         stop.set()
 
-    until_stopped(stop, wait_child, "bootstrap-wait", driver_fd)
+    driver_gone = threading.Event()
+    until_stopped(stop, wait_child, "bootstrap-wait", driver_fd, driver_gone)
     if not status:  # asked to stop, or the driver is gone: SIGTERM the group, SIGKILL after grace
         killpg(pid, signal.SIGTERM)
-        deadline = time.time() + grace
-        while not status and time.time() < deadline:
-            time.sleep(0.02)
+        wait_after_sigterm(lambda: bool(status), grace, leave, signalled, driver_gone)
     killpg(pid, signal.SIGKILL)  # whatever is left of the group: the worker's own children too
     deadline = time.time() + REAP_SECONDS
     while not status and time.time() < deadline:
@@ -687,7 +731,8 @@ def warm_spawn(path: str, command: List[str], env: Dict[str, str], cwd: str, gra
 
 def watch_warm(pid: int, conn: socket.socket, rest: bytes, grace: float, stop: threading.Event,
                driver_fd: int = 0, notice: "Optional[DeathNotice]" = None,
-               report: Optional[Callable[..., None]] = None) -> Optional[int]:
+               report: Optional[Callable[..., None]] = None, leave: float = 0.0,
+               signalled: Optional[threading.Event] = None) -> Optional[int]:
     """:func:`watch` for a worker the template forked: its exit status (``subprocess``-style)
     comes from ``conn``. None if the template went away first (the worker is then killed)."""
     status = []  # type: List[int]
@@ -712,10 +757,11 @@ def watch_warm(pid: int, conn: socket.socket, rest: bytes, grace: float, stop: t
             notice.wake()
         stop.set()
 
-    until_stopped(stop, wait_template, "bootstrap-template", driver_fd)
+    driver_gone = threading.Event()
+    until_stopped(stop, wait_template, "bootstrap-template", driver_fd, driver_gone)
     if not gone.is_set():  # asked to stop, or the driver is gone
         killpg(pid, signal.SIGTERM)
-        gone.wait(grace)
+        wait_after_sigterm(gone.is_set, grace, leave, signalled, driver_gone)
     killpg(pid, signal.SIGKILL)  # whatever is left of the group
     gone.wait(REAP_SECONDS)
     conn.close()
@@ -747,6 +793,7 @@ def main(stdin: IO[str], stdout: IO[str]) -> int:
     env = worker_env(os.environ, cfg["env"])
     keys = cfg.pop("keys", None)  # the job's keys: through a pipe, never the environment
     command, cwd, grace = cfg["command"], cfg["cwd"], float(cfg["grace"])
+    leave = leave_seconds(env)
     ids = env.get(JOB_ID), env.get(WORKER_ID)
     problem = enter_directory(cwd, env)
     if problem is not None:
@@ -770,9 +817,10 @@ def main(stdin: IO[str], stdout: IO[str]) -> int:
             conn, pid, rest = started
             keys = cfg = None
             report(pid=pid, pgid=pid, watchdog=os.getpid(), warm=True)
-            stop = threading.Event()
-            stop_on_signals(stop)
-            code = watch_warm(pid, conn, rest, grace, stop, notice=notice, report=report)
+            stop, signalled = threading.Event(), threading.Event()
+            stop_on_signals(stop, signalled)
+            code = watch_warm(pid, conn, rest, grace, stop, notice=notice, report=report, leave=leave,
+                              signalled=signalled)
             swept(*ids, group=pid)
             if code is None:
                 sys.stderr.write("elasticrun: the warm-start template on this host went away while the worker "
@@ -794,9 +842,9 @@ def main(stdin: IO[str], stdout: IO[str]) -> int:
         report(error="exec", detail=failed.decode("utf-8", "replace"))
         return 126
 
-    stop = threading.Event()
-    stop_on_signals(stop)
-    status = watch(pid, grace, stop, notice=notice, report=report)
+    stop, signalled = threading.Event(), threading.Event()
+    stop_on_signals(stop, signalled)
+    status = watch(pid, grace, stop, notice=notice, report=report, leave=leave, signalled=signalled)
     swept(*ids, group=pid)
     if status is None:
         return 255
