@@ -484,7 +484,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # --- horovod API ------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce; reduce those whose hook never fired
-        (unused parameters, fewer backward passes than expected) with what they hold."""
+        (unused parameters, fewer backward passes than expected) with what they hold.
+
+        Called by the script (Horovod's pattern for clipping or AMP: ``synchronize()``, then
+        ``with skip_synchronize(): step()``), this is the step's end as far as elasticrun is
+        concerned: its pace is recorded and a host update or leave agreed in this allreduce is
+        taken here (:meth:`_dist_step_done`), as when ``step()`` synchronizes."""
+        started = time.perf_counter()
+        self._dist_synchronize()
+        self._dist_step_done(started)
+
+    def _dist_step_done(self, started: float) -> None:
+        r = rounds.current()
+        if r.step_done is not None:  # may raise HostsUpdatedInterrupt: this step is not applied
+            self._synchronized = False
+            r.step_done(time.perf_counter() - started)  # the wait tells a straggler apart
+            self._synchronized = True
+
+    def _dist_synchronize(self) -> None:
         try:
             r = self._dist_begin()
             while self._dist_next < len(self._dist_buckets):
@@ -535,12 +552,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize(). Use the skip_synchronize() context to make the "
                               "intent explicit.", stacklevel=2)
             else:
-                started = time.perf_counter()
                 self.synchronize()
-                r = rounds.current()
-                if r.step_done is not None:  # may raise HostsUpdatedInterrupt: this step is not applied
-                    self._synchronized = False
-                    r.step_done(time.perf_counter() - started)  # the wait tells a straggler apart
         self._synchronized = False
         original = self._dist_original()
         if original is not None:

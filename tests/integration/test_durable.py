@@ -68,13 +68,17 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 
 # --- warnings become graceful exits --------------------------------------------------------------
-def test_a_worker_told_to_stop_leaves_at_its_next_step_without_a_rollback(job):
+@pytest.mark.parametrize("pattern", ["step", "synchronize"])
+def test_a_worker_told_to_stop_leaves_at_its_next_step_without_a_rollback(job, pattern):
     """SIGTERM to one worker of 4 (a reclaim notice): its host is out at the next step, the
     survivors lose nothing (no rollback, no sample twice), the worker exits 0. Commits only at
-    the end of epochs: leaving at the next commit would take the rest of the epoch."""
+    the end of epochs: leaving at the next commit would take the rest of the epoch. Also with
+    Horovod's clipping pattern (``synchronize()``, clip, ``step()`` under ``skip_synchronize()``),
+    where the step's end is the explicit ``synchronize()``."""
+    extra = ["--clip"] if pattern == "synchronize" else []
     r = job.run(["-np", "4", "--min-np", "3", "-H", "localhost:1,127.0.0.1:1,127.0.0.2:1,127.0.0.3:1",
                  "--events", str(job.tmp / "events.jsonl")],
-                sample_cmd(job, "--commit-every", "1000", "--sigterm", "127.0.0.3:0@1:3", "--sleep", "0.05"))
+                sample_cmd(job, "--commit-every", "1000", "--sigterm", "127.0.0.3:0@1:3", "--sleep", "0.05", *extra))
     assert r.returncode == 0, r.output
     assert "host 127.0.0.3 leaving (SIGTERM)" in r.stderr, r.stderr
     assert "aborted" not in r.stderr and "exited with code" not in r.stderr, r.stderr  # no rollback, no failure

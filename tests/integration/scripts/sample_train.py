@@ -58,6 +58,8 @@ p.add_argument("--sigterm-at-start", default=None, metavar="HOST",
 p.add_argument("--slow", default=None, metavar="HOST:SLOT:SECONDS[@EPOCH:BATCH]",
                help="that worker sleeps SECONDS in every step (a straggler), from that step on")
 p.add_argument("--no-commit", action="store_true", help="never commit (nor at the end of an epoch)")
+p.add_argument("--clip", action="store_true",
+               help="Horovod's clipping pattern: synchronize(), clip, then step() under skip_synchronize()")
 p.add_argument("--ballast", type=float, default=0.0, metavar="MB",
                help="the model also holds a buffer of MB megabytes (a state too big for a small disk)")
 p.add_argument("--commit-before-run", action="store_true",
@@ -225,7 +227,13 @@ def train(state):
             optimizer.zero_grad()
             maybe_slow(state.epoch, state.batch)
             F.cross_entropy(model(xb), yb).backward()
-            optimizer.step()
+            if args.clip:
+                optimizer.synchronize()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                with optimizer.skip_synchronize():
+                    optimizer.step()
+            else:
+                optimizer.step()
             state.sampler.record_batch(idx, args.batch_size)
             pending.append({"epoch": state.epoch, "batch": state.batch, "indices": ib.tolist(), "size": hvd.size(),
                             "round": rt.round, "rank": hvd.rank(), "t": time.time(),
