@@ -556,6 +556,31 @@ class LRSchedulerStateHandler(StateHandler):
         self.value.load_state_dict(collectives.broadcast_object(self.value.state_dict(), root, "lr_scheduler", trusted=True))
 
 
+class GradScalerStateHandler(StateHandler):
+    """A ``torch.amp.GradScaler`` (mixed precision's loss scale) through its ``state_dict``,
+    loaded **in place**: the script keeps calling the scaler object it made
+    (``scaler.scale(loss)``, ``scaler.step(opt)``), so a restore or a sync that replaced the
+    attribute would leave that one stale. After a join the newcomer would then train with its
+    initial scale while the others use theirs, each unscaling a differently scaled sum: the
+    replicas drift apart silently."""
+
+    def __init__(self, scaler: Any) -> None:
+        super().__init__(scaler)
+        self.save()
+
+    def save(self) -> None:
+        self._saved = dict(self.value.state_dict())  # floats and ints: a shallow copy is a copy
+
+    def restore(self) -> None:
+        if self._saved:  # a disabled scaler's is empty (and loading it is then a no-op)
+            self.value.load_state_dict(dict(self._saved))
+
+    def sync(self, root: int) -> None:
+        theirs = collectives.broadcast_object(self.value.state_dict(), root, "grad_scaler", trusted=True)
+        if theirs:
+            self.value.load_state_dict(theirs)
+
+
 class SamplerStateHandler(StateHandler):
     """An :class:`ElasticSampler`, following the contract in its docstring.
 
@@ -679,6 +704,7 @@ def get_handler_factory(value: Any) -> HandlerFactory | None:
 
 
 register_handler(torch.optim.lr_scheduler.LRScheduler, LRSchedulerStateHandler)
+register_handler(torch.amp.GradScaler, GradScalerStateHandler)
 register_handler(ElasticSampler, SamplerStateHandler)
 register_handler(torch.optim.Optimizer, OptimizerStateHandler)
 register_handler(torch.nn.Module, ModelStateHandler)

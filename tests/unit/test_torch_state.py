@@ -421,6 +421,30 @@ def test_lr_scheduler_handler() -> None:
     assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == 0.5
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_grad_scaler_is_restored_and_synced_in_place(enabled: bool) -> None:
+    """The script keeps calling the scaler it made: a restore or sync that replaced the
+    attribute left that one with a stale loss scale (after a join: ranks scaled differently)."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=enabled)
+    state = TorchState(model, opt, scaler=scaler)
+    assert isinstance(state._handlers["scaler"], state_handlers.GradScalerStateHandler)
+    scaler.scale(torch.ones(()))  # its scale tensor now exists
+    if enabled:
+        scaler.update(new_scale=256.0)
+    state.commit()
+    if enabled:
+        scaler.update(new_scale=8.0)
+    state.restore()
+    assert state.scaler is scaler
+    assert scaler.get_scale() == (256.0 if enabled else 1.0)
+    if enabled:
+        scaler.update(new_scale=4.0)
+    state.sync()  # a world of one: its own live value
+    assert state.scaler is scaler and scaler.get_scale() == (4.0 if enabled else 1.0)
+
+
 # --------------------------------------------------------------------------- DistributedOptimizer, world of one
 
 
