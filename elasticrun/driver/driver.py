@@ -797,11 +797,8 @@ class ElasticDriver:
         self._failed_copies = collections.deque(maxlen=8)
         try:
             cdir = checkpoints.CheckpointDir.open(directory)
-        except checkpoints.UntrustedDirectory as exc:
-            raise JobFailed(f"--checkpoint-dir {directory}: {exc}; run `chmod 700 {directory}` if it is yours, "
-                            f"or use a directory of your own", 2) from None
         except checkpoints.CheckpointError as exc:
-            raise JobFailed(f"--checkpoint-dir {directory}: {exc}", 2) from None
+            raise JobFailed(checkpoints.refused(directory, exc), 2) from None
         self._checkpoints = cdir
         try:
             cdir.lock(self.job_id)

@@ -218,6 +218,94 @@ def test_a_directory_or_copy_of_another_user_is_refused(tmp_path):
         d.close()
 
 
+NOBODY = 65534
+
+
+def _shared(path):
+    """A directory like /tmp: anyone may write it, the sticky bit set, root's."""
+    path.mkdir()
+    os.chmod(path, 0o1777)
+    return path
+
+
+@root_only
+def test_a_link_someone_else_planted_is_not_followed_to_a_directory_of_yours(tmp_path):
+    """mallory: ln -s /home/you/other /tmp/teamckpt. The link's target is yours (it would pass
+    as yours): the job would lock, write and rotate copies there."""
+    yours = tmp_path / "yours"
+    yours.mkdir(mode=0o700)
+    (yours / "lock").write_text("IMPORTANT")
+    link = _shared(tmp_path / "tmp") / "teamckpt"
+    link.symlink_to(yours)
+    os.lchown(link, NOBODY, NOBODY)
+    with pytest.raises(ValueError) as info:
+        ck.check_directory(str(link))
+    assert str(info.value) == (f"--checkpoint-dir {link}: {link} is a symbolic link that nobody made in "
+                               f"{link.parent}, which anyone may write: they choose where the copies go; use a "
+                               f"directory of your own (for example under your home)")
+    assert (yours / "lock").read_text() == "IMPORTANT" and sorted(os.listdir(yours)) == ["lock"]
+    elsewhere = tmp_path / "private"  # their link in a directory only they may write: the same
+    elsewhere.mkdir()
+    (elsewhere / "ckpt").symlink_to(yours)
+    os.lchown(elsewhere / "ckpt", NOBODY, NOBODY)
+    with pytest.raises(ck.UnsafePath, match="is a symbolic link that nobody made: they choose"):
+        ck.CheckpointDir.open(str(elsewhere / "ckpt"))
+
+
+def test_a_link_of_your_own_is_followed(tmp_path):
+    real = tmp_path / "real"
+    (real / "sub").mkdir(mode=0o700, parents=True)
+    (tmp_path / "via").symlink_to(real)
+    (tmp_path / "ckpt").symlink_to("via/sub")
+    ck.check_directory(str(tmp_path / "ckpt"))
+    d = ck.CheckpointDir.open(str(tmp_path / "ckpt"))
+    try:
+        d.key()
+    finally:
+        d.close()
+    assert (real / "sub" / "key").exists()
+
+
+@root_only
+@pytest.mark.parametrize("parent,why", [
+    (0o777, "may be written by anyone (mode 0777, no sticky bit): anyone could move the copies away"),
+    (0o1777, "belongs to nobody and anyone may write it: they could move the copies away"),
+])
+def test_a_parent_directory_someone_else_controls_is_refused(tmp_path, parent, why):
+    team = tmp_path / "team"  # mallory: mkdir -m777 /tmp/team; you: --checkpoint-dir /tmp/team/job
+    team.mkdir()
+    os.chmod(team, parent)
+    os.chown(team, NOBODY, NOBODY)
+    with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(")", r"\)")):
+        ck.check_directory(str(team / "job"))
+    assert not (team / "job").exists()
+
+
+@root_only
+def test_a_directory_someone_else_made_in_a_shared_one_is_refused_on_the_way(tmp_path):
+    theirs = _shared(tmp_path / "tmp") / "team"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, NOBODY, NOBODY)
+    with pytest.raises(ck.UnsafePath, match=f"{theirs} is a directory that nobody made in"):
+        ck.CheckpointDir.open(str(theirs / "job"))
+
+
+@root_only
+def test_a_team_directory_only_its_group_may_write_is_trusted_as_its_group(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    os.chmod(project, 0o2770)
+    os.chown(project, NOBODY, NOBODY)
+    ck.check_directory(str(project / "you" / "ckpt"))
+    assert oct(os.stat(project / "you" / "ckpt").st_mode & 0o777) == "0o700"
+
+
+def test_a_parent_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'afile'} is not a directory"):
+        ck.check_directory(str(tmp_path / "afile" / "sub"))
+
+
 def test_a_write_that_fails_leaves_the_durable_copies_alone(cdir):
     good = write(cdir, commit=1)
     w = ck.Writer(cdir, 2, commit=2, steps=0, saved_at=0, job="j", lineage="L1", world=1, data_bytes=10, meta=b"m")

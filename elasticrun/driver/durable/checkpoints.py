@@ -65,6 +65,10 @@ class CheckpointError(Exception):
     """A durable copy could not be written or read; the message is one line for the user."""
 
 
+class UnsafePath(CheckpointError):
+    """Someone else could choose what the directory's path leads to (:func:`_path_problem`)."""
+
+
 class UntrustedDirectory(CheckpointError):
     """The directory (or an entry the job needs in it) is not the job user's alone."""
 
@@ -162,6 +166,65 @@ def _trusted(st: os.stat_result, what: str, private: bool = False) -> None:
         raise UntrustedDirectory(f"{what} is writable to group or others {mode}")
     if private and st.st_mode & 0o077:
         raise UntrustedDirectory(f"{what} is open to group or others {mode}")
+
+
+def _path_problem(path: str, links: int = 0) -> str:
+    """Why the directories and links leading to ``path`` (absolute) let someone else choose
+    what the job's ``path`` is ("" if they do not); checked before anything is created there.
+
+    Checking the directory alone is not enough: a symbolic link that another user planted
+    (``/tmp/ckpt -> /home/you/other``) would have the job lock, write and rotate copies in a
+    directory of yours they picked (it passes as yours), and a world-writable parent (``mkdir
+    -m777 /tmp/team``) lets anyone move your directory away or swap in another. The rule is
+    ``ssh``'s StrictModes, made to fit shared project directories: every symbolic link on the way
+    belongs to you or root; every directory above yours that anyone may write (``o+w``) has
+    the sticky bit and belongs to you or root (``/tmp``), and what you name right under such a
+    directory belongs to you or root. A parent that only its group may write (a team's project
+    directory) is trusted as its group is."""
+    me = os.geteuid()
+    parts = [p for p in path.split("/") if p]
+    current = "/"
+    shared = False  # current is a directory anyone may write (sticky)
+    for i, name in enumerate(parts):
+        here = os.path.join(current, name)
+        try:
+            st = os.lstat(here)
+        except FileNotFoundError:
+            return ""  # the rest is created by the job, 0700
+        except OSError:
+            return ""  # (opening says what is wrong)
+        if shared and st.st_uid not in (me, 0):
+            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory"
+            return (f"{here} is {kind} that {_user(st.st_uid)} made in {current}, which anyone may write: "
+                    f"they choose where the copies go")
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (me, 0):
+                return f"{here} is a symbolic link that {_user(st.st_uid)} made: they choose where the copies go"
+            try:
+                target = os.readlink(here)
+            except OSError:
+                return ""
+            rest = "/".join(parts[i + 1:])
+            resolved = os.path.normpath(os.path.join(current, target, rest))
+            if links >= 40:  # a loop (the kernel's ELOOP limit): opening says so
+                return ""
+            return _path_problem(resolved, links + 1)
+        if not stat.S_ISDIR(st.st_mode):
+            return ""  # (opening says it is not a directory)
+        if i == len(parts) - 1:
+            return ""  # the directory itself: _trusted's rules, stricter
+        if st.st_mode & stat.S_IWOTH:
+            if not st.st_mode & stat.S_ISVTX:
+                return (f"{here} may be written by anyone (mode {stat.S_IMODE(st.st_mode):04o}, no sticky bit): "
+                        f"anyone could move the copies away or swap in others")
+            if st.st_uid not in (me, 0):
+                return (f"{here} belongs to {_user(st.st_uid)} and anyone may write it: they could move the "
+                        f"copies away or swap in others")
+            shared = True
+        else:
+            shared = False
+        current = here
+    return ""
 
 
 def _fsync(fd: int) -> None:
@@ -276,11 +339,19 @@ def check_directory(path: str, flag: str = "--checkpoint-dir") -> None:
     what is wrong and what to do."""
     try:
         CheckpointDir.open(path).close()
-    except UntrustedDirectory as exc:
-        raise ValueError(f"{flag} {path}: {exc}; run `chmod 700 {path}` if it is yours, or use a directory of "
-                         f"your own") from None
     except CheckpointError as exc:
-        raise ValueError(f"{flag} {path}: {exc}") from None
+        raise ValueError(refused(path, exc, flag)) from None
+
+
+def refused(path: str, exc: CheckpointError, flag: str = "--checkpoint-dir") -> str:
+    """The one line that says why :meth:`CheckpointDir.open` refused ``path``, and what to do."""
+    if isinstance(exc, UnsafePath):
+        return f"{flag} {path}: {exc}; use a directory of your own (for example under your home)"
+    if isinstance(exc, UntrustedDirectory):
+        if "belongs to" in str(exc):  # (chmod would not make it yours)
+            return f"{flag} {path}: {exc}; use a directory of your own"
+        return f"{flag} {path}: {exc}; run `chmod 700 {path}`, or use a directory of your own"
+    return f"{flag} {path}: {exc}"
 
 
 class CheckpointDir:
@@ -298,8 +369,16 @@ class CheckpointDir:
         """Open ``path`` (created 0700 when missing), refusing it unless it is this user's and
         nobody else may write it (UntrustedDirectory, one line)."""
         path = os.path.abspath(path)
+        problem = _path_problem(path)
+        if problem:
+            raise UnsafePath(problem)
         if not os.path.lexists(path):
             parent = os.path.dirname(path)
+            existing = parent
+            while not os.path.lexists(existing):  # the deepest part of the path that is there
+                existing = os.path.dirname(existing)
+            if not os.path.isdir(existing):
+                raise CheckpointError(f"{existing} is not a directory")
             try:
                 os.makedirs(parent, exist_ok=True)
                 os.mkdir(path, 0o700)
