@@ -219,6 +219,8 @@ class ElasticDriver:
             log.warning("ignoring %s: Horovod's engine tuning flags have nothing to tune here (no tensor fusion "
                         "cycle, response cache, autotuner or stall check; see docs/porting-from-horovod.md)",
                         ", ".join(self.settings.ignored_horovodrun_flags))
+        for line in self.settings.startup_warnings:
+            log.warning("%s", line)
         # From the first moment: a signal during the first discovery (a script that hangs) stops
         # it, its process group included, instead of killing the driver and leaving it running.
         previous = self._catch_stop_signals()

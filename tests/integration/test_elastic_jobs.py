@@ -282,10 +282,15 @@ def test_fixed_hosts_use_every_slot_and_survive_losing_one_host(job):
     assert "host localhost blacklisted" in r.stderr
 
 
-def test_without_min_np_the_job_is_np_processes(job):
-    r = job.run(["-np", "2", "-H", "localhost:2,127.0.0.1:2"], job.train_cmd(epochs=1))
+@pytest.mark.parametrize("max_np", [None, "4"])
+def test_without_min_np_the_job_is_np_processes(job, max_np):
+    """As horovodrun (its _is_elastic): --max-np alone does not make a job elastic; it is said."""
+    extra = ["--max-np", max_np] if max_np else []
+    r = job.run(["-np", "2", *extra, "-H", "localhost:2,127.0.0.1:2"], job.train_cmd(epochs=1))
     assert r.returncode == 0, r.output
     assert "round 0: 2 worker(s) on 1 host(s)" in r.stderr, r.stderr
+    said = "--max-np 4 has no effect without --min-np or a discovery script (as with horovodrun)"
+    assert (said in r.stderr) == bool(max_np), r.stderr
 
 
 def test_no_host_option_runs_np_workers_here(job):

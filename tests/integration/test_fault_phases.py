@@ -45,7 +45,7 @@ class Scenario:
 
 SCENARIOS = {s.name: s for s in [
     # Killed before it ever contacts the driver: the first round forms without its host.
-    Scenario("launch", ("-np", "2", "--max-np", "3", "-H", H3), ("launch@127.0.0.2:0",), 2),
+    Scenario("launch", ("-np", "2", "--min-np", "2", "--max-np", "3", "-H", H3), ("launch@127.0.0.2:0",), 2),
     # Killed once round 0 is assigned, while its process group forms (inside hvd.init()).
     Scenario("startup", ("-np", "3", "--min-np", "2", "-H", H3), ("startup@127.0.0.2:0",), 2),
     Scenario("sync", ("-np", "3", "--min-np", "2", "-H", H3), ("sync@127.0.0.1:0",), 2),

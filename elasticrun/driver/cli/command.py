@@ -149,11 +149,16 @@ def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, 
         fixed = {"localhost": np}  # horovodrun -np N python train.py: N processes here
     if fixed is not None and sum(fixed.values()) < np:
         fail(f"-np {np} needs {np} slots but the host list has {sum(fixed.values())}")
-    # As with horovodrun: an elastic job (--min-np, --max-np or a discovery script) uses every
-    # usable slot up to --max-np (unbounded by default), and -np is what it starts with and
-    # waits for; otherwise the job is -np processes, fault tolerant but never larger.
-    elastic = (o["min_np"] is not None or o["max_np"] is not None or script is not None or callable_discovery
-               or bool(ray))
+    # As with horovodrun (its _is_elastic): an elastic job (--min-np or a discovery script) uses
+    # every usable slot up to --max-np (unbounded by default), and -np is what it starts with
+    # and waits for; otherwise the job is -np processes, fault tolerant but never larger, and
+    # --max-np alone changes nothing (a job that grew past -np would change the global batch
+    # and every learning rate scaled by hvd.size()).
+    elastic = o["min_np"] is not None or script is not None or callable_discovery or bool(ray)
+    warnings: list[str] = []
+    if o["max_np"] is not None and not elastic and o["max_np"] != np:
+        warnings.append(f"--max-np {o['max_np']} has no effect without --min-np or a discovery script (as with "
+                        f"horovodrun): the job is -np {np} processes; add --min-np to let it grow")
     max_np = o["max_np"] if elastic else np
     level = "DEBUG" if o["verbose"] else (o["log_level"] or "INFO")
     # Workers stay quiet (WARNING) unless the user asked for a level: their lines interleave
@@ -163,6 +168,7 @@ def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, 
     horovodrun = _horovodrun_settings(o, fail)
     return JobSettings(
         command=list(command), np=np, min_np=min_np, max_np=max_np, hosts=fixed, discovery_script=script,
+        startup_warnings=tuple(warnings),
         slots_per_host=slots, discovery_interval=o["discovery_interval"],
         discovery_timeout=o["discovery_timeout"], reset_limit=o["reset_limit"],
         cooldown_range=tuple(cooldown) if cooldown else None,

@@ -193,9 +193,9 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
     p.add_argument("--min-np", "--min-num-proc", dest="min_np", type=positive_int,
                    help="fewest processes to keep training with (default: -np)")
     p.add_argument("--max-np", "--max-num-proc", dest="max_np", type=positive_int,
-                   help="most processes to use. As with horovodrun, an elastic job (--min-np, --max-np or a "
-                        "discovery script given) uses every usable slot up to MAX, unbounded by default; "
-                        "otherwise the job is -np processes")
+                   help="most processes to use. As with horovodrun, an elastic job (--min-np or a discovery "
+                        "script given) uses every usable slot up to MAX, unbounded by default; otherwise the job "
+                        "is -np processes (and --max-np alone changes nothing)")
     hosts = p.add_mutually_exclusive_group(required=host_source_required)
     hosts.add_argument("--host-discovery-script", metavar="PATH",
                        help="executable printing the usable hosts, one `host[:slots]` per line (or, as "
