@@ -158,7 +158,8 @@ class ElasticDriver:
                                reset_limit=settings.reset_limit, elastic_timeout=settings.elastic_timeout,
                                start_timeout=settings.start_timeout,
                                heartbeat_timeout=settings.heartbeat_timeout,
-                               evict_stragglers=settings.evict_stragglers, backend=settings.backend),
+                               evict_stragglers=settings.evict_stragglers, backend=settings.backend,
+                               fixed_hosts=settings.hosts is not None),
             HostManager(cooldown_range=settings.cooldown_range), new_id=lambda: next(self._ids))
         # Problems that input can repeat without end (garbage frames, discovery output, failed
         # diagnostic writes): a few lines and counts (elasticrun/common/ratelimit.py), flushed

@@ -127,10 +127,22 @@ def test_failure_on_every_host(job):
 
 
 def test_elastic_timeout_expires(job):
-    r = job.run(["-np", "2", "--min-np", "2", "-H", TWO.format(s=1), "--elastic-timeout", "1.5"],
-                job.train_cmd("--fail=127.0.0.1:0@1:sigkill", epochs=4))
+    """Discovery could list the host again (or another): the job waits, up to --elastic-timeout."""
+    r = job.run(["-np", "2", "--min-np", "2", "--host-discovery-script", str(PROGRESS_DISCOVERY),
+                 "--elastic-timeout", "1.5"],
+                job.train_cmd("--fail=127.0.0.1:0@1:sigkill", epochs=4), **discovery(f"0:{TWO.format(s=1)}"))
     assert r.returncode == 1, r.output
     assert "timed out after 1.5 s (--elastic-timeout) waiting for 2 slots" in r.stderr, r.stderr
+
+
+def test_a_fixed_host_list_that_can_never_give_min_np_again_fails_at_once(job):
+    """-H and permanent blacklisting: no host can come back, so waiting --elastic-timeout (600 s)
+    would be for nothing (docs/troubleshooting.md: `can never be met again`)."""
+    r = job.run(["-np", "2", "--min-np", "2", "-H", TWO.format(s=1)],
+                job.train_cmd("--fail=127.0.0.1:0@1:sigkill", epochs=4))
+    assert r.returncode == 1, r.output
+    assert "--min-np 2 can never be met again: usable hosts" in r.stderr, r.stderr
+    assert "giving up in" not in r.stderr, r.stderr  # no wait
 
 
 @pytest.mark.parametrize("limit,ok", [(1, False), (2, True)])
