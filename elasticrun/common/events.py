@@ -49,6 +49,7 @@ class Kind(str, enum.Enum):
     WAITING_FOR_SLOTS = "waiting_for_slots"
     STATE_LOST = "state_lost"                # a round formed without any holder of the state
     WORKERS_LOST = "workers_lost"            # every worker lost to the infrastructure; resuming from disk
+    NP_NEVER = "np_never"                    # a fixed host list can no longer give -np: round 0 starts with fewer
     PLAIN_COMMAND = "plain_command"          # no worker called hvd.init(): plain processes, horovodrun's way
     RESUMED = "resumed"                      # a round starts from the newest durable copy
     DURABLE_WRITTEN = "durable_written"      # a durable copy of a commit is whole on disk
@@ -159,6 +160,7 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.WAITING_FOR_SLOTS: ("round", "message", "need", "ready", "usable", "left_s", "flag"),
     Kind.STATE_LOST: ("round", "message"),
     Kind.WORKERS_LOST: ("round", "message", "limit", "min_np", "commit"),
+    Kind.NP_NEVER: ("np", "reachable", "min_np"),
     Kind.PLAIN_COMMAND: ("round", "message", "limit"),
     Kind.RESUMED: ("round", "message", "checkpoint", "commit", "saved_at", "steps_back"),
     Kind.DURABLE_WRITTEN: ("round", "number", "commit", "bytes", "seconds"),

@@ -517,10 +517,15 @@ class Registry:
             del self._busy[w.key]
         if w.state in (WorkerState.LEFT, WorkerState.FAILED):  # already accounted for
             return
-        if code == 0 and not self._contacted and self.round < 0 and not self.plain:
+        if (not self._contacted and self.round < 0 and not self.plain
+                and (code == 0 or (code > 0 and self._static()))):
             # It ran and ended without ever calling hvd.init(), and so has every other worker so
             # far: a plain command (``bash -c ...``, a script without elasticrun), run as
-            # horovodrun runs one: every process to its end, the job failing if any fails.
+            # horovodrun runs one: every process to its end, the job failing if any fails. In a
+            # job that cannot change size, a process's own failure before any worker reached the
+            # driver is the same news (horovodrun fails such a job at once, naming the rank):
+            # its host is not blacklisted, and the others are stopped now, not after their end or
+            # --start-timeout.
             self.plain = True
             self._rescan()
         if self.plain:
@@ -807,6 +812,11 @@ class Registry:
     def _failures(failed: list[WorkerRecord]) -> list[tuple[int, str, Reason | None]]:
         """(rank, label, why) of failed workers, by rank (for the job's failure reason)."""
         return [(w.rank, w.label, w.why) for w in sorted(failed, key=lambda w: w.rank)]
+
+    def _static(self) -> bool:
+        """A job of -np processes on a fixed host list: it can neither grow nor shrink."""
+        c = self.config
+        return c.fixed_hosts and c.min_np == c.np and c.max_np == c.np
 
     def _contact(self, now: float) -> None:
         """A worker reached the driver: the job is elastic. If it had been taken for a job of
@@ -1158,6 +1168,14 @@ class Registry:
             return
         need = self.config.np if self.round < 0 else self.config.min_np
         reachable = len(target) + (1 if handing_over and target else 0)
+        if (self.round < 0 and self.config.min_np <= reachable < need and self.config.fixed_hosts
+                and self.hosts.is_permanent()):
+            # The first round's -np can never be met (a listed host failed to start, and none
+            # comes back): start with what is left, as --min-np allows, not fail or wait.
+            yield from self._say_once("np_never", Event(Kind.NP_NEVER, {"np": need, "reachable": reachable,
+                                                                        "min_np": self.config.min_np},
+                                                        level="warning"))
+            need = self.config.min_np
         if reachable < need:
             if self.config.fixed_hosts and self.hosts.is_permanent():
                 yield Finish(False, self._never_enough(need))

@@ -121,6 +121,8 @@ _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
                                   f"until enough are"),
     Kind.HOSTS_UPDATED: lambda f: (f"{'handing the state over' if f['handover'] else 'membership changing'} from "
                                    f"{f['from_size']} to {f['to_size']} worker(s)"),
+    Kind.NP_NEVER: lambda f: (f"-np {f['np']} can never be met: a listed host failed and none can come back; "
+                              f"starting with {f['reachable']} (--min-np {f['min_np']})"),
     Kind.WORKERS_LOST: lambda f: (f"every worker is gone; waiting up to --elastic-timeout {f['limit']:g} s for "
                                   f"--min-np {f['min_np']} slots to resume from the durable copy of commit "
                                   f"{f['commit']}"),

@@ -32,6 +32,19 @@ def test_a_plain_command_runs_every_rank_to_its_end_and_fails_when_one_fails(job
     assert "summary: 2 process(es) that never called hvd.init(), 1 failed" in r.stderr, r.stderr
 
 
+def test_a_plain_command_that_fails_early_stops_the_others_at_once(job):
+    """A rank failing before any worker reached the driver, in a job that cannot change size:
+    as horovodrun, the job fails at once naming the rank, and the others are stopped (they ran
+    to their end, or to --start-timeout, while a host was blacklisted as if elastic)."""
+    started = time.monotonic()
+    r = job.run(["-np", "3", "-H", "localhost:2,127.0.0.1:1"],
+                ["bash", "-c", 'if [ "$HOROVOD_RANK" = 1 ]; then sleep 0.5; exit 3; fi; sleep 60; echo done'])
+    assert r.returncode == 1, r.output
+    assert time.monotonic() - started < 30 and "done" not in r.stdout, r.output
+    assert "rank 1 (localhost[1]) exited with code 3." in r.stderr, r.stderr
+    assert "blacklisted" not in r.stderr and "all workers failed" not in r.stderr, r.stderr
+
+
 def test_a_plain_command_may_outlive_the_start_timeout(job):
     r = job.run(["-np", "2", "-H", "localhost:2", "--start-timeout", "1"],
                 ["bash", "-c", "sleep 3; echo done $HOROVOD_RANK"])

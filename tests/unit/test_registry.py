@@ -95,14 +95,14 @@ class Job:
 
     def __init__(self, np=1, min_np=None, max_np=None, reset_limit=None, elastic_timeout=600.0,
                  start_timeout=30.0, cooldown=None, seed=0, heartbeat_timeout=None, evict_stragglers=False,
-                 backend="auto"):
+                 backend="auto", fixed_hosts=False):
         self.now = 0.0
         self._ids = itertools.count()
         self.hosts = HostManager(cooldown_range=cooldown, rng=random.Random(seed))
         self.config = RegistryConfig(np=np, min_np=np if min_np is None else min_np, max_np=max_np,
                                      reset_limit=reset_limit, elastic_timeout=elastic_timeout,
                                      start_timeout=start_timeout, heartbeat_timeout=heartbeat_timeout,
-                                     evict_stragglers=evict_stragglers, backend=backend)
+                                     evict_stragglers=evict_stragglers, backend=backend, fixed_hosts=fixed_hosts)
         self.reg = Registry(self.config, self.hosts, lambda: f"w{next(self._ids)}")
 
     def _at(self, at):
@@ -1979,6 +1979,31 @@ class TestPlainCommands:
         [finish] = of(acts, Finish)
         assert not finish.ok and why(finish) == "rank 1 (a[1]) exited with code 3"
         assert not events(acts, "host_blacklisted")
+
+    @pytest.mark.parametrize("fixed,min_np,max_np,plain", [
+        (True, None, 2, True),  # -np 2 -H a:1,b:1: a job that cannot change size
+        (True, 1, 2, False),  # --min-np: elastic, the host is blacklisted and the job goes on
+        (True, None, None, False),  # --max-np unbounded (elastic)
+        (False, None, 2, False),  # hosts from discovery
+    ])
+    def test_an_early_failure_in_a_job_that_cannot_change_size_fails_it_at_once(self, fixed, min_np, max_np, plain):
+        job = Job(np=2, min_np=min_np, max_np=max_np, start_timeout=30, fixed_hosts=fixed)
+        w0, w1 = self.launch(job, {"a": 1, "b": 1})
+        acts = job.exit(w1, 3, at=1)  # before any worker reached the driver
+        assert job.reg.plain == plain
+        if plain:
+            assert Kill(w0, Reason(Cause.PEER_FAILED)) in acts and not events(acts, "host_blacklisted")
+            [finish] = of(acts, Finish)
+            assert not finish.ok and why(finish) == "rank 1 (b[0]) exited with code 3"
+            return
+        assert events(acts, "host_blacklisted")
+        if fixed and min_np is None:  # --min-np 2 on a:1 alone: never again
+            [finish] = of(acts, Finish)
+            assert finish.why.cause is Cause.NEVER_ENOUGH
+        elif fixed:  # --min-np 1: round 0 starts with a alone, and says why
+            assert not of(acts, Finish) and events(acts, "np_never")
+        else:  # discovery may list more hosts: wait
+            assert not of(acts, Finish) and not events(acts, "np_never")
 
     @pytest.mark.parametrize("first", ["sigterm", "success"])
     def test_a_process_killed_by_sigterm_fails_the_job(self, first):
