@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import selectors
 import shlex
@@ -103,7 +104,7 @@ class ScriptDiscovery:
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
-            raise DiscoveryError(f"{self.path} could not be started: {exc.strerror}") from None
+            raise DiscoveryError(f"{self.path} could not be started: {_why_not_started(argv[0], exc)}") from None
         self._running = proc
         if self._closed:  # close() ran between the check and the start
             self.close()
@@ -172,6 +173,28 @@ class ScriptDiscovery:
         _kill_group(proc)
         raise DiscoveryError(f"{self.path} did not finish within {self.timeout:g} s "
                              f"(--discovery-timeout); it was killed")
+
+
+def _why_not_started(path: str, exc: OSError) -> str:
+    """Why exec of the script at ``path`` failed, in words that lead to the fix. The kernel's
+    own error misleads for a script: "No such file or directory" for a file that is there
+    means its ``#!`` interpreter is missing (with CRLF line endings it is ``/bin/sh\\r``), and
+    "Exec format error" means it has no ``#!`` line."""
+    if exc.errno not in (errno.ENOENT, errno.ENOEXEC) or not os.path.isfile(path):
+        return str(exc.strerror)
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(256).rstrip(b"\n")
+    except OSError:
+        return str(exc.strerror)
+    if exc.errno == errno.ENOEXEC and not first.startswith((b"#!", b"\x7fELF")):
+        return "it has no #! line (add one, e.g. #!/bin/sh)"
+    if exc.errno == errno.ENOENT and first.startswith(b"#!"):
+        interpreter = first[2:].lstrip(b" \t").split(b" ")[0].split(b"\t")[0].decode(errors="replace")
+        if first.endswith(b"\r"):
+            return f"its #! interpreter {interpreter!r} was not found (CRLF line endings: run dos2unix on it)"
+        return f"its #! interpreter {interpreter!r} was not found"
+    return str(exc.strerror)
 
 
 #: After the script has exited, how long what is already in its pipes is still read.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticrun.discovery.sources import ScriptDiscovery, discovery_command
+from elasticrun.discovery.sources import DiscoveryError, ScriptDiscovery, discovery_command
 
 
 def executable(path: Path, text: str = "#!/bin/sh\necho localhost:2\n") -> Path:
@@ -54,3 +54,17 @@ def test_a_file_that_is_not_executable(tmp_path: Path) -> None:
         discovery_command(str(script))
     with pytest.raises(ValueError, match=r"not executable"):
         discovery_command(f"{script} --zone a")
+
+
+@pytest.mark.parametrize("text,message", [
+    ("#!/bin/sh\r\necho localhost:2\r\n",  # saved on Windows: the interpreter is '/bin/sh\r'
+     r"could not be started: its #! interpreter '/bin/sh\\r' was not found \(CRLF line endings: run dos2unix on it\)$"),
+    ("#!/no/such/interpreter -x\necho localhost:2\n",
+     r"could not be started: its #! interpreter '/no/such/interpreter' was not found$"),
+    ("echo localhost:2\n", r"could not be started: it has no #! line \(add one, e.g. #!/bin/sh\)$"),
+])
+def test_a_script_the_kernel_cannot_run_says_why(tmp_path: Path, text: str, message: str) -> None:
+    """Not the kernel's "No such file or directory" for a file that is there, or "Exec format error"."""
+    script = executable(tmp_path / "discover.sh", text)
+    with pytest.raises(DiscoveryError, match=message):
+        ScriptDiscovery(str(script), 1, 10.0).discover()
