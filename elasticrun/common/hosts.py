@@ -49,7 +49,8 @@ def parse_host_entry(text: str, default_slots: int) -> tuple[str, int]:
     if len(name) > 253 or len(user) > 64:  # DNS's limit, and far more than any login name
         raise HostSpecError(f"{shown(entry)}: host name too long (at most 253 characters, user 64)")
     if not _HOST_RE.match(host):
-        raise HostSpecError(f"{shown(entry)}: {shown(host)} is not a valid host name")
+        entry_named = f"{shown(entry)}: " if host != entry else ""  # only if it says more (its slots)
+        raise HostSpecError(f"{entry_named}{shown(host)} is not a valid host name")
     if slots < 1:
         raise HostSpecError(f"{shown(entry)}: a host needs at least 1 slot, got {slots}")
     if slots > MAX_SLOTS_PER_HOST:
@@ -132,8 +133,9 @@ def parse_hosts_arg(spec: str, default_slots: int) -> dict[str, int]:
     for entry in spec.split(","):
         try:
             host, slots = parse_host_entry(entry, default_slots)
-        except HostSpecError as exc:
-            raise HostSpecError(f"-H {shown(spec)}: {exc}") from None
+        except HostSpecError as exc:  # -H with one entry: the message names it already
+            named = entry == spec and str(exc).startswith(shown(entry.strip()))
+            raise HostSpecError(f"-H {exc}" if named else f"-H {shown(spec)}: {exc}") from None
         if host in hosts:
             raise HostSpecError(f"-H {shown(spec)}: host {shown(host)} is listed twice")
         hosts[host] = slots

@@ -304,6 +304,16 @@ class TestParseHostsArg:
             parse_hosts_arg("good:1,worse:zero", 1)
         assert "'worse:zero'" in str(err.value) and "'zero'" in str(err.value)
 
+    @pytest.mark.parametrize("spec,message", [
+        ("bad host!", "-H 'bad host!' is not a valid host name"),
+        ("bad host!:2", "-H 'bad host!:2': 'bad host!' is not a valid host name"),
+        ("a,bad host!", "-H 'a,bad host!': 'bad host!' is not a valid host name"),
+    ])
+    def test_a_bad_host_is_named_once_per_layer(self, spec, message):
+        with pytest.raises(HostSpecError) as err:
+            parse_hosts_arg(spec, 1)
+        assert str(err.value) == message
+
     @given(entries=st.lists(st.tuples(host_names, st.one_of(st.none(), slot_counts)), min_size=1, max_size=8,
                             unique_by=lambda e: e[0]),
            default=slot_counts)
