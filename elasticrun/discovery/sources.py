@@ -15,6 +15,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, Mapping, NoReturn
 
+from elasticrun.common import env as envvars
 from elasticrun.common.hosts import MAX_HOSTS, HostList, HostSpecError, parse_discovery_output, parse_host_entry
 
 #: A discovery script's stdout is read up to this many bytes and lines; past either, the
@@ -79,6 +80,13 @@ class ScriptDiscovery:
     timeout: float
     _running: subprocess.Popen | None = None
     _closed: bool = False
+    _env: dict[str, str] | None = None  # None: the driver's own
+
+    def tag(self, job_id: str) -> None:
+        """Run the script with the job's id in its environment (and so whatever it starts): the
+        job's reaper finds the job's processes by it, and stops them if the driver is killed
+        with SIGKILL (a hung run would otherwise hold on, with its children, forever)."""
+        self._env = dict(os.environ, **{envvars.JOB_ID: job_id})
 
     def describe(self) -> str:
         return f"discovery script {self.path}"
@@ -102,7 +110,7 @@ class ScriptDiscovery:
             raise DiscoveryError(f"cannot run the discovery script: {exc}") from None
         try:
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, start_new_session=True, env=self._env)
         except OSError as exc:
             raise DiscoveryError(f"{self.path} could not be started: {_why_not_started(argv[0], exc)}") from None
         self._running = proc

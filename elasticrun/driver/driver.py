@@ -170,6 +170,9 @@ class ElasticDriver:
         # It reports each worker's end through worker_exited() and its output to the sink.
         self._launcher = launcher
         self._launcher.bind(self.worker_exited, self._sink)
+        tag = getattr(source, "tag", None)
+        if tag is not None:  # a discovery script: its runs carry the job's id, for the reaper
+            tag(self.job_id)
         self._pending_rdzv: dict[str, _Pending] = {}
         self._abort_said: tuple[Reason, str] | None = None  # the abort reason worded once, not per heartbeat
         self._notifications = Notifications()
@@ -229,6 +232,9 @@ class ElasticDriver:
         started = False  # past the first discovery: a stop or a failure from here on is the job's
         try:
             self._open_checkpoints()  # before anything starts: a directory in use or unusable is refused
+            guard = getattr(self._launcher, "guard", None)
+            if guard is not None and getattr(self.source, "tag", None) is not None:
+                guard(self.job_id)  # the reaper, before the first discovery script runs (it may hang)
             first = self._first_discovery()
             started = True
             most = self.settings.max_np or self.settings.np

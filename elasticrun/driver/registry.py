@@ -1177,7 +1177,9 @@ class Registry:
                                                         level="warning"))
             need = self.config.min_np
         if reachable < need:
-            if self.config.fixed_hosts and self.hosts.is_permanent():
+            # (With a durable copy, losing every worker later lets every host back: waiting is
+            # not for nothing.)
+            if self.config.fixed_hosts and self.hosts.is_permanent() and self.durable_commit is None:
                 yield Finish(False, self._never_enough(need))
             else:
                 yield from self._wait(need, now)

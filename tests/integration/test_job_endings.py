@@ -136,6 +136,30 @@ def test_what_a_worker_starts_in_a_session_of_its_own_ends_with_it(job, where, r
     assert len(said) == 1 and f"stopped 1 process(es)" in said[0] and f"{pid} (sleep 300)" in said[0], r.stderr
 
 
+@pytest.mark.parametrize("hangs", ["first run", "later run"])
+def test_elasticrun_killed_with_sigkill_leaves_no_discovery_script_behind(job, hangs):
+    """A discovery run that hangs (with a child of its own) when the driver is SIGKILLed: the
+    reaper, started before the first run, stops it; it used to run on, with its child."""
+    count, hung = job.tmp / "count", job.tmp / "hung"
+    first = "echo localhost:1; exit 0" if hangs == "later run" else ":"
+    script = job.tmp / "discover.sh"
+    script.write_text("#!/bin/bash\n"
+                      f"n=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo $n > {count}\n"
+                      f"if [ $n = 1 ]; then {first}; fi\n"
+                      f"sleep 300 & touch {hung}; wait\n")
+    script.chmod(0o755)
+    job.start(["-np", "1", "--min-np", "1", "--host-discovery-script", str(script), "--discovery-interval", "0.2"],
+              ["bash", "-c", "sleep 300"])
+    deadline = time.monotonic() + 60
+    while not hung.exists():
+        assert time.monotonic() < deadline and job.proc.poll() is None, "the discovery script did not hang"
+        time.sleep(0.05)
+    os.kill(job.proc.pid, signal.SIGKILL)
+    job.proc.wait(10)
+    assert_nothing_left(job.tag, within=10)
+    job.proc.communicate(timeout=10)
+
+
 @pytest.mark.parametrize("where", ["local", "local, no warm start"])
 def test_elasticrun_killed_with_sigkill_leaves_no_worker_and_nothing_a_worker_started(job, where):
     """Nothing stops the job when the driver is SIGKILLed (the OOM killer, `kill -9`) but the

@@ -60,6 +60,12 @@ class Launchers:
         self._local = LocalLauncher(output, on_exit, self.template, ready_timeout=s.start_timeout / 2,
                                     grace=s.stop_grace)
 
+    def guard(self, job_id: str) -> None:
+        """Start this machine's reaper for job ``job_id`` now, before any worker (it stops the
+        job's processes here if the driver is killed: a discovery script's too)."""
+        if self._local is not None:
+            self._local.start_reaper(job_id)
+
     def _start_local_template(self) -> LocalTemplate | None:
         """This machine's warm-start template, if its workers can use one."""
         s = self.settings

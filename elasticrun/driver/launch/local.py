@@ -104,7 +104,7 @@ class LocalLauncher:
         number in ``ELASTICRUN_SECRET_FD``), never through the environment.
         """
         proc = _Proc(worker_id, job_id=env.get(envvars.JOB_ID))
-        self._start_reaper(proc.job_id)
+        self.start_reaper(proc.job_id)
         if self._template is not None and not self._template.usable and warmstart.python_command(command)[0]:
             self._warn_gone(None)
         if self._template is not None and self._template.usable and warmstart.python_command(command)[0]:
@@ -120,7 +120,7 @@ class LocalLauncher:
             self._procs[worker_id] = proc
         threading.Thread(target=self._watch, args=(proc,), name=f"elasticrun-wait-{worker_id}", daemon=True).start()
 
-    def _start_reaper(self, job_id: str | None) -> None:
+    def start_reaper(self, job_id: str | None) -> None:
         """Before the first worker here, start the job's reaper (``remote_bootstrap.reap``): a
         small process in a session of its own whose stdin is a pipe from the driver. If the driver
         dies without stopping the job (SIGKILL, the OOM killer), it stops every process of the job
