@@ -93,6 +93,7 @@ class JobSettings:
     timeline_mark_cycles: bool = False
     prefix_output_with_timestamp: bool = False  # the console's worker lines start with the time
     ignored_horovodrun_flags: tuple[str, ...] = ()  # Horovod engine tuning flags given: named in one warning
+    tcp_only: bool = False  # horovodrun's --tcp: NCCL too keeps to TCP (NCCL_IB_DISABLE=1)
     startup_warnings: tuple[str, ...] = ()  # what the options meant that the user may not expect: said at start
 
     @property

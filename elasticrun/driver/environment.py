@@ -57,8 +57,20 @@ def shared_environment(settings: JobSettings, base_env: Mapping[str, str], remot
     like its workers would (the remote bootstrap lays the remote login environment under it)."""
     s = settings
     shared = forwarded_environment(base_env, s.forward_env) if remote else dict(base_env)
-    if s.network_interface and "GLOO_SOCKET_IFNAME" not in base_env:
-        shared["GLOO_SOCKET_IFNAME"] = s.network_interface
+    # As horovodrun sets them (its gloo_run and config_parser), unless this environment does:
+    # the interface for gloo and for NCCL (which carries CUDA tensors here), NCCL kept on TCP by
+    # --tcp, and what Horovod's own code and users' scripts read of the job.
+    defaults = {"HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+                "HOROVOD_GLOO_TIMEOUT_SECONDS": f"{s.collective_timeout:g}", "HOROVOD_LOG_LEVEL": s.worker_log_level}
+    if s.network_interface:
+        defaults.update(GLOO_SOCKET_IFNAME=s.network_interface, NCCL_SOCKET_IFNAME=s.network_interface)
+    if s.tcp_only:
+        defaults["NCCL_IB_DISABLE"] = "1"
+    if s.hosts is None or s.min_np != s.np or s.max_np != s.np:
+        defaults["HOROVOD_ELASTIC"] = "1"
+    for name, value in defaults.items():
+        if name not in base_env:
+            shared.setdefault(name, value)
     if s.timeline_filename:  # read by the worker's hvd.init(), as Horovod's workers read it
         shared["HOROVOD_TIMELINE"] = s.timeline_filename
         shared["HOROVOD_TIMELINE_MARK_CYCLES"] = "1" if s.timeline_mark_cycles else "0"

@@ -44,6 +44,9 @@ def _job_part(settings: JobSettings = SETTINGS) -> dict[str, str]:
         "HOROVOD_HOSTNAME": "node2", "HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1",
         "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "1", "HOROVOD_CROSS_SIZE": "2",
         "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+        # as horovodrun sets them (this job is elastic: --min-np 2 of -np 4)
+        "HOROVOD_ELASTIC": "1", "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": f"{settings.collective_timeout:g}", "HOROVOD_LOG_LEVEL": settings.worker_log_level,
     }
 
 
@@ -98,6 +101,21 @@ def test_network_interface_sets_gloo_socket_ifname_unless_the_driver_has_it():
     assert _env(s, base=mine, remote=True)["GLOO_SOCKET_IFNAME"] == "ib0"
     assert _env(dataclasses.replace(s, extra_env={"GLOO_SOCKET_IFNAME": "eth9"}))["GLOO_SOCKET_IFNAME"] == "eth9"
     assert "GLOO_SOCKET_IFNAME" not in _env()  # without --network-interface: only what the driver has
+
+
+def test_horovodruns_variables_are_set_as_it_sets_them_unless_the_driver_has_them():
+    base = dataclasses.replace(SETTINGS, network_interface="eth1", tcp_only=True, collective_timeout=45.0,
+                               worker_log_level="ERROR")
+    env = _env(base)
+    assert env["NCCL_SOCKET_IFNAME"] == "eth1" and env["NCCL_IB_DISABLE"] == "1"
+    assert env["HOROVOD_CONTROLLER"] == env["HOROVOD_CPU_OPERATIONS"] == "gloo"
+    assert env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "45" and env["HOROVOD_LOG_LEVEL"] == "ERROR"
+    assert env["HOROVOD_ELASTIC"] == "1"
+    static = dataclasses.replace(base, hosts={"a": 2}, np=2, min_np=2, max_np=2)
+    assert "HOROVOD_ELASTIC" not in _env(static)
+    mine = {**DRIVER_ENV, "NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_DISABLE": "0"}
+    assert _env(base, base=mine)["NCCL_SOCKET_IFNAME"] == "ib0" and _env(base, base=mine)["NCCL_IB_DISABLE"] == "0"
+    assert "NCCL_IB_DISABLE" not in _env(dataclasses.replace(base, tcp_only=False))
 
 
 def test_the_environment_holds_no_key_material():

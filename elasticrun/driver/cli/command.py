@@ -204,7 +204,7 @@ def _horovodrun_settings(o: Mapping[str, Any], fail: Fail) -> dict:
     ignored = tuple(flag for flag, value in given.items() if value is not None and value is not False)  # 0 counts
     return dict(timeline_filename=timeline, timeline_mark_cycles=bool(o.get("timeline_mark_cycles")),
                 prefix_output_with_timestamp=bool(o.get("prefix_output_with_timestamp")),
-                ignored_horovodrun_flags=ignored)
+                ignored_horovodrun_flags=ignored, tcp_only=bool(o.get("use_tcp")))
 
 
 def _ray_settings(o: Mapping[str, Any], fail: Fail) -> dict:

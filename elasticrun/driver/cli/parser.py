@@ -420,8 +420,8 @@ def add_horovodrun_arguments(p: argparse.ArgumentParser) -> None:
     timeline, output timestamps, and the tuning flags of Horovod's engine (ignored, named once)."""
     g = p.add_argument_group(
         "horovodrun command lines",
-        "A horovodrun command line runs unchanged. --gloo, --tcp and --disable-cache change nothing (workers "
-        "always talk over gloo, on TCP; nothing is cached); --mpi, --jsrun, --mpi-args and --binding-args are "
+        "A horovodrun command line runs unchanged. --gloo and --disable-cache change nothing (workers "
+        "always talk over gloo, on TCP; nothing is cached); --tcp keeps NCCL on TCP too (NCCL_IB_DISABLE=1); --mpi, --jsrun, --mpi-args and --binding-args are "
         "refused (there is no MPI here). Horovod's engine tuning flags (" + ", ".join(
             f for f in IGNORED_HOROVODRUN_FLAGS if not f.startswith("--no-")) + ") are accepted and named in "
         "one warning: nothing here uses them (see docs/porting-from-horovod.md).")
