@@ -275,7 +275,10 @@ class ElasticDriver:
                 log.warning("received %s before any worker started: stopped", exc)
                 return 128 + exc.signum
             self._stopping = True  # a second Ctrl-C must not interrupt the stop itself
-            self._final_copy(exc.signum)
+            ended = self._final_copy(exc.signum)
+            if ended is not None:  # the job ended while the last copy was awaited: as it ended
+                log.warning("received %s: the job ended meanwhile", exc)
+                return self._conclude(ended)
             log.warning("received %s: stopping %d worker(s)", exc, len(self.registry.live()))
             self._shutdown()
             why = Reason(Cause.SIGNALLED, {"signal": str(exc)})
@@ -910,24 +913,26 @@ class ElasticDriver:
         m = durable.manifest
         return f"the newest durable copy is {durable.path} (commit {m.commit}, {_when(m.saved_at)})"
 
-    def _final_copy(self, signum: int) -> None:
+    def _final_copy(self, signum: int) -> reg.Finish | None:
         """Stopped by a signal: a last durable copy of the newest commit first, so that a
         resumed job redoes nothing. Bounded by FINAL_COPY_LIMIT whatever happens (no commit
-        comes, the disk is full, the service is broken), and skipped by a second signal."""
+        comes, the disk is full, the service is broken), and skipped by a second signal.
+        Returns how the job ended if it ended meanwhile (every worker finished, or failed):
+        that is then the job's outcome, said as such."""
         name = signal.Signals(signum).name
         if self._durable is None or self.registry.round < 0 or not self.registry.live():
-            return
+            return None
         service = self._durable
         before = service.newest
         base = before.manifest.commit if before is not None else 0
         if not service.is_alive():
             log.warning("received %s: no last durable copy (the durable-copy service has stopped)", name)
-            return
+            return None
         asked = time.monotonic()
         request = self._ask_for_copy(asked, force=True)
         if request is None:
             log.warning("received %s: no last durable copy (the round is being re-formed)", name)
-            return
+            return None
         ends = FINAL_COPY_LIMIT + self.settings.stop_grace + STOP_MARGIN
         log.warning("received %s: writing a last durable copy before stopping (at most %.0f s; again to skip); "
                     "the job ends within %.0f s", name, FINAL_COPY_LIMIT, ends)
@@ -945,13 +950,16 @@ class ElasticDriver:
                 why.append(verdict)
             return verdict is not None
 
-        self._loop(until=settled, stop_at=asked + FINAL_COPY_LIMIT)
+        ended = self._loop(until=settled, stop_at=asked + FINAL_COPY_LIMIT)
         if self._durable.newest is not before:
-            return
+            return ended
+        if ended is not None and not why:
+            why.append("the job ended first")
         if not why:
             why.append("a second signal skipped it" if self._hurry
                        else f"it was not written within {FINAL_COPY_LIMIT:.0f} s")
         log.warning("no last durable copy: %s", why[0])
+        return ended
 
     def _say_copy_kept(self) -> None:
         if self._durable is not None:

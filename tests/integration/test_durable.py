@@ -362,6 +362,25 @@ def test_sigterm_to_the_driver_writes_a_last_copy_first(job, sig):
     assert resumed["commit"] == last["commit"] and resumed["steps_back"] <= 4, resumed
 
 
+def test_a_job_that_ends_while_its_last_copy_is_awaited_ends_as_it_ended(job):
+    """SIGTERM near the end, with no commit left to copy: the job finishes while the driver
+    waits for the last copy. That is the job's outcome (exit 0, the success said); it used to
+    print "not written within 20 s" a second after the signal and exit 143."""
+    ckpt = job.tmp / "ckpt"
+    job.start(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--checkpoint-dir", str(ckpt),
+               "--checkpoint-interval", "600"],
+              sample_cmd(job, "--no-commit", "--sleep", "0.05"))
+    last = (EPOCHS - 1) * 1000 + SAMPLES // 2 // 6 - 3  # three batches before the end (2 ranks, batches of 6)
+    wait_for(lambda: progress(job) >= last, 120, "the last batches")
+    os.kill(job.proc.pid, signal.SIGTERM)
+    out, err = job.proc.communicate(timeout=90)
+    assert job.proc.returncode == 0, err
+    assert "received SIGTERM: the job ended meanwhile" in err and "job succeeded" in err, err
+    assert "not written within" not in err and "stopping 0 worker" not in err, err
+    assert "no last durable copy: the job ended first" in err, err
+    assert_nothing_left(job.tag)
+
+
 def test_an_unwritable_checkpoint_dir_is_one_line(job, tmp_path):
     (tmp_path / "file").write_text("x")
     r = job.run(["-np", "1", "--checkpoint-dir", str(tmp_path / "file" / "ckpt")], [sys.executable, "-c", "pass"])
