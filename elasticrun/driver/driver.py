@@ -911,7 +911,9 @@ class ElasticDriver:
         if durable is None:
             return f"{self.settings.checkpoint_dir} holds no durable copy of this job"
         m = durable.manifest
-        return f"the newest durable copy is {durable.path} (commit {m.commit}, {_when(m.saved_at)})"
+        newest = self._progress_seen.commit
+        behind = f"; the workers had reached commit {newest}" if newest > m.commit else ""
+        return f"the newest durable copy is {durable.path} (commit {m.commit}, {_when(m.saved_at)}){behind}"
 
     def _final_copy(self, signum: int) -> reg.Finish | None:
         """Stopped by a signal: a last durable copy of the newest commit first, so that a
@@ -941,17 +943,22 @@ class ElasticDriver:
         def settled() -> bool:
             # A copy begun after the request (so of the newest commit) that failed says why.
             failed = [line for began, line in self._failed_copies if began >= asked]
+            # A copy begun before the signal that lands meanwhile is of an older commit: the
+            # promise is the newest commit's (a resume then redoes nothing committed).
+            landed = service.newest
             verdict = final_copy_verdict(FinalCopy(
-                written=service.newest is not before, failure=failed[-1] if failed else None,
+                written=landed is not before and service.newest_began >= asked,
+                failure=failed[-1] if failed else None,
                 service_alive=service.is_alive(), workers_alive=bool(self.registry.live()),
-                waited=time.monotonic() - asked, newest_commit=self._progress_seen.commit, base_commit=base),
+                waited=time.monotonic() - asked, newest_commit=self._progress_seen.commit,
+                base_commit=landed.manifest.commit if landed is not None else base),
                 COMMIT_NEWS)
             if verdict:
                 why.append(verdict)
             return verdict is not None
 
         ended = self._loop(until=settled, stop_at=asked + FINAL_COPY_LIMIT)
-        if self._durable.newest is not before:
+        if self._durable.newest is not before and self._durable.newest_began >= asked:
             return ended
         if ended is not None and not why:
             why.append("the job ended first")

@@ -26,6 +26,7 @@ and the thread serves the next (a dead service would leave a restore waiting for
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Any, Callable
@@ -67,6 +68,7 @@ class DurableService(threading.Thread):
         self._on_written, self._on_failed = on_written, on_failed
         self._keep, self._stale_after = keep, stale_after
         self._newest = newest  # what a restore reads
+        self._newest_began = -math.inf
         self._writer: ck.Writer | None = None
         self._writing: tuple[int, float] | None = None  # (request id, when its first shard came)
         self._stopping = threading.Event()
@@ -117,6 +119,14 @@ class DurableService(threading.Thread):
     def newest(self) -> ck.Durable | None:
         with self._lock:
             return self._newest
+
+    @property
+    def newest_began(self) -> float:
+        """When (monotonic) the newest copy written here began: a stop's last copy must have
+        begun after the stop asked for it (one begun before is of an older commit). -inf for a
+        copy this job did not write (the one it resumed from) or none."""
+        with self._lock:
+            return self._newest_began
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping.set()
@@ -261,7 +271,7 @@ class DurableService(threading.Thread):
             self._on_failed(started, f"durable copy not written ({exc}); training goes on from the in-memory commits")
             return
         with self._lock:
-            self._newest = durable
+            self._newest, self._newest_began = durable, started
         self._on_written(durable, time.monotonic() - started)
 
     def _fail(self, why: str) -> None:
