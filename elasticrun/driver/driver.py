@@ -832,6 +832,12 @@ class ElasticDriver:
                          "(remove them when you no longer need them)", len(kept), directory)
             return
         scan = cdir.scan()
+        if scan.blocked is not None:
+            name, why = scan.blocked
+            raise JobFailed(f"cannot resume: {os.path.join(directory, name)} cannot be read now ({why}); nothing "
+                            f"was started, moved or deleted. Make it readable (permissions, the disk), or run the "
+                            f"elasticrun that wrote it; --fresh starts over from the script's own state instead "
+                            f"(the copies stay).")
         if scan.newest is None and scan.unusable:
             lines = "\n".join(f"  {name}: {why}" for name, why in scan.unusable)
             raise JobFailed(f"cannot resume: no durable copy in {directory} is usable:\n{lines}\nNothing was "

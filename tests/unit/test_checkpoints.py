@@ -118,6 +118,37 @@ def test_a_broken_newest_copy_is_named_and_the_older_one_found(cdir, damage):
     assert os.path.exists(newest.path)  # a scan deletes nothing
 
 
+@pytest.mark.parametrize("why", ["newer format", "I/O error"])
+def test_a_copy_that_cannot_be_read_now_stops_the_scan_instead_of_an_older_copy(cdir, monkeypatch, why):
+    """Not damage: a copy of a newer elasticrun, or a disk that fails a read (EIO, a stale NFS
+    handle, permissions). Taking the older copy for it (and moving it aside) would redo work
+    and hide the copy from the version or the disk that can read it."""
+    import errno
+    write(cdir, commit=1)
+    newest = write(cdir, commit=2)
+    if why == "newer format":
+        manifest = os.path.join(newest.path, "manifest.json")
+        obj = json.loads(open(manifest).read())
+        obj.pop("mac")
+        obj["format"] = ck.FORMAT + 1
+        obj["mac"] = __import__("hmac").new(cdir.key(), ck.canonical(obj), hashlib.sha256).hexdigest()
+        with open(manifest, "w") as f:
+            json.dump(obj, f)
+    else:
+        real = os.pread
+
+        def failing(fd, n, at):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(newest.path):
+                raise OSError(errno.EIO, "Input/output error")
+            return real(fd, n, at)
+        monkeypatch.setattr(os, "pread", failing)
+    scan = cdir.scan()
+    assert scan.newest is None and scan.unusable == []
+    name, said = scan.blocked
+    assert name == "ckpt-000002"
+    assert ("written by a newer elasticrun" in said) if why == "newer format" else ("input/output error" in said.lower())
+
+
 def test_an_unusable_copy_is_moved_aside_and_its_number_never_reused(cdir):
     write(cdir, commit=1)
     bad = write(cdir, commit=2)

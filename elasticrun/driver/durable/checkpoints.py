@@ -65,6 +65,12 @@ class CheckpointError(Exception):
     """A durable copy could not be written or read; the message is one line for the user."""
 
 
+class Unreadable(CheckpointError):
+    """A copy that is not shown damaged but cannot be read now (permissions, an I/O error, a
+    stale NFS handle, a format of a newer elasticrun): it must not be moved aside, nor an older
+    copy resumed in its place."""
+
+
 class UnsafePath(CheckpointError):
     """Someone else could choose what the directory's path leads to (:func:`_path_problem`)."""
 
@@ -107,6 +113,9 @@ class Manifest:
     @classmethod
     def from_json(cls, obj: Any) -> "Manifest":
         try:
+            if isinstance(obj["format"], int) and obj["format"] > FORMAT:
+                raise Unreadable(f"it is of format {obj['format']!r}, written by a newer elasticrun version "
+                                 f"(this one reads format {FORMAT})")
             if obj["format"] != FORMAT:
                 raise CheckpointError(f"it is of format {obj['format']!r}, written by another elasticrun version "
                                       f"(this one reads format {FORMAT})")
@@ -137,6 +146,9 @@ class Scan:
 
     newest: Durable | None
     unusable: list[tuple[str, str]]
+    #: A copy that may be whole but cannot be read now (permissions, an I/O error, a newer
+    #: format): (name, why). The scan stops there: an older copy must not be taken for it.
+    blocked: tuple[str, str] | None = None
 
 
 def _name(number: int) -> str:
@@ -244,7 +256,7 @@ def _open_file(dir_fd: int, name: str, what: str) -> int:
             raise UntrustedDirectory(f"{what} is a symbolic link") from None
         if exc.errno == errno.ENOENT:
             raise CheckpointError(f"{what} is missing") from None
-        raise CheckpointError(f"cannot read {what}: {_reason(exc)}") from None
+        raise Unreadable(f"cannot read {what}: {_reason(exc)}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -262,7 +274,9 @@ def _open_dir(dir_fd: int, name: str, what: str) -> int:
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             raise UntrustedDirectory(f"{what} is not a directory (a link or a file)") from None
-        raise CheckpointError(f"cannot open {what}: {_reason(exc)}") from None
+        if exc.errno == errno.ENOENT:
+            raise CheckpointError(f"cannot open {what}: {_reason(exc)}") from None
+        raise Unreadable(f"cannot open {what}: {_reason(exc)}") from None
     try:
         _trusted(os.fstat(fd), what)
     except BaseException:
@@ -538,7 +552,7 @@ class CheckpointDir:
             finally:
                 os.close(fd)
         except OSError as exc:
-            raise CheckpointError(f"cannot read it: {_reason(exc)}") from None
+            raise Unreadable(f"cannot read it: {_reason(exc)}") from None
         finally:
             os.close(copy_fd)
         covered = sum(s.size for s in manifest.shards)
@@ -553,6 +567,8 @@ class CheckpointDir:
             name = _name(number)
             try:
                 return Scan(Durable(os.path.join(self.path, name), self.verify(name)), unusable)
+            except Unreadable as exc:
+                return Scan(None, unusable, (name, str(exc)))
             except CheckpointError as exc:
                 unusable.append((name, str(exc)))
         return Scan(None, unusable)
