@@ -60,8 +60,9 @@ def shared_environment(settings: JobSettings, base_env: Mapping[str, str], remot
     # As horovodrun sets them (its gloo_run and config_parser), unless this environment does:
     # the interface for gloo and for NCCL (which carries CUDA tensors here), NCCL kept on TCP by
     # --tcp, and what Horovod's own code and users' scripts read of the job.
-    defaults = {"HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
-                "HOROVOD_GLOO_TIMEOUT_SECONDS": f"{s.collective_timeout:g}", "HOROVOD_LOG_LEVEL": s.worker_log_level}
+    # (Not HOROVOD_GLOO_TIMEOUT_SECONDS: the driver reads it, and a job started from a worker
+    # must not inherit this one's settings through it.)
+    defaults = {"HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_LOG_LEVEL": s.worker_log_level}
     if s.network_interface:
         defaults.update(GLOO_SOCKET_IFNAME=s.network_interface, NCCL_SOCKET_IFNAME=s.network_interface)
     if s.tcp_only:

@@ -46,7 +46,7 @@ def _job_part(settings: JobSettings = SETTINGS) -> dict[str, str]:
         "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
         # as horovodrun sets them (this job is elastic: --min-np 2 of -np 4)
         "HOROVOD_ELASTIC": "1", "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
-        "HOROVOD_GLOO_TIMEOUT_SECONDS": f"{settings.collective_timeout:g}", "HOROVOD_LOG_LEVEL": settings.worker_log_level,
+        "HOROVOD_LOG_LEVEL": settings.worker_log_level,
     }
 
 
@@ -109,7 +109,7 @@ def test_horovodruns_variables_are_set_as_it_sets_them_unless_the_driver_has_the
     env = _env(base)
     assert env["NCCL_SOCKET_IFNAME"] == "eth1" and env["NCCL_IB_DISABLE"] == "1"
     assert env["HOROVOD_CONTROLLER"] == env["HOROVOD_CPU_OPERATIONS"] == "gloo"
-    assert env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "45" and env["HOROVOD_LOG_LEVEL"] == "ERROR"
+    assert "HOROVOD_GLOO_TIMEOUT_SECONDS" not in env and env["HOROVOD_LOG_LEVEL"] == "ERROR"
     assert env["HOROVOD_ELASTIC"] == "1"
     static = dataclasses.replace(base, hosts={"a": 2}, np=2, min_np=2, max_np=2)
     assert "HOROVOD_ELASTIC" not in _env(static)

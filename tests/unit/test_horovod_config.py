@@ -89,3 +89,47 @@ def test_keys_horovodrun_does_not_have(config, error):
 def test_stall_check_enabled_means_no_flag():
     assert to_options({"stall_check": {"enabled": True}}) == {"no-stall-check": False}
     assert to_options({"controller": "MPI"}) == {"mpi": True}  # refused later, as --mpi
+
+
+# Horovod's own config.default.yaml (its repository's root), as shipped.
+HOROVOD_DEFAULT = """\
+controller: gloo
+
+params:
+  fusion_threshold_mb: 64
+  cycle_time_ms: 5
+  cache_capacity: 1024
+  hierarchical_allreduce: false
+  hierarchical_allgather: false
+
+autotune:
+  enabled: false
+  log_file: 'horovod_autotune_log.txt'
+  warmup_samples: 3
+  cycles_per_sample: 10
+  bayes_opt_max_samples: 20
+  gaussian_process_noise: 0.8
+
+timeline:
+  enabled: false
+  filename: 'horovod_timeline.json'
+  mark_cycles: false
+
+stall_check:
+  enabled: true
+  warning_time_seconds: 60
+  shutdown_time_seconds: 0
+
+library_options:
+  mpi_threads_disabled: false
+  num_nccl_streams: 1
+  mlsl_bgt_affinity: 0
+"""
+
+
+def test_horovods_own_default_file_is_read_and_its_disabled_timeline_stays_off():
+    options = to_options(parse_yaml_sections(HOROVOD_DEFAULT))
+    assert "timeline-filename" not in options and options["timeline-mark-cycles"] is False
+    assert options["autotune"] is False and options["num-nccl-streams"] == 1
+    enabled = to_options({"timeline": {"enabled": True, "filename": "t.json"}})
+    assert enabled == {"timeline-filename": "t.json"}

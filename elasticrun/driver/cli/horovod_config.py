@@ -46,6 +46,14 @@ _OPTIONS: dict[tuple[str, str], str] = {
 }
 
 
+#: Keys that Horovod's own files hold (its config.default.yaml) which configure nothing here, or
+#: nothing horovodrun reads either: accepted and dropped (``timeline.enabled`` apart, below).
+_DROPPED: frozenset[tuple[str, str]] = frozenset({
+    ("autotune", "cycles_per_sample"), ("library_options", "mpi_threads_disabled"),
+    ("library_options", "mlsl_bgt_affinity"),
+})
+
+
 def _scalar(text: str, line: int) -> Any:
     """A YAML scalar as horovodrun's files hold them: bool, number, null or string."""
     if text[:1] in "\"'":
@@ -122,7 +130,11 @@ def to_options(config: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise ValueError(f"{top}: unknown key (horovodrun's are controller and the sections params, "
                              f"autotune, timeline, stall_check, library_options, logging)")
+        if top == "timeline" and value.get("enabled") is False:  # Horovod's default file: no timeline
+            value = {k: v for k, v in value.items() if k not in ("enabled", "filename")}
         for key, item in value.items():
+            if (top, key) in _DROPPED or (top, key) == ("timeline", "enabled"):
+                continue
             name = _OPTIONS.get((top, key))
             if name is None:
                 raise ValueError(f"{top}.{key}: unknown key")
