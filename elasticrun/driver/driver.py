@@ -383,8 +383,8 @@ class ElasticDriver:
             raise JobFailed(f"The {what} is misconfigured: its first run failed.\n{exc}", 2) from None
         self._report_discovery_problems(found)
         if not found.hosts:
-            log.warning("%s found no hosts yet; waiting up to --start-timeout %g s",
-                        self.source.describe(), self.settings.start_timeout)
+            log.warning("%s found no hosts yet; waiting up to --elastic-timeout %g s",
+                        self.source.describe(), self.settings.elastic_timeout)
         return found
 
     def _discovery_loop(self) -> None:

@@ -759,7 +759,13 @@ class Registry:
         return self._in[WorkerState.SUCCEEDED] > 0
 
     def _wait_limit(self) -> float:
-        return self.config.start_timeout if self.round < 0 else self.config.elastic_timeout
+        """How long a wait for slots may last: --elastic-timeout, as horovodrun's (its first
+        wait for -np slots included: an autoscaled cluster's nodes take minutes to appear);
+        --start-timeout for the first round on a fixed host list, whose slots are all known."""
+        return self.config.start_timeout if self._first_wait_is_short() else self.config.elastic_timeout
+
+    def _first_wait_is_short(self) -> bool:
+        return self.round < 0 and self.config.fixed_hosts
 
     def _failure(self, w: WorkerRecord, why: Reason, now: float) -> Decision:
         """A worker failed: its host is blacklisted, and a round it was in is aborted."""
@@ -1213,7 +1219,7 @@ class Registry:
 
     def _wait(self, need: int, now: float) -> Decision:
         """Not enough slots: wait up to the limit, saying what for (then every 30 s)."""
-        flag = "--start-timeout" if self.round < 0 else "--elastic-timeout"
+        flag = "--start-timeout" if self._first_wait_is_short() else "--elastic-timeout"
         usable = list(self.hosts.available())
         if self._wait_started is None:
             yield Mark("_wait_started", now)

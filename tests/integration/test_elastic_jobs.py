@@ -266,11 +266,14 @@ def test_a_signal_during_a_hanging_first_discovery_stops_it(job, tmp_path, sig):
     assert r.stderr.strip() == f"[elasticrun] received {sig.name} before any worker started: stopped", r.stderr
 
 
-def test_start_timeout_when_too_few_hosts(job):
-    r = job.run(["-np", "3", "--host-discovery-script", str(PROGRESS_DISCOVERY), "--start-timeout", "1"],
+def test_the_first_wait_for_discovered_slots_is_the_elastic_timeout(job):
+    """As horovodrun's (wait_for_available_slots): an autoscaled cluster's nodes take minutes
+    to appear, longer than --start-timeout, which bounds a started worker's first contact."""
+    r = job.run(["-np", "3", "--host-discovery-script", str(PROGRESS_DISCOVERY), "--start-timeout", "0.5",
+                 "--elastic-timeout", "1.5"],
                 job.train_cmd(epochs=1), **discovery(f"0:{TWO.format(s=1)}"))
     assert r.returncode == 1, r.output
-    assert "timed out after 1 s (--start-timeout) waiting for 3 slots" in r.stderr, r.stderr
+    assert "timed out after 1.5 s (--elastic-timeout) waiting for 3 slots" in r.stderr, r.stderr
 
 
 def test_discovery_command_line_with_arguments(job, tmp_path):

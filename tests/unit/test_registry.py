@@ -189,23 +189,30 @@ class TestInitialLaunch:
         launches = of(job.discover({"x": 1, "y": 2}), Launch)
         assert [l.info for l in launches] == assign([("x", 1), ("y", 2)], None)
 
-    def test_times_out_after_start_timeout_naming_the_flag(self):
+    def test_times_out_after_the_elastic_timeout_naming_the_flag(self):
+        """Slots from discovery get --elastic-timeout, as horovodrun's first wait does (an
+        autoscaled cluster's nodes take minutes to appear), not --start-timeout."""
         job = Job(np=4, start_timeout=30.0, elastic_timeout=600.0)
         job.discover({"a": 2}, at=10)
-        assert job.reg.next_deadline() == 40.0
-        assert not of(job.tick(39.9), Finish)
-        acts = job.tick(40.0)
+        assert job.reg.next_deadline() == 40.0  # the reminder
+        assert not of(job.tick(40.0), Finish) and not of(job.tick(609.9), Finish)
+        acts = job.tick(610.0)
         assert acts == [job.reg.finished]
         finish = acts[0]
         assert finish.ok is False
-        assert "timed out after 30 s" in why(finish)
-        assert "--start-timeout" in why(finish)
+        assert "timed out after 600 s (--elastic-timeout)" in why(finish)
         assert "4 slots" in why(finish) and "a:2" in why(finish)
 
+    def test_a_fixed_list_short_of_np_fails_at_once(self):
+        job = Job(np=4, start_timeout=30.0, fixed_hosts=True)
+        [finish] = of(job.discover({"a": 2}, at=10), Finish)
+        assert not finish.ok and finish.why.cause is Cause.NEVER_ENOUGH
+
     def test_timeout_with_no_hosts_at_all(self):
-        job = Job(np=1, start_timeout=5.0)
+        job = Job(np=1, start_timeout=5.0, elastic_timeout=50.0)
         job.discover({}, at=0)
-        finish = of(job.tick(5), Finish)[0]
+        assert not of(job.tick(49), Finish)
+        finish = of(job.tick(50), Finish)[0]
         assert not finish.ok and "usable hosts: none" in why(finish)
 
     def test_enough_hosts_before_the_timeout(self):

@@ -227,10 +227,12 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
                         "while every survivor waits; by default it first fetches rank 0's committed model while "
                         "they train, and that sync sends only what changed since (also ELASTICRUN_PREFETCH=0)")
     p.add_argument("--elastic-timeout", type=positive_seconds, default=DEFAULT_ELASTIC_TIMEOUT, metavar="SECONDS",
-                   help="after a reset, how long to wait for --min-np slots before failing (default 600)")
+                   help="how long to wait for slots before failing: --min-np after a reset, -np for the first "
+                        "round when hosts come from discovery (default 600)")
     p.add_argument("--start-timeout", type=positive_seconds, default=DEFAULT_START_TIMEOUT, metavar="SECONDS",
-                   help="how long to wait for the first -np slots, and for a started worker to "
-                        "contact the driver (default 30)")
+                   help="how long a started worker may take to contact the driver, and how long the first "
+                        "round waits for -np slots of a fixed host list (default 30; slots from discovery: "
+                        "--elastic-timeout, as horovodrun)")
     p.add_argument("--collective-timeout", "--gloo-timeout-seconds", type=positive_seconds,
                    default=DEFAULT_COLLECTIVE_TIMEOUT, metavar="SECONDS",
                    help="a collective taking longer raises HorovodInternalError in the worker (default 60)")
