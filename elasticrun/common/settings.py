@@ -13,7 +13,12 @@ DEFAULT_DISCOVERY_INTERVAL = 1.0
 DEFAULT_DISCOVERY_TIMEOUT = 10.0
 DEFAULT_ELASTIC_TIMEOUT = 600.0
 DEFAULT_START_TIMEOUT = 30.0
-DEFAULT_COLLECTIVE_TIMEOUT = 60.0
+#: A collective's longest wait for its peers. Long, as torch.distributed's 30 minutes: a peer's
+#: death is heard from the driver in milliseconds, whatever this says; what waits here is a rank
+#: busy outside collectives (evaluating or saving alone while the others wait in a barrier, as
+#: Horovod scripts do), which Horovod lets run as long as it takes. (It was 60 s: a rank-0-only
+#: evaluation of a minute failed the job, or reset it again and again under elastic.run.)
+DEFAULT_COLLECTIVE_TIMEOUT = 1800.0
 DEFAULT_HEARTBEAT_INTERVAL = 0.5
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0  # a worker silent this long is declared hung and killed
 DEFAULT_DRIVER_TIMEOUT = 5.0  # a worker that hears nothing from the driver this long exits

@@ -92,7 +92,7 @@ def enabled() -> bool:
 
 def _timeout() -> float:
     try:
-        return max(60.0, float(os.environ.get(env.COLLECTIVE_TIMEOUT, settings.DEFAULT_COLLECTIVE_TIMEOUT)))
+        return min(600.0, max(60.0, float(os.environ.get(env.COLLECTIVE_TIMEOUT, settings.DEFAULT_COLLECTIVE_TIMEOUT))))
     except ValueError:
         return 60.0
 

@@ -10,6 +10,7 @@ operations that peer must take part in.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 from collections.abc import Callable
@@ -43,6 +44,13 @@ _SLICES = tuple(timedelta(milliseconds=ms) for ms in (1, 2, 3, 4))
 # and now waits for descriptors; then again after as long as it has waited, at most 0.2 s.
 _JOIN_CHECK = 0.01
 _JOIN_CHECK_MAX = 0.2
+#: As Horovod's stall check: a collective waiting this long (or half the collective timeout, if
+#: shorter) says so, then every STALL_REPEAT s: a rank busy outside collectives holds every
+#: other, and that should not be silent.
+STALL_WARNING = 60.0
+STALL_REPEAT = 300.0
+
+log = logging.getLogger("elasticrun.worker")
 
 
 def wait(r: Round, work: Any, what: str) -> None:
@@ -50,6 +58,7 @@ def wait(r: Round, work: Any, what: str) -> None:
     start = time.monotonic()
     deadline = start + r.collective_timeout
     check = start + _JOIN_CHECK
+    stall = start + min(STALL_WARNING, r.collective_timeout / 2)
     while not work.is_completed():
         reason = r.abort_reason()
         if reason:
@@ -60,6 +69,9 @@ def wait(r: Round, work: Any, what: str) -> None:
         if now > check:
             check = now + min(_JOIN_CHECK_MAX, now - start)
             look_for_join(r)
+            if now > stall:
+                stall = now + STALL_REPEAT
+                _stalled(r, what, now - start)
         target = work.pending() if isinstance(work, Works) else work
         if isinstance(target, dist.Work):
             try:
@@ -78,6 +90,12 @@ def wait(r: Round, work: Any, what: str) -> None:
         raise HorovodInternalError(f"{what} failed: {exc}") from exc
     if r.awaiting_first_step:  # the first collective after a reset: training moves again
         r.step_completed(what)
+
+
+def _stalled(r: Round, what: str, waited: float) -> None:
+    log.warning("rank %d: %s has waited %.0f s for the other ranks: one of them is busy outside collectives "
+                "(evaluating or saving alone?) or stuck; waiting up to --collective-timeout %g s", r.rank, what,
+                waited, r.collective_timeout)
 
 
 def solo(r: Round, what: str) -> None:

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from elasticrun.common import env as protocol_env
+from elasticrun.common.settings import DEFAULT_COLLECTIVE_TIMEOUT
 from elasticrun.driver.cli import config
 from elasticrun.driver.cli.command import parse_settings
 from sshd import ssh_server  # noqa: F401  (fixture)
@@ -121,7 +122,7 @@ def test_protocol_variables_in_the_environment_are_not_read(tmp_path, no_elastic
     no_elasticrun_env.setenv(protocol_env.COLLECTIVE_TIMEOUT, "1")
     no_elasticrun_env.setenv(protocol_env.RANK, "3")
     s = parse_settings(["-np", "1", "-H", "localhost", "python", "x.py"])
-    assert (s.log_level, s.worker_log_level, s.collective_timeout) == ("INFO", "WARNING", 60.0)
+    assert (s.log_level, s.worker_log_level, s.collective_timeout) == ("INFO", "WARNING", DEFAULT_COLLECTIVE_TIMEOUT)
 
 
 def test_evict_stragglers_from_file_env_flag_and_keyword(tmp_path, no_elasticrun_env):

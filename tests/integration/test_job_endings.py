@@ -191,3 +191,19 @@ def test_elasticrun_killed_with_sigkill_leaves_no_worker_and_nothing_a_worker_st
     assert len(said) == 1 and said[0].startswith(f"elasticrun: the driver (pid {job.proc.pid}) "), err
     count = int(said[0].split("stopped the ", 1)[1].split()[0])
     assert len(helpers) == 4 and count >= 2, said  # the escaped helpers, at least (the template may be first)
+
+
+def test_a_rank_busy_alone_holds_the_others_said_but_not_failed(job):
+    """Horovod's pattern: rank 0 evaluates (or saves) alone while the others wait in a
+    collective. That is no failure (it failed at 60 s, then reset again and again under
+    elastic.run); the wait says so once it is long (as Horovod's stall check does)."""
+    script = job.tmp / "slow_root.py"
+    script.write_text("import time, torch\nimport elasticrun.torch as hvd\nhvd.init()\n"
+                      "if hvd.rank() == 0:\n    time.sleep(3)\n"
+                      "x = hvd.broadcast(torch.ones(2) * (hvd.rank() + 1), root_rank=0, name='x')\n"
+                      "print('got', x.tolist(), flush=True)\n")
+    r = job.run(["-np", "2", "-H", "localhost:2", "--collective-timeout", "5"], [sys.executable, str(script)])
+    assert r.returncode == 0, r.output
+    assert r.stdout.count("got [1.0, 1.0]") == 2, r.output
+    assert "rank 1: broadcast x from rank 0 (its arguments) has waited 3 s for the other ranks" in r.stderr, r.stderr
+    assert "waiting up to --collective-timeout 5 s" in r.stderr, r.stderr

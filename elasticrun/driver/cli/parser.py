@@ -235,7 +235,9 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
                         "--elastic-timeout, as horovodrun)")
     p.add_argument("--collective-timeout", "--gloo-timeout-seconds", type=positive_seconds,
                    default=DEFAULT_COLLECTIVE_TIMEOUT, metavar="SECONDS",
-                   help="a collective taking longer raises HorovodInternalError in the worker (default 60)")
+                   help="a collective waiting longer for its peers raises HorovodInternalError in the worker "
+                        "(default 1800, as torch.distributed's; a peer's death is heard at once whatever this "
+                        "says, and a long wait is said after 60 s)")
     p.add_argument("--heartbeat-timeout", type=positive_seconds, default=DEFAULT_HEARTBEAT_TIMEOUT, metavar="SECONDS",
                    help="a worker that sends no heartbeat for this long (hung, stopped, off the network) "
                         "is killed and its host handled as failed (default 5)")
