@@ -518,14 +518,15 @@ class Registry:
         if w.state in (WorkerState.LEFT, WorkerState.FAILED):  # already accounted for
             return
         if (not self._contacted and self.round < 0 and not self.plain
-                and (code == 0 or (code > 0 and self._static()))):
+                and (code == 0 or (0 < code < 126 and self._static()))):
             # It ran and ended without ever calling hvd.init(), and so has every other worker so
             # far: a plain command (``bash -c ...``, a script without elasticrun), run as
             # horovodrun runs one: every process to its end, the job failing if any fails. In a
             # job that cannot change size, a process's own failure before any worker reached the
             # driver is the same news (horovodrun fails such a job at once, naming the rank):
             # its host is not blacklisted, and the others are stopped now, not after their end or
-            # --start-timeout.
+            # --start-timeout. (Not 126/127, a command that could not run there, nor SSH's 255:
+            # the host's problem, handled as a failed start.)
             self.plain = True
             self._rescan()
         if self.plain:
@@ -1186,6 +1187,8 @@ class Registry:
             # (With a durable copy, losing every worker later lets every host back: waiting is
             # not for nothing.)
             if self.config.fixed_hosts and self.hosts.is_permanent() and self.durable_commit is None:
+                if self.round < 0 and self._in[WorkerState.LAUNCHING]:
+                    return  # the others' starts first (bounded by --start-timeout): all of it is said
                 yield Finish(False, self._never_enough(need))
             else:
                 yield from self._wait(need, now)

@@ -235,7 +235,12 @@ class CopyPlan:
             for dsts, srcs in self._d2d.values():
                 torch._foreach_copy_(dsts, srcs)
         if self._to_host:
-            torch.cuda.synchronize()
+            # The copies to host memory were queued on each source device's current stream:
+            # wait for those streams only. (torch.cuda.synchronize() waits for the calling
+            # thread's current device, device 0 on a commit thread (a CUDA context made there),
+            # and for every stream of it, an old round's NCCL kernel on a dead peer included.)
+            for device in {src.device for _, src in self._torch if src.is_cuda}:
+                torch.cuda.current_stream(device).synchronize()
 
 
 # --- watched copies (a newcomer's prefetch, see worker/prefetch.py) ---------------------------

@@ -154,8 +154,11 @@ class Round:
             self.works = collections.deque(w for w in works if not completed(w))
 
     def unfinished(self) -> list[Any]:
-        """The works of this round still running (and forget the rest): at the round's end."""
-        left = [w for w in self.works if not completed(w)]
+        """The works of this round still running (and forget the rest): at the round's end.
+        With NCCL groups, every work, unasked: a NCCL work's is_completed() waits for its
+        communicator's abort (about a second), and the caller is the training thread; whoever
+        releases them asks later, off that thread."""
+        left = list(self.works) if self.device_groups else [w for w in self.works if not completed(w)]
         self.works = collections.deque()
         return left
 

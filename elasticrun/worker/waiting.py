@@ -59,7 +59,11 @@ def wait(r: Round, work: Any, what: str) -> None:
     deadline = start + r.collective_timeout
     check = start + _JOIN_CHECK
     stall = start + min(STALL_WARNING, r.collective_timeout / 2)
-    while not work.is_completed():
+    # A NCCL work's is_completed() takes its communicator's lock, which an abort (NCCL's takes
+    # about a second) holds throughout: the abort is looked for first, so that the training
+    # thread hears it at once instead of after the abort.
+    polled = isinstance(work, Polled)
+    while not ((not polled or not r.abort_reason()) and work.is_completed()):
         reason = r.abort_reason()
         if reason:
             raise HorovodInternalError(f"{what} abandoned: round {r.number} was aborted ({reason})")

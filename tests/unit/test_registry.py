@@ -2004,8 +2004,9 @@ class TestPlainCommands:
             assert not finish.ok and why(finish) == "rank 1 (b[0]) exited with code 3"
             return
         assert events(acts, "host_blacklisted")
-        if fixed and min_np is None:  # --min-np 2 on a:1 alone: never again
-            [finish] = of(acts, Finish)
+        if fixed and min_np is None:  # --min-np 2 on a:1 alone: never again, once a's start is known
+            assert not of(acts, Finish)
+            [finish] = of(job.rdv(w0, at=2), Finish)
             assert finish.why.cause is Cause.NEVER_ENOUGH
         elif fixed:  # --min-np 1: round 0 starts with a alone, and says why
             assert not of(acts, Finish) and events(acts, "np_never")
