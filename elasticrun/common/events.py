@@ -160,7 +160,7 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.WAITING_FOR_SLOTS: ("round", "message", "need", "ready", "usable", "left_s", "flag"),
     Kind.STATE_LOST: ("round", "message"),
     Kind.WORKERS_LOST: ("round", "message", "limit", "min_np", "commit"),
-    Kind.NP_NEVER: ("np", "reachable", "min_np"),
+    Kind.NP_NEVER: ("round", "message", "np", "reachable", "min_np"),
     Kind.PLAIN_COMMAND: ("round", "message", "limit"),
     Kind.RESUMED: ("round", "message", "checkpoint", "commit", "saved_at", "steps_back"),
     Kind.DURABLE_WRITTEN: ("round", "number", "commit", "bytes", "seconds"),

@@ -276,9 +276,11 @@ class ElasticDriver:
                 return 128 + exc.signum
             self._stopping = True  # a second Ctrl-C must not interrupt the stop itself
             ended = self._final_copy(exc.signum)
-            if ended is not None:  # the job ended while the last copy was awaited: as it ended
+            if ended is not None and ended.ok:  # it finished while the last copy was awaited
                 log.warning("received %s: the job ended meanwhile", exc)
                 return self._conclude(ended)
+            # (A job that failed meanwhile, its workers told by the same signal, was stopped by
+            # it: 128+N, as a scheduler that requeues on it expects.)
             log.warning("received %s: stopping %d worker(s)", exc, len(self.registry.live()))
             self._shutdown()
             why = Reason(Cause.SIGNALLED, {"signal": str(exc)})

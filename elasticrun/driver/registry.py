@@ -1184,9 +1184,10 @@ class Registry:
                                                         level="warning"))
             need = self.config.min_np
         if reachable < need:
-            # (With a durable copy, losing every worker later lets every host back: waiting is
-            # not for nothing.)
-            if self.config.fixed_hosts and self.hosts.is_permanent() and self.durable_commit is None:
+            # (With a durable copy, losing every worker of a round later lets every host back:
+            # waiting is not for nothing.)
+            if (self.config.fixed_hosts and self.hosts.is_permanent()
+                    and (self.durable_commit is None or self.round < 0)):
                 if self.round < 0 and self._in[WorkerState.LAUNCHING]:
                     return  # the others' starts first (bounded by --start-timeout): all of it is said
                 yield Finish(False, self._never_enough(need))

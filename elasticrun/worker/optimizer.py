@@ -492,7 +492,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         taken here (:meth:`_dist_step_done`), as when ``step()`` synchronizes."""
         started = time.perf_counter()
         self._dist_synchronize()
-        self._dist_step_done(started)
+        if self._dist_op != Adasum:  # (Adasum's step() ends the step, after its own exchange)
+            self._dist_step_done(started)
 
     def _dist_step_done(self, started: float) -> None:
         r = rounds.current()
@@ -570,6 +571,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if original is not None:
             setattr(original, "_opt_called", True)  # an attribute torch.optim.lr_scheduler sets, not in the stubs
         if r.size == 1:
+            if r.step_done is not None:  # (a world of one's steps count too: pace, leaves)
+                r.step_done(0.0)
             super().step()
             return loss
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]

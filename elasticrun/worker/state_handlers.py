@@ -704,7 +704,8 @@ def get_handler_factory(value: Any) -> HandlerFactory | None:
 
 
 register_handler(torch.optim.lr_scheduler.LRScheduler, LRSchedulerStateHandler)
-register_handler(torch.amp.GradScaler, GradScalerStateHandler)
+# torch.amp.GradScaler since torch 2.3; torch.cuda.amp's (its subclass since then) before.
+register_handler(getattr(torch.amp, "GradScaler", None) or torch.cuda.amp.GradScaler, GradScalerStateHandler)
 register_handler(ElasticSampler, SamplerStateHandler)
 register_handler(torch.optim.Optimizer, OptimizerStateHandler)
 register_handler(torch.nn.Module, ModelStateHandler)

@@ -262,7 +262,12 @@ class TorchState(ObjectState):
     def load_durable_state(self, saved: dict[str, Any]) -> None:
         handlers = saved.get("handlers", {})
         self.wait_for_commit()
+        objects = saved.get("objects", {})
         for name, h in sorted(self._handlers.items()):
+            if name not in handlers and hasattr(objects.get(name), "state_dict"):
+                # Kept as a plain attribute by an earlier elasticrun (a GradScaler before it had
+                # a handler): its state is the same.
+                handlers = dict(handlers, **{name: objects[name].state_dict()})
             if name not in handlers:
                 raise durable.DurableMismatch(f"{name}: the state has it, the durable copy does not")
             if isinstance(h, ModelStateHandler):

@@ -62,7 +62,7 @@ def wait(r: Round, work: Any, what: str) -> None:
     # A NCCL work's is_completed() takes its communicator's lock, which an abort (NCCL's takes
     # about a second) holds throughout: the abort is looked for first, so that the training
     # thread hears it at once instead of after the abort.
-    polled = isinstance(work, Polled)
+    polled = isinstance(work, Polled) or (isinstance(work, Works) and any(isinstance(w, Polled) for w in work.works))
     while not ((not polled or not r.abort_reason()) and work.is_completed()):
         reason = r.abort_reason()
         if reason:

@@ -299,7 +299,7 @@ def test_a_link_of_your_own_is_followed(tmp_path):
 
 @root_only
 @pytest.mark.parametrize("parent,why", [
-    (0o777, "may be written by anyone (mode 0777, no sticky bit): anyone could move the copies away"),
+    (0o777, "belongs to nobody and anyone may write it: they could move the copies away"),
     (0o1777, "belongs to nobody and anyone may write it: they could move the copies away"),
 ])
 def test_a_parent_directory_someone_else_controls_is_refused(tmp_path, parent, why):
@@ -329,6 +329,15 @@ def test_a_team_directory_only_its_group_may_write_is_trusted_as_its_group(tmp_p
     os.chown(project, NOBODY, NOBODY)
     ck.check_directory(str(project / "you" / "ckpt"))
     assert oct(os.stat(project / "you" / "ckpt").st_mode & 0o777) == "0o700"
+
+
+def test_a_world_writable_scratch_volume_of_root_or_yours_is_a_parent_like_tmp(tmp_path):
+    """A Kubernetes emptyDir is 0777 without the sticky bit; the pod is its only user."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    os.chmod(scratch, 0o777)
+    ck.check_directory(str(scratch / "ckpt"))
+    assert oct(os.stat(scratch / "ckpt").st_mode & 0o777) == "0o700"
 
 
 def test_a_parent_that_is_a_file_is_named(tmp_path):

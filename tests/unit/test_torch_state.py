@@ -472,6 +472,29 @@ def test_distributed_optimizer_in_a_world_of_one_is_the_plain_optimizer() -> Non
     assert len(pre_hook_calls) == 4
 
 
+@pytest.mark.parametrize("op", ["Average", "Adasum"])
+@pytest.mark.parametrize("pattern", ["step", "synchronize"])
+def test_each_step_is_counted_once_whatever_the_pattern(rt, op, pattern) -> None:
+    """Horovod's clipping pattern ends the step at synchronize(); with Adasum, step() ends it
+    (its exchange comes after the local step): once either way."""
+    from standalone_torch import forward_backward
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=getattr(hvd, op))
+    before = rt.steps
+    for seed in range(3):
+        opt.zero_grad()
+        forward_backward(model, seed)
+        if pattern == "synchronize":
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+    assert rt.steps - before == 3
+
+
 def test_distributed_optimizer_fills_missing_gradients_and_guards_double_backward() -> None:
     model = make_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))

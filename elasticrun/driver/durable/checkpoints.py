@@ -186,13 +186,14 @@ def _path_problem(path: str, links: int = 0) -> str:
 
     Checking the directory alone is not enough: a symbolic link that another user planted
     (``/tmp/ckpt -> /home/you/other``) would have the job lock, write and rotate copies in a
-    directory of yours they picked (it passes as yours), and a world-writable parent (``mkdir
-    -m777 /tmp/team``) lets anyone move your directory away or swap in another. The rule is
-    ``ssh``'s StrictModes, made to fit shared project directories: every symbolic link on the way
-    belongs to you or root; every directory above yours that anyone may write (``o+w``) has
-    the sticky bit and belongs to you or root (``/tmp``), and what you name right under such a
-    directory belongs to you or root. A parent that only its group may write (a team's project
-    directory) is trusted as its group is."""
+    directory of yours they picked (it passes as yours), and a world-writable parent of someone
+    else's (``mkdir -m777 /tmp/team``) lets them move your directory away or swap in another.
+    The rule is ``ssh``'s StrictModes, made to fit shared project directories and containers:
+    every symbolic link on the way belongs to you or root; every directory above yours that
+    anyone may write (``o+w``) belongs to you or root (``/tmp``; a Kubernetes emptyDir, 0777
+    without the sticky bit), and what you name right under such a directory belongs to you or
+    root. A parent that only its group may write (a team's project directory) is trusted as its
+    group is."""
     me = os.geteuid()
     parts = [p for p in path.split("/") if p]
     current = "/"
@@ -226,12 +227,12 @@ def _path_problem(path: str, links: int = 0) -> str:
         if i == len(parts) - 1:
             return ""  # the directory itself: _trusted's rules, stricter
         if st.st_mode & stat.S_IWOTH:
-            if not st.st_mode & stat.S_ISVTX:
-                return (f"{here} may be written by anyone (mode {stat.S_IMODE(st.st_mode):04o}, no sticky bit): "
-                        f"anyone could move the copies away or swap in others")
             if st.st_uid not in (me, 0):
                 return (f"{here} belongs to {_user(st.st_uid)} and anyone may write it: they could move the "
                         f"copies away or swap in others")
+            # Yours or root's: /tmp (sticky), or a container's scratch volume (a Kubernetes
+            # emptyDir is 0777 without the sticky bit, and the pod is its only user). What you
+            # name in it must then be yours or root's: anyone could have made it.
             shared = True
         else:
             shared = False
