@@ -1247,7 +1247,8 @@ class Registry:
         """Why a fixed host list can never give ``need`` slots again."""
         return Reason(Cause.NEVER_ENOUGH, {"flag": "-np" if self.round < 0 else "--min-np", "need": need,
                                            "usable": list(self.hosts.available()),
-                                           "blacklisted": list(self.hosts.blacklisted())})
+                                           "blacklisted": list(self.hosts.blacklisted()),
+                                           "leaving": sorted(self.hosts.draining())})
 
     def _form_round(self, plan: list[tuple[tuple[str, int], WorkerRecord]]) -> Decision:
         infos = assign_keys([k for k, _ in plan])  # grouped by host: not the order of ``plan``

@@ -55,6 +55,18 @@ def _hosts(hosts: Any) -> str:
     return _some(list(hosts))
 
 
+def _never_enough(f: Mapping[str, Any]) -> str:
+    """A fixed host list short of slots for good: what is left, what went, and what would help
+    (a host that is leaving, reclaimed, is not helped by a cooldown)."""
+    leaving = f.get("leaving") or []
+    gone = f"blacklisted: {_hosts(f['blacklisted']) or 'none'}" + (f"; leaving: {_hosts(leaving)}" if leaving else "")
+    helps = ("--blacklist-cooldown-range lets failed hosts return, " if f["blacklisted"] else "") + \
+        ("a discovery script lets new hosts in, " if leaving else "")
+    return (f"{f['flag']} {f['need']} can never be met again: usable hosts {_usable(f['usable'])} ({gone}); "
+            f"with a fixed host list and permanent blacklisting no host can come back ({helps}a lower "
+            f"{f['flag']} lets the job go on with fewer)")
+
+
 def _usable(available: Any) -> str:
     """``[(host, slots), ...]`` as "a:2, b:1" ("none" when empty)."""
     return _some([f"{h}:{s}" for h, s in available]) or "none"
@@ -187,11 +199,7 @@ _REASONS: dict[Cause, Callable[[Mapping[str, Any]], str]] = {
                                   f"{f['resets']} (raise --reset-limit to allow more)"),
     Cause.TIMED_OUT: lambda f: (f"timed out after {f['limit']:g} s ({f['flag']}) waiting for {f['need']} "
                                 f"slots; usable hosts: {_usable(f['usable'])}"),
-    Cause.NEVER_ENOUGH: lambda f: (f"{f['flag']} {f['need']} can never be met again: usable hosts "
-                                   f"{_usable(f['usable'])} (blacklisted: {_hosts(f['blacklisted']) or 'none'}); "
-                                   f"with a fixed host list and permanent blacklisting no host can come back "
-                                   f"(--blacklist-cooldown-range lets failed hosts return, a lower {f['flag']} lets "
-                                   f"the job go on with fewer)"),
+    Cause.NEVER_ENOUGH: lambda f: _never_enough(f),
     Cause.NCCL_CANNOT_RUN: lambda f: (f"--backend nccl cannot run round {f['round']}: {reason(f['why'])} (NCCL needs "
                                       f"a GPU of its own per worker; use --backend auto or gloo)"),
     Cause.CANNOT_RESUME: lambda f: (f"cannot resume: {f['error']} (start over with --fresh, or point "

@@ -2013,6 +2013,18 @@ class TestPlainCommands:
         else:  # discovery may list more hosts: wait
             assert not of(acts, Finish) and not events(acts, "np_never")
 
+    def test_a_fixed_list_short_for_good_names_a_leaving_host_and_advice_that_fits(self):
+        """A reclaimed host (its worker SIGTERMed) on a fixed list never comes back: it is named
+        as leaving, and a cooldown (for failed hosts) is not offered as the way out."""
+        job = Job(np=2, start_timeout=30, fixed_hosts=True)
+        w0, w1 = self.launch(job, {"a": 1, "b": 1})
+        job.rdv_all([w0, w1], at=1)
+        job.exit(w1, -15, at=2)  # a reclaim: the round rolls back, b is leaving
+        acts = job.rdv(w0, at=3, has_state=True, restored=True)  # the survivor asks for the next round
+        [finish] = of(acts, Finish)
+        assert finish.why.cause is Cause.NEVER_ENOUGH
+        assert "(blacklisted: none; leaving: b)" in why(finish) and "cooldown" not in why(finish), why(finish)
+
     @pytest.mark.parametrize("first", ["sigterm", "success"])
     def test_a_process_killed_by_sigterm_fails_the_job(self, first):
         """As under horovodrun, SIGTERM's exit too, also when it comes before anything tells
