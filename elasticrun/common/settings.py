@@ -102,6 +102,12 @@ class JobSettings:
     startup_warnings: tuple[str, ...] = ()  # what the options meant that the user may not expect: said at start
 
     @property
+    def elastic(self) -> bool:
+        """Whether the job may change size (hosts from discovery, or --min-np/--max-np other
+        than -np): horovodrun's sense of an elastic job."""
+        return self.hosts is None or self.min_np != self.np or self.max_np != self.np
+
+    @property
     def elastic_wait_limit(self) -> float:
         """How long a worker may wait for its next round before giving up on the driver."""
         return elastic_wait_limit(self.elastic_timeout, self.start_timeout)

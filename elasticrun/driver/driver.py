@@ -948,14 +948,17 @@ class ElasticDriver:
                     "the job ends within %.0f s", name, FINAL_COPY_LIMIT, ends)
         why: list[str] = []
 
+        def fresh() -> bool:
+            # A copy begun before the signal that lands meanwhile is of an older commit: the
+            # promise is the newest commit's (a resume then redoes nothing committed).
+            return service.newest is not before and service.newest_began >= asked
+
         def settled() -> bool:
             # A copy begun after the request (so of the newest commit) that failed says why.
             failed = [line for began, line in self._failed_copies if began >= asked]
-            # A copy begun before the signal that lands meanwhile is of an older commit: the
-            # promise is the newest commit's (a resume then redoes nothing committed).
             landed = service.newest
             verdict = final_copy_verdict(FinalCopy(
-                written=landed is not before and service.newest_began >= asked,
+                written=fresh(),
                 failure=failed[-1] if failed else None,
                 service_alive=service.is_alive(), workers_alive=bool(self.registry.live()),
                 waited=time.monotonic() - asked, newest_commit=self._progress_seen.commit,
@@ -966,7 +969,7 @@ class ElasticDriver:
             return verdict is not None
 
         ended = self._loop(until=settled, stop_at=asked + FINAL_COPY_LIMIT)
-        if self._durable.newest is not before and self._durable.newest_began >= asked:
+        if fresh():
             return ended
         if ended is not None and not why:
             why.append("the job ended first")

@@ -67,7 +67,7 @@ def shared_environment(settings: JobSettings, base_env: Mapping[str, str], remot
         defaults.update(GLOO_SOCKET_IFNAME=s.network_interface, NCCL_SOCKET_IFNAME=s.network_interface)
     if s.tcp_only:
         defaults["NCCL_IB_DISABLE"] = "1"
-    if s.hosts is None or s.min_np != s.np or s.max_np != s.np:
+    if s.elastic:
         defaults["HOROVOD_ELASTIC"] = "1"
     for name, value in defaults.items():
         if name not in base_env:

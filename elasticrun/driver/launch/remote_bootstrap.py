@@ -18,8 +18,9 @@ Its second stdin line is the launch request (JSON): ``mark``, ``command``, ``env
    because the driver died, was killed with SIGKILL, or closed the channel) or it gets
    SIGTERM/SIGINT/SIGHUP, it sends SIGTERM to the worker's group and SIGKILL after the grace
    period (after the worker's ``--sigterm-grace`` and then the grace period when the signal
-   was its own: the host is going, and the worker may be leaving gracefully); when the worker exits on its own, it SIGKILLs what is left of the group (the
-   worker's children), reports the worker's exit status (one marker line) and exits.
+   was its own: the host is going, and the worker may be leaving gracefully); when the worker
+   exits on its own, it SIGKILLs what is left of the group (the worker's children), reports
+   the worker's exit status (one marker line) and exits.
 
 Warm start (``elasticrun/worker/template.py``). A request with ``"template": true`` starts
 the host's template instead of a worker: after steps 1 (its directory, its interpreter) this
