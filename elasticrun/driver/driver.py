@@ -969,10 +969,15 @@ class ElasticDriver:
             return verdict is not None
 
         ended = self._loop(until=settled, stop_at=asked + FINAL_COPY_LIMIT)
+        if ended is None and not self.registry.live():
+            # The last exits were recorded but not yet decided on (decisions are batched): how
+            # the job ended is the registry's to say, now.
+            self._execute(self.registry.decide(time.monotonic()))
+            ended = self.registry.finished
         if fresh():
             return ended
-        if ended is not None and not why:
-            why.append("the job ended first")
+        if ended is not None:
+            why[:] = ["the job ended first"]
         if not why:
             why.append("a second signal skipped it" if self._hurry
                        else f"it was not written within {FINAL_COPY_LIMIT:.0f} s")
