@@ -326,8 +326,12 @@ class HandOff:
 
         def meta() -> bytes:  # rank 0 only, on this thread: the state does not move meanwhile
             return encode_meta(structure, entries, commit, steps)
-        self.sender.hand_off(request, rank, size, commit, steps, state.staging_sources([t for _, t in tensors]),
-                             entries, meta)
+        live = [t for _, t in tensors]
+        sources = state.staging_sources(live)
+        # A GPU tensor no commit buffer stands in for is read live, on a side stream: the next
+        # step, which updates it, must wait for that read (on the GPU; the host goes on).
+        self.sender.hand_off(request, rank, size, commit, steps, sources, entries, meta,
+                             guard=any(s is t and t.is_cuda for s, t in zip(sources, live)))
 
     def close(self) -> None:
         self.sender.close()
@@ -355,10 +359,12 @@ class DurableSender:
         return self._busy or self._pending is not None
 
     def hand_off(self, request: int, rank: int, world: int, commit: int, steps: int,
-                 tensors: Sequence[torch.Tensor], entries: Sequence[Entry], meta: Callable[[], bytes]) -> bool:
+                 tensors: Sequence[torch.Tensor], entries: Sequence[Entry], meta: Callable[[], bytes],
+                 guard: bool = False) -> bool:
         """Copy this rank's shard of the just-saved commit into staging and queue it (the
         training thread's only cost). False if the previous copy is still being sent: this one
-        is skipped (the next agreed commit will be copied)."""
+        is skipped (the next agreed commit will be copied). ``guard``: some GPU tensors are the
+        live ones, so the caller's stream is ordered after their staging copy."""
         with self._cv:
             if self._busy or self._pending is not None or self._closed:
                 return False
@@ -369,6 +375,8 @@ class DurableSender:
                 if self._pinned is None or self._pinned.numel() != size:
                     self._pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
                 ready = self._staged_event = stage_range(tensors, entries, offset, self._pinned)
+                if guard:
+                    torch.cuda.current_stream(ready.device).wait_event(ready)
                 staged: bytearray | memoryview = _view(self._pinned)
             else:
                 if len(self._staging) != size:

@@ -234,15 +234,19 @@ class TorchState(ObjectState):
         self._save_objects()
 
     def staging_sources(self, tensors: list[Any]) -> list[Any]:
-        """The committed copies on the GPU stand in for the live tensors they copy (the durable
-        copy then reads them beside training, and the next step need not wait)."""
+        """The committed copies stand in for the live GPU tensors they copy: the durable copy
+        then reads what the commit saved, beside training, and the next step need not wait.
+        Copies on the same GPU are read on a side stream; copies in host memory (pinned, where
+        the commit did not fit on the GPU) are complete once the commit is, and are read at
+        once. Reading the live tensors instead would race the next step, which updates them
+        while a side stream still copies them out: a torn durable copy."""
         self.wait_for_commit()  # a background copy into them may still run (waited for on the GPU)
         kept: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
         for handler in self._handlers.values():
             plan = getattr(handler, "_plan", None)
             if plan is not None:
                 for src, buf in plan.pairs():
-                    if buf.is_cuda and buf.device == src.device:
+                    if src.is_cuda and (buf.device == src.device or buf.device.type == "cpu"):
                         kept[(src.data_ptr(), src.dtype, src.numel())] = buf
         if not kept:
             return tensors

@@ -108,6 +108,49 @@ def test_save_reuses_host_buffers() -> None:
     assert torch.equal(mh._buffers["0.weight"], model[0].weight.detach())
 
 
+class _OnGpu:
+    """A stand-in for a CUDA tensor (this suite has no GPU): the attributes staging_sources reads."""
+
+    is_cuda = True
+    device = torch.device("cuda", 0)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.dtype = t, t.dtype
+
+    def data_ptr(self) -> int:
+        return self.t.data_ptr()
+
+    def numel(self) -> int:
+        return self.t.numel()
+
+
+class _Plan:
+    def __init__(self, pairs: list[tuple[Any, Any]]) -> None:
+        self._pairs = pairs
+
+    def pairs(self) -> list[tuple[Any, Any]]:
+        return self._pairs
+
+
+def test_a_durable_copy_reads_gpu_tensors_from_their_commit_buffers_wherever_they_are() -> None:
+    """Pinned host buffers (a commit that did not fit on the GPU) stand in for their live GPU
+    tensors as device buffers do: read live, a side stream's copy races the next step's update
+    (a torn durable copy). A tensor without a buffer is read live (the sender then orders the
+    next step after that read)."""
+    model = make_model()
+    state = TorchState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    on_host, on_gpu, unplanned = (_OnGpu(torch.zeros(3)) for _ in range(3))
+    host_buf = torch.ones(3)
+
+    class _GpuBuf(_OnGpu):
+        pass
+    gpu_buf = _GpuBuf(torch.ones(3))
+    state._handlers["model"]._plan = _Plan([(on_host, host_buf), (on_gpu, gpu_buf)])
+    cpu_live = torch.zeros(2)
+    got = state.staging_sources([on_host, cpu_live, on_gpu, unplanned])
+    assert got[0] is host_buf and got[1] is cpu_live and got[2] is gpu_buf and got[3] is unplanned
+
+
 def test_sync_in_a_world_of_one_commits() -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
