@@ -564,16 +564,60 @@ class GradScalerStateHandler(StateHandler):
     initial scale while the others use theirs, each unscaling a differently scaled sum: the
     replicas drift apart silently."""
 
+    #: The scaler's attributes a commit copies without asking for their values: its
+    #: ``state_dict()`` reads the scale and the growth tracker with ``.item()``, a wait for
+    #: the GPU to finish every queued kernel, at every commit.
+    _OPTIONS = ("_growth_factor", "_backoff_factor", "_growth_interval", "_init_scale", "_init_growth_tracker")
+
     def __init__(self, scaler: Any) -> None:
         super().__init__(scaler)
+        self._tensors: tuple[torch.Tensor, torch.Tensor] | None = None  # (scale, growth tracker) copies
         self.save()
 
+    def _direct(self) -> bool:
+        """Whether the scaler has the attributes a commit copies directly (torch's own, which
+        may change between versions: otherwise its ``state_dict()`` is used)."""
+        return all(hasattr(self.value, a) for a in self._OPTIONS + ("_scale", "_growth_tracker", "_enabled"))
+
     def save(self) -> None:
-        self._saved = dict(self.value.state_dict())  # floats and ints: a shallow copy is a copy
+        scaler = self.value
+        if not self._direct():
+            self._saved = dict(scaler.state_dict())  # floats and ints: a shallow copy is a copy
+            return
+        self._saved = {a: getattr(scaler, a) for a in self._OPTIONS + ("_enabled",)}
+        live = (scaler._scale, scaler._growth_tracker)
+        if live[0] is None or live[1] is None:
+            self._tensors = None
+            return
+        kept = self._tensors
+        if kept is None or any(k.device != t.device or k.dtype != t.dtype or k.shape != t.shape
+                               for k, t in zip(kept, live)):
+            kept = self._tensors = (torch.empty_like(live[0]), torch.empty_like(live[1]))
+        with torch.no_grad():  # queued on the stream that updates them: the host does not wait
+            kept[0].copy_(live[0])
+            kept[1].copy_(live[1])
 
     def restore(self) -> None:
-        if self._saved:  # a disabled scaler's is empty (and loading it is then a no-op)
-            self.value.load_state_dict(dict(self._saved))
+        scaler = self.value
+        if not self._direct() or "_enabled" not in self._saved:
+            if self._saved:  # a disabled scaler's is empty (and loading it is then a no-op)
+                scaler.load_state_dict(dict(self._saved))
+            return
+        if not self._saved["_enabled"]:
+            return
+        for a in self._OPTIONS:
+            setattr(scaler, a, self._saved[a])
+        kept = self._tensors
+        with torch.no_grad():
+            if kept is None:  # committed before its first scale(): its tensors start from the options
+                if scaler._scale is not None:
+                    scaler._scale.fill_(self._saved["_init_scale"])
+                    scaler._growth_tracker.fill_(self._saved["_init_growth_tracker"])
+            elif scaler._scale is None or scaler._scale.device != kept[0].device:
+                scaler._scale, scaler._growth_tracker = kept[0].clone(), kept[1].clone()
+            else:
+                scaler._scale.copy_(kept[0])
+                scaler._growth_tracker.copy_(kept[1])
 
     def sync(self, root: int) -> None:
         theirs = collectives.broadcast_object(self.value.state_dict(), root, "grad_scaler", trusted=True)

@@ -488,6 +488,38 @@ def test_a_grad_scaler_is_restored_and_synced_in_place(enabled: bool) -> None:
     assert state.scaler is scaler and scaler.get_scale() == (4.0 if enabled else 1.0)
 
 
+def test_a_grad_scalers_commit_does_not_wait_for_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its state_dict() reads the scale with .item(): on a GPU, a wait for every queued kernel
+    at each commit. A commit copies the scale and growth tracker tensors instead, and a restore
+    copies them back (the tracker too: it decides when the scale next grows)."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0, growth_interval=3)
+    state = TorchState(model, opt, scaler=scaler)  # committed before its first scale()
+    scaler.scale(torch.ones(()))
+    scaler.update(new_scale=32.0)
+    scaler._growth_tracker.fill_(2)
+
+    def synchronous(*_: Any) -> Any:
+        raise AssertionError("a commit asked the scaler for its values")
+    monkeypatch.setattr(scaler, "get_scale", synchronous)
+    monkeypatch.setattr(scaler, "_get_growth_tracker", synchronous)
+    monkeypatch.setattr(torch.Tensor, "item", synchronous)
+    state.restore()  # to the commit made before the first scale(): the initial values, in place
+    assert scaler._scale.tolist() == 64.0 and scaler._growth_tracker.tolist() == 0
+    scaler.update(new_scale=32.0)
+    scaler._growth_tracker.fill_(2)
+    state.commit()
+    scale, tracker = scaler._scale, scaler._growth_tracker
+    scaler.update(new_scale=8.0)
+    scaler._growth_tracker.fill_(1)
+    scaler._growth_factor = 3.0
+    state.restore()
+    monkeypatch.undo()
+    assert scaler._scale is scale and scaler._growth_tracker is tracker
+    assert scaler.get_scale() == 32.0 and scaler._get_growth_tracker() == 2 and scaler._growth_factor == 2.0
+
+
 # --------------------------------------------------------------------------- DistributedOptimizer, world of one
 
 
