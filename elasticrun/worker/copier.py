@@ -54,22 +54,33 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def device_room(free: int, total: int, reserved: int, peak_allocated: int, needed: int) -> bool:
+    """Whether ``needed`` more bytes fit on a GPU beside training, leaving DEVICE_HEADROOM of
+    it free. ``free`` is the device's (other processes' use already out of it); of the memory
+    this process's allocator holds (``reserved``), only what training has never needed at
+    once counts as free: blocks cached after a step are needed again at the next step's peak
+    (the activations), so counting them as free would let a committed copy take the room of
+    the next forward pass."""
+    spare = max(0, reserved - peak_allocated)
+    return free + spare - needed >= DEVICE_HEADROOM * total
+
+
 def _fits_on_device(device: torch.device, needed: int) -> bool:
-    """Whether ``needed`` more bytes of committed copies fit on ``device`` beside training,
-    leaving DEVICE_HEADROOM of it free (the allocator's cached blocks count as free)."""
+    """Whether ``needed`` more bytes of committed copies fit on ``device`` (:func:`device_room`)."""
     if os.environ.get("ELASTICRUN_COMMIT_ON_DEVICE", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     try:
         free, total = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        reserved = torch.cuda.memory_reserved(device)
+        peak = torch.cuda.max_memory_allocated(device)
     except Exception:  # no answer: the safe place
         return False
-    ok = free + cached - needed >= DEVICE_HEADROOM * total
+    ok = device_room(free, total, reserved, peak, needed)
     if not ok and str(device) not in _said_host:
         _said_host.add(str(device))
-        log.warning("the committed copy (%.0f MB more) does not fit on %s beside training (%.0f MB free of %.0f): "
-                    "commits of its tensors go to pinned host memory, at PCIe speed", needed / 1e6, device,
-                    (free + cached) / 1e6, total / 1e6)
+        log.warning("the committed copy (%.0f MB more) does not fit on %s beside training (%.0f MB free of %.0f, "
+                    "counting the steps' peak): commits of its tensors go to pinned host memory, at PCIe speed",
+                    needed / 1e6, device, (free + max(0, reserved - peak)) / 1e6, total / 1e6)
     return ok
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from elasticrun.worker.copier import MEMMOVE_MAX_BYTES, CopyPlan
+from elasticrun.worker.copier import MEMMOVE_MAX_BYTES, CopyPlan, device_room
 from elasticrun.worker.torch_state import TorchState
 from standalone_torch import make_model, rt, snapshot, train_step  # noqa: F401 (rt: autouse fixture)
 
@@ -50,6 +50,23 @@ def test_plan_notices_repointed_sources_and_keeps_old_memory_alive() -> None:
     assert not plan.current([nn.Parameter(torch.zeros(16))])  # another object
     plan.run()  # still safe: it reads the memory it kept alive
     assert torch.equal(buf, old)
+
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize("reserved, peak, fits", [
+    (0, 0, True),  # nothing trained yet: 30 GiB free, 10 needed, 8 kept free
+    (20 * GiB, 8 * GiB, True),  # 12 GiB the steps never needed at once are free for the copy
+    (20 * GiB, 20 * GiB, False),  # cached after a step, needed again at the next one's peak
+    (20 * GiB, 19 * GiB, False),  # 31 GiB: less than 10 + 8 kept free beside 30 ... just short
+])
+def test_a_committed_copy_goes_on_the_gpu_only_if_it_fits_beside_the_steps_peak(reserved: int, peak: int,
+                                                                                 fits: bool) -> None:
+    """Cached blocks used to count as free: after the first step (activations freed to the
+    cache) the optimizer's copy then took the room the next forward pass needed."""
+    free = 30 * GiB if reserved == 0 else 8 * GiB
+    assert device_room(free, 80 * GiB, reserved, peak, 10 * GiB) is fits
 
 
 def test_plan_rejects_mismatched_lists() -> None:
