@@ -24,13 +24,15 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import cloudpickle
 
 from elasticrun.common.errors import JobFailed
+from elasticrun.common.warmstart import own_module_command
 from elasticrun.driver import words
 from elasticrun.driver.functions import FunctionService, Result
 from elasticrun.driver.registry import WorkerRecord
 
 __all__ = ["run", "RunError"]
 
-WORKER_COMMAND = [sys.executable, "-m", "elasticrun.worker.entry"]
+#: ``python -m elasticrun.worker.entry``, without the current directory on sys.path (OWN_MAIN).
+WORKER_COMMAND = own_module_command(sys.executable, "elasticrun.worker.entry")
 #: horovod.run's keywords (and ours) named otherwise by the command line.
 _ALIASES = {"discovery_script": "host_discovery_script", "cooldown_range": "blacklist_cooldown_range",
             "num_proc": "np", "min_num_proc": "min_np", "max_num_proc": "max_np", "slots": "slots_per_host",
@@ -69,7 +71,7 @@ def _horovod_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], list[str
             value = value > 0  # horovod.run also takes a level
         out[name] = value
     executable = out.pop("executable", None)
-    command = [str(executable), "-m", "elasticrun.worker.entry"] if executable else None
+    command = own_module_command(str(executable), "elasticrun.worker.entry") if executable else None
     return out, command
 
 

@@ -50,18 +50,36 @@ _PYTHON_NAME = re.compile(r"python(3(\.\d+)?)?")
 
 @dataclass(frozen=True)
 class PythonCommand:
-    """A worker command a template can run: ``interpreter [-u] target args`` or ``-m target``."""
+    """A worker command a template can run: ``interpreter [-u] target args`` or ``-m target``
+    (or elasticrun's own :func:`own_module_command`, ``safe``: nothing put first on sys.path)."""
 
     interpreter: str  # as given: "python", "python3.11", "/venv/bin/python"
     kind: str  # "script" or "module"
     target: str  # the script's path as given, or the module's dotted name
     args: tuple[str, ...]  # what follows: sys.argv[1:]
     unbuffered: bool = False  # -u
+    safe: bool = False  # own_module_command: the current directory is not put on sys.path
 
     @property
     def argv(self) -> list[str]:
         """``sys.argv`` before the script runs (``-m``: runpy puts the module's file first)."""
         return [self.target if self.kind == "script" else "-m", *self.args]
+
+
+#: ``python -c OWN_MAIN MODULE ARGS...`` runs MODULE as ``python -m MODULE ARGS...`` does, but
+#: without the current directory first on ``sys.path``. elasticrun starts its own processes
+#: (the warm-start template, ``elasticrun.run``'s workers) this way: ``python -m`` would import
+#: ``json.py`` or ``selectors.py`` from wherever the job was started, and a neighbour who
+#: planted them in a shared directory (/tmp, a team's scratch) would run code as you. Only the
+#: empty entry ``-c`` puts there is dropped (with ``-P`` or PYTHONSAFEPATH there is none); the
+#: code runs before anything but ``sys`` is imported, on any Python 3.
+OWN_MAIN = ("import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; import runpy; "
+            "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+
+
+def own_module_command(python: str, module: str, *args: str) -> list[str]:
+    """The command line that runs elasticrun's ``module`` with ``python`` (see OWN_MAIN)."""
+    return [python, "-c", OWN_MAIN, module, *args]
 
 
 def python_command(command: Sequence[str]) -> tuple[PythonCommand | None, str]:
@@ -84,6 +102,11 @@ def python_command(command: Sequence[str]) -> tuple[PythonCommand | None, str]:
             unbuffered = True
             i += 1
             continue
+        if word == "-c" and i + 2 < len(command) and command[i + 1] == OWN_MAIN:
+            module = command[i + 2]
+            if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", module):
+                return None, f"-m {module!r} is not a module name"
+            return PythonCommand(prog, "module", module, tuple(command[i + 3:]), unbuffered, safe=True), ""
         if word == "-m" or (word.startswith("-m") and not word.startswith("--")):
             module = word[2:] or (command[i + 1] if i + 1 < len(command) else "")
             rest = command[i + 1:] if word[2:] else command[i + 2:]

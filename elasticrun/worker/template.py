@@ -1,6 +1,6 @@
 """The warm-start template: one process per host that imports torch once and forks workers.
 
-    python -m elasticrun.worker.template --name elasticrun-JOB [--preload MOD,...] [--script PATH | --module MOD]
+    python -c OWN_MAIN elasticrun.worker.template --name elasticrun-JOB [--preload MOD,...] [--script PATH | --module MOD]
 
 Started by the driver (this machine's hosts) or over SSH by the remote bootstrap (other hosts),
 with the environment every worker of the job shares. It imports torch, elasticrun's worker
@@ -140,8 +140,11 @@ def preload(modules: list[str]) -> dict[str, str]:
     return failed
 
 
-def main_path_entry(cmd: PythonCommand, cwd: str) -> str:
-    """``sys.path[0]`` as ``python`` sets it: the script's real directory, or (``-m``) the cwd."""
+def main_path_entry(cmd: PythonCommand, cwd: str) -> str | None:
+    """``sys.path[0]`` as ``python`` sets it: the script's real directory, or (``-m``) the cwd;
+    None for elasticrun's own modules (``cmd.safe``: nothing is put first)."""
+    if cmd.safe:
+        return None
     if cmd.kind == "module":
         return cwd
     return os.path.dirname(os.path.realpath(script_path(cmd, cwd)))
@@ -642,12 +645,25 @@ def become_main(cmd: PythonCommand, command: list[str], interpreter: str, cwd: s
     sys.argv = cmd.argv
     sys.orig_argv = list(command)
     sys.executable = interpreter
-    if not sys.flags.safe_path and sys.path:
-        sys.path[0] = main_path_entry(cmd, cwd)
+    set_main_path(main_path_entry(cmd, cwd))
     importlib.invalidate_caches()
     linecache.clearcache()
     standard_streams(unbuffered)
     reseed()
+
+
+_main_path: list[str] = []  # the entry set_main_path put first on sys.path (none: [])
+
+
+def set_main_path(entry: str | None) -> None:
+    """Put ``entry`` first on ``sys.path`` as the interpreter would for the worker's command,
+    in place of the template's own (the template starts through OWN_MAIN, which puts none)."""
+    if _main_path and sys.path and sys.path[0] == _main_path[0]:
+        del sys.path[0]
+    _main_path.clear()
+    if entry is not None and not sys.flags.safe_path:
+        sys.path.insert(0, entry)
+        _main_path.append(entry)
 
 
 def standard_streams(unbuffered: bool) -> None:
@@ -753,6 +769,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     what = p.add_mutually_exclusive_group()
     what.add_argument("--script", metavar="PATH", help="the workers' script: sys.path[0] while preloading")
     what.add_argument("--module", metavar="MOD", help="the workers' -m module: sys.path[0] is the cwd")
+    p.add_argument("--own-module", action="store_true",
+                   help="--module is elasticrun's own (run through OWN_MAIN): no sys.path[0] for it")
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM -> SIGKILL when stopping a worker")
     p.add_argument("--bare", action="store_true", help="import nothing but this module (tests)")
     p.add_argument("--room", default="", help="filler: room for a worker's command line in /proc/PID/cmdline")
@@ -768,9 +786,10 @@ def main(argv: list[str] | None = None) -> int:
     handlers: dict[int, Any] = {s: signal.getsignal(s) for s in HANDLED}
     args = parse_args(sys.argv[1:] if argv is None else argv)
     cwd = os.getcwd()
-    if not sys.flags.safe_path and sys.path and (args.script or args.module):
-        what = PythonCommand("python", "script" if args.script else "module", args.script or args.module, ())
-        sys.path[0] = main_path_entry(what, cwd)
+    if args.script or args.module:
+        what = PythonCommand("python", "script" if args.script else "module", args.script or args.module, (),
+                             safe=args.own_module)
+        set_main_path(main_path_entry(what, cwd))
     # No collections while importing: torch's import makes millions of objects and the
     # collector's passes over them cost ~0.3 s of the ~1.8 s (enabled again before serving).
     gc.disable()

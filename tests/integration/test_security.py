@@ -213,3 +213,68 @@ def test_peers_without_the_keys_cannot_make_the_driver_allocate(job, probes, tmp
     assert r.stderr.count("dropped a control frame") == 1, r.stderr  # the thief's, nobody else's
     assert "dropped a control frame: bad MAC" in r.stderr
     assert "refused a connection to the driver: 127.0.0.1: not the job's client key" in r.stderr
+
+
+# --- modules a neighbour planted where the job was started -----------------------------------------
+#: Modules elasticrun's own processes import after the interpreter has started (none of them is
+#: loaded by then): planted in a shared directory the job is started from, ``python -m`` (which
+#: puts the current directory first on sys.path) would have run them as the job's user.
+PLANTED = ("json", "argparse", "secrets", "selectors", "ctypes", "linecache", "socket", "threading", "subprocess",
+           "signal", "base64", "traceback", "typing", "random", "struct", "tempfile", "dataclasses", "pickle",
+           "runpy", "pkgutil", "logging", "zmq", "torch", "cloudpickle")
+
+
+def _plant(directory: Path, marks: Path) -> None:
+    marks.mkdir()
+    for name in PLANTED:
+        (directory / f"{name}.py").write_text(f"open({str(marks / name)!r}, 'w').close()\n"
+                                              f"raise ImportError('a planted {name}.py')\n")
+
+
+def _console_script() -> list[str]:
+    """``elasticrun`` as a user runs it: the console script (its directory first on sys.path)."""
+    script = Path(sys.executable).with_name("elasticrun")
+    assert script.exists(), script
+    return [str(script)]
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_modules_planted_where_the_job_starts_are_never_imported(job, tmp_path, warm):
+    elsewhere = tmp_path / "code"
+    elsewhere.mkdir()
+    script = elsewhere / "hello.py"
+    script.write_text("import elasticrun.torch as hvd\nhvd.init()\nprint('rank', hvd.rank(), 'ok')\n")
+    _plant(job.tmp, job.tmp / "marks")
+    job.start(["-np", "2", "-H", "localhost:2", *([] if warm else ["--no-warm-start"])],
+              [sys.executable, str(script)], driver=_console_script())
+    r = job.finish(timeout=90)
+    assert sorted(p.name for p in (job.tmp / "marks").iterdir()) == []
+    assert r.returncode == 0, r.output
+    assert "rank 0 ok" in r.output and "rank 1 ok" in r.output
+
+
+def rank_and_path() -> tuple[int, bool]:
+    """Run by an ``elasticrun.run`` worker."""
+    import elasticrun.torch as hvd
+
+    return hvd.rank(), os.getcwd() in sys.path or "" in sys.path
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_run_workers_never_import_modules_planted_where_they_start(tmp_path, monkeypatch, warm):
+    import elasticrun
+
+    tag = os.urandom(8).hex()
+    start = tmp_path / "shared"
+    start.mkdir()
+    _plant(start, tmp_path / "marks")
+    monkeypatch.setenv("ELASTICRUN_TEST_TAG", tag)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(start)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(start))])
+    try:
+        values = elasticrun.run(rank_and_path, np=2, hosts="localhost:2", start_timeout=60, no_warm_start=not warm)
+    finally:
+        assert_nothing_left(tag)
+    assert sorted(p.name for p in (tmp_path / "marks").iterdir()) == []
+    assert values == [(0, False), (1, False)]

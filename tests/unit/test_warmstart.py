@@ -4,14 +4,17 @@ options that turn it off or preload modules, and when the driver starts a templa
 
 from __future__ import annotations
 
+import json
+import os
 import struct
+import sys
 
 import pytest
 
 from elasticrun.common import env as envvars
 from elasticrun.common import warmstart
 from elasticrun.common.settings import JobSettings
-from elasticrun.common.warmstart import PythonCommand, python_command
+from elasticrun.common.warmstart import PythonCommand, own_module_command, python_command
 from elasticrun.driver.cli import command as cli
 from elasticrun.driver.cli import config
 from elasticrun.driver.launch import remote_bootstrap as rb
@@ -34,6 +37,8 @@ pytestmark = pytest.mark.timeout(60)
     (["python", "-u", "-m", "elasticrun.worker.entry"], PythonCommand("python", "module", "elasticrun.worker.entry",
                                                                       (), True)),
     (["python", "--", "-odd.py", "a"], PythonCommand("python", "script", "-odd.py", ("a",))),
+    (own_module_command("python3", "elasticrun.worker.entry", "x"),
+     PythonCommand("python3", "module", "elasticrun.worker.entry", ("x",), safe=True)),
 ])
 def test_python_commands_a_template_runs(command, expected):
     assert python_command(command) == (expected, "")
@@ -145,10 +150,12 @@ def test_replies():
 def test_template_command_line_and_ready_line():
     cmd = python_command(["python", "train.py", "--x"])[0]
     assert template_argv("/v/bin/python", "elasticrun-123", cmd, ("transformers", "datasets"), 5.0) == [
-        "/v/bin/python", "-m", "elasticrun.worker.template", "--name", "elasticrun-123", "--grace", "5",
-        "--script", "train.py", "--preload", "transformers,datasets", "--room", " " * warmstart.ARGV_ROOM]
-    mod = python_command(["python", "-m", "elasticrun.worker.entry"])[0]
-    assert template_argv("python", "n", mod, (), 2.5)[-4:-2] == ["--module", "elasticrun.worker.entry"]
+        "/v/bin/python", "-c", warmstart.OWN_MAIN, "elasticrun.worker.template", "--name", "elasticrun-123",
+        "--grace", "5", "--script", "train.py", "--preload", "transformers,datasets", "--room", " " * warmstart.ARGV_ROOM]
+    mod = python_command(["python", "-m", "mypackage.train"])[0]
+    assert template_argv("python", "n", mod, (), 2.5)[-4:-2] == ["--module", "mypackage.train"]
+    own = python_command(own_module_command("python", "elasticrun.worker.entry"))[0]
+    assert template_argv("python", "n", own, (), 2.5)[-5:-2] == ["--module", "elasticrun.worker.entry", "--own-module"]
     assert parse_ready(warmstart.READY_PREFIX + '{"socket": "/tmp/x/template.sock", "pid": 3}')["pid"] == 3
     assert parse_ready("something else") is None
     assert parse_ready(warmstart.READY_PREFIX + '{"pid": 3}') is None
@@ -248,3 +255,20 @@ def test_the_argument_area_holds_the_workers_command_line():
     assert warmstart.argv_area(5, ["python", "t.py"]) is None
     assert "." * warmstart.ROOM_BYTES == warmstart.with_room({"A": "1"})[warmstart.ROOM_VAR]
     assert list(warmstart.with_room({warmstart.ROOM_VAR: "x", "A": "1"})) == ["A", warmstart.ROOM_VAR]
+
+
+def test_own_module_command_runs_a_module_as_python_m_without_the_current_directory(tmp_path):
+    """elasticrun's own processes (the template, elasticrun.run's workers) start this way: a
+    ``json.py`` where the job starts must not be imported, and the module sees the argv ``-m`` gives."""
+    (tmp_path / "json.py").write_text("raise SystemExit('the planted json.py ran')\n")
+    pkg = tmp_path / "lib"
+    pkg.mkdir()
+    (pkg / "shown.py").write_text("import json, sys\nprint(json.dumps([sys.argv[1:], __name__, '' in sys.path]))\n")
+    env = dict(os.environ, PYTHONPATH=str(pkg))
+    import subprocess
+    for python_args in ([], ["-u"]):
+        command = own_module_command(sys.executable, "shown", "a", "-m")
+        command[1:1] = python_args
+        out = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == [["a", "-m"], "__main__", False]

@@ -29,7 +29,10 @@ from elasticrun.driver.cli.parser import build_parser, read_hostfile
 from elasticrun.driver.launch.ssh import HostConnections, LaunchError, SSHOptions
 
 # Run by the (local or remote) Python: argv[1] is the working directory to import from.
-_PROBE = r'''
+#: The probes' first line: ``-c`` puts the current directory first on sys.path, where a
+#: neighbour's ``json.py`` in a shared directory would run as you (see warmstart.OWN_MAIN).
+_NO_CWD = "import sys; sys.path[:1] = [p for p in sys.path[:1] if p]\n"
+_PROBE = _NO_CWD + r'''
 import json, os, sys
 r = {"python": sys.version.split()[0]}
 try:
@@ -72,7 +75,7 @@ def wants_check(argv: list[str]) -> bool:
 
 # --- this installation -----------------------------------------------------------------------
 # Run by this machine's Python in a process of its own: the driver never imports torch.
-_TORCH_PROBE = r'''
+_TORCH_PROBE = _NO_CWD + r'''
 import json
 r = {}
 try:

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 
 from elasticrun.common import warmstart
 from elasticrun.common.lines import lines
-from elasticrun.common.warmstart import PythonCommand
+from elasticrun.common.warmstart import PythonCommand, own_module_command
 
 log = logging.getLogger("elasticrun")
 
@@ -46,8 +46,10 @@ class Unavailable(Exception):
 
 def template_argv(python: str, name: str, cmd: PythonCommand, preload: Sequence[str], grace: float) -> list[str]:
     """The command line of a template for workers running ``cmd`` (with interpreter ``python``)."""
-    argv = [python, "-m", TEMPLATE_MODULE, "--name", name, "--grace", f"{grace:g}",
-            "--script" if cmd.kind == "script" else "--module", cmd.target]
+    argv = own_module_command(python, TEMPLATE_MODULE, "--name", name, "--grace", f"{grace:g}",
+                              "--script" if cmd.kind == "script" else "--module", cmd.target)
+    if cmd.safe:
+        argv.append("--own-module")
     if preload:
         argv += ["--preload", ",".join(preload)]
     return argv + ["--room", " " * warmstart.ARGV_ROOM]  # ps shows a worker's command line there
