@@ -24,7 +24,7 @@ import stat
 import threading
 from collections.abc import Sequence
 
-from elasticrun.common.paths import open_user_file
+from elasticrun.common.paths import open_user_file, path_problem
 from elasticrun.common.ratelimit import LimitedLog
 
 log = logging.getLogger("elasticrun")
@@ -47,7 +47,12 @@ def open_beneath(directory: str, names: Sequence[str], mode: int = 0o644) -> int
     """Open ``directory/names[0]/.../names[-1]`` for appending, creating the missing directories
     and the file, without following a symbolic link anywhere below ``directory`` (``directory``
     itself is the user's choice and may be one), and only if it is a regular file. OSError
-    otherwise, with a ``strerror`` that says which."""
+    otherwise, with a ``strerror`` that says which. ``directory`` is refused (EPERM) where
+    someone else could choose what it is (:func:`path_problem`: a link or a directory a
+    neighbour made in /tmp)."""
+    why = path_problem(os.path.abspath(directory), "they choose where the job's output goes")
+    if why:
+        raise OSError(errno.EPERM, why)
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for i, name in enumerate(names):

@@ -41,6 +41,70 @@ def _make_dirs(path: str, flag: str, given: str) -> None:
         raise ValueError(f"{flag} {given}: cannot create directory {where}: {_reason(exc)}") from None
 
 
+def user_name(uid: int) -> str:
+    """``uid``'s login name for a message (``uid N`` where it has none)."""
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def path_problem(path: str, gain: str, parent_gain: str = "", links: int = 0) -> str:
+    """Why someone else could choose what ``path`` (absolute) leads to ("" if nobody can); for
+    a path the job writes (a log, a timeline, its copies) or reads and obeys (a config file, a
+    discovery script). ``gain`` says what they would gain (``"they choose which file the job
+    writes"``), ``parent_gain`` what a directory anyone may write above it would let them do
+    (``gain`` if not given).
+
+    Checking only the last part is not enough: a neighbour who makes ``/tmp/tl`` and puts a link
+    to one of your files in it as ``timeline.json`` has the job truncate that file, and a
+    link ``/tmp/out -> /home/you/private`` has it write there. The rule is ``ssh``'s StrictModes,
+    made to fit shared project directories and containers: every symbolic link on the way
+    belongs to you or root; every directory on the way that anyone may write (``o+w``) belongs
+    to you or root (``/tmp``; a Kubernetes emptyDir, 0777 without the sticky bit), and what is
+    named right under such a directory belongs to you or root. A directory only its group may
+    write (a team's project directory) is trusted as its group is. What does not exist yet is
+    made by the job, as you."""
+    me = os.geteuid()
+    parts = [p for p in path.split("/") if p]
+    current = "/"
+    shared = False  # current is a directory anyone may write
+    for i, name in enumerate(parts):
+        here = os.path.join(current, name)
+        try:
+            st = os.lstat(here)
+        except OSError:
+            return ""  # missing: the rest is made by the job; otherwise opening says what is wrong
+        if shared and st.st_uid not in (me, 0):
+            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else \
+                "a directory" if stat.S_ISDIR(st.st_mode) else "a file"
+            return f"{here} is {kind} that {user_name(st.st_uid)} made in {current}, which anyone may write: {gain}"
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (me, 0):
+                return f"{here} is a symbolic link that {user_name(st.st_uid)} made: {gain}"
+            try:
+                target = os.readlink(here)
+            except OSError:
+                return ""
+            rest = "/".join(parts[i + 1:])
+            resolved = os.path.normpath(os.path.join(current, target, rest))
+            if links >= 40:  # a loop (the kernel's ELOOP limit): opening says so
+                return ""
+            return path_problem(resolved, gain, parent_gain, links + 1)
+        if not stat.S_ISDIR(st.st_mode) or i == len(parts) - 1:
+            return ""  # the last part (its own rules are the caller's), or not a directory (opening says so)
+        if st.st_mode & stat.S_IWOTH:
+            if st.st_uid not in (me, 0):
+                return f"{here} belongs to {user_name(st.st_uid)} and anyone may write it: {parent_gain or gain}"
+            shared = True
+        else:
+            shared = False
+        current = here
+    return ""
+
+
 def planted(path: str) -> str:
     """Why the job must not write to ``path``, a name the user gave ("" if it may): a symbolic
     link or a file that someone else put in a shared, sticky directory such as /tmp. A
@@ -54,9 +118,39 @@ def planted(path: str) -> str:
     return _look(path)[0]
 
 
-def _look(path: str) -> tuple[str, bool]:
-    """(:func:`planted`'s answer, whether ``path`` is a link that may be followed), from one lstat."""
+#: What a neighbour gains where :func:`path_problem` refuses a path the job writes.
+WRITE_GAIN = "they choose which file the job writes"
+
+
+def obeyed_file_problem(path: str) -> str:
+    """Why a file the job reads and obeys (a config file, a hostfile, a discovery script) could
+    be someone else's choice ("" if it could not): a path :func:`path_problem` refuses, or a
+    file anyone may change. Such a file decides what runs as you, as ``ssh`` refuses a config
+    file others may write."""
     full = os.path.abspath(path)
+    why = path_problem(full, "they choose what the job reads and runs")
+    if why:
+        return why
+    try:
+        st = os.stat(full)
+    except OSError:
+        return ""  # (reading it says what is wrong)
+    if stat.S_ISREG(st.st_mode) and st.st_mode & stat.S_IWOTH:
+        return f"anyone may change it (mode {stat.S_IMODE(st.st_mode):04o}): chmod o-w {path}"
+    return ""
+
+
+def _look(path: str) -> tuple[str, bool]:
+    """(:func:`planted`'s answer, whether ``path`` is a link that may be followed): the last
+    part of the path by the kernel's rule, then the way to it (:func:`path_problem`)."""
+    full = os.path.abspath(path)
+    why, link = _look_last(full)
+    if not why:
+        why = path_problem(full, WRITE_GAIN)
+    return (why, False) if why else ("", link)
+
+
+def _look_last(full: str) -> tuple[str, bool]:
     try:
         d = os.stat(os.path.dirname(full))
         st = os.lstat(full)
@@ -114,6 +208,9 @@ def check_writable_dir(path: str, flag: str) -> None:
     """Make sure the job can create files in directory ``path`` (created if missing, with
     its parents). Raises ValueError with one line naming ``flag`` and the reason."""
     full = os.path.abspath(path)
+    why = path_problem(full, "they choose where the job's output goes")
+    if why:
+        raise ValueError(f"{flag} {path}: {why}; use a directory of your own")
     _make_dirs(full, flag, path)
     try:
         with tempfile.TemporaryFile(dir=full):

@@ -17,6 +17,7 @@ from typing import Callable, Mapping, NoReturn
 
 from elasticrun.common import env as envvars
 from elasticrun.common.hosts import MAX_HOSTS, HostList, HostSpecError, parse_discovery_output, parse_host_entry
+from elasticrun.common.paths import obeyed_file_problem
 
 #: A discovery script's stdout is read up to this many bytes and lines; past either, the
 #: script is killed and the run fails. A host per line needs far less (10,000 hosts are
@@ -48,6 +49,9 @@ def discovery_command(spec: str) -> list[str]:
     if os.path.isfile(spec):
         if not os.access(spec, os.R_OK | os.X_OK):
             raise ValueError(f"{spec}: not executable (try chmod +x {spec})")
+        why = obeyed_file_problem(spec)
+        if why:
+            raise ValueError(f"{spec}: {why}")
         return [os.path.abspath(spec)]
     try:
         words = shlex.split(spec)
@@ -61,6 +65,9 @@ def discovery_command(spec: str) -> list[str]:
             raise ValueError(f"{first}: no such file")
         if not os.access(first, os.X_OK):
             raise ValueError(f"{first}: not executable (try chmod +x {first})")
+        why = obeyed_file_problem(first)
+        if why:
+            raise ValueError(f"{first}: {why}")
     elif shutil.which(first) is None:
         raise ValueError(f"{first}: no such file" if len(words) == 1 else f"{first}: command not found")
     return ["/bin/sh", "-c", spec]

@@ -11,6 +11,7 @@ from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
 from elasticrun.common.events import Kind
+from elasticrun.common.paths import open_user_file
 from elasticrun.timeline.analysis import (
     MARKERS, PHASES, Marker, TimelineError, analyze, by_cause, size_of, stragglers, summary,
 )
@@ -435,8 +436,17 @@ def write_png(events: list[dict[str, Any]], path: str, title: str = "elasticrun 
         bx.axis("off")
         bx.text(0.5, 0.5, "no resets", ha="center", transform=bx.transAxes)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with _user_file(path, binary=True) as f:
+        fig.savefig(f, dpi=120, format="png")
     plt.close(fig)
+
+
+def _user_file(path: str, binary: bool = False) -> Any:
+    """``path`` opened for writing (truncated), refusing a link or a file someone else planted
+    on the way to it (``open_user_file``: ``-o /tmp/job.svg`` where a neighbour left a link to
+    one of your files)."""
+    fd = open_user_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
+    return os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8")
 
 
 # --- command --------------------------------------------------------------------------------
@@ -452,7 +462,7 @@ def write(events: list[dict[str, Any]], path: str, title: str = "elasticrun job 
             return
         text = (json.dumps(to_chrome_trace(events), separators=(",", ":")) if ext == ".json"
                 else to_svg(events, title) if ext == ".svg" else to_html(events, title))
-        with open(path, "w", encoding="utf-8") as f:
+        with _user_file(path) as f:
             f.write(text)
     except OSError as exc:  # a missing directory, no permission, a full disk
         raise TimelineError(f"cannot write {path}: {exc.strerror or exc}") from None

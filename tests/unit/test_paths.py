@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from elasticrun.common.paths import check_writable_dir, check_writable_file, open_user_file, planted, read_bounded
+from elasticrun.common.diagnostics import open_beneath
+from elasticrun.common.paths import (check_writable_dir, check_writable_file, obeyed_file_problem, open_user_file, planted,
+                                    read_bounded)
+from elasticrun.discovery.sources import discovery_command
+from elasticrun.driver.cli.parser import read_hostfile
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -208,4 +212,95 @@ def test_a_link_planted_after_the_look_is_not_followed(shared, tmp_path, monkeyp
     monkeypatch.setattr(paths, "_look", look_then_plant)
     with pytest.raises(OSError):
         open_user_file(str(target), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    assert victim.read_text() == "precious\n"
+
+
+# --- the whole way to a path, not only its last part (a hostile-neighbour audit) -----------------------
+def _neighbours_dir(shared: Path, name: str) -> Path:
+    """A directory a neighbour made in a shared directory (``mkdir /tmp/tl``): theirs, 0755."""
+    d = shared / name
+    d.mkdir()
+    _own(d, NEIGHBOUR)
+    return d
+
+
+@needs_root
+@pytest.mark.parametrize("flag", ["--timeline-filename", "--events"])
+def test_a_link_in_a_directory_a_neighbour_made_in_a_shared_one_is_refused(shared, tmp_path, flag):
+    """``mkdir /tmp/tl; ln -s ~you/precious /tmp/tl/timeline.json``: the link is not in the
+    sticky directory, so the kernel's rule (and the last part's check) let the job truncate or
+    append to your file."""
+    victim = tmp_path / "precious"
+    victim.write_text("precious\n")
+    theirs = _neighbours_dir(shared, "tl")
+    link = theirs / "timeline.json"
+    link.symlink_to(victim)
+    _own(link, NEIGHBOUR)
+    why = refused(check_writable_file, link, flag)
+    assert why.startswith(f"{theirs} is a directory that nobody made in {shared}, which anyone may write: "
+                          f"they choose which file the job writes"), why
+    with pytest.raises(OSError):
+        open_user_file(str(link), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    with pytest.raises(OSError):
+        open_beneath(str(theirs), ["events.jsonl"])
+    assert victim.read_text() == "precious\n"
+
+
+@needs_root
+def test_an_output_directory_a_neighbour_made_or_linked_is_refused(shared, tmp_path):
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    theirs = _neighbours_dir(shared, "out")
+    link = shared / "out2"
+    link.symlink_to(private)
+    _own(link, NEIGHBOUR)
+    for given in (theirs, link, theirs / "logs"):
+        assert "nobody made in" in refused(check_writable_dir, given, "--output-filename")
+        with pytest.raises(OSError):
+            open_beneath(str(given), ["rank.0", "stdout"])
+    assert list(private.iterdir()) == [] and list(theirs.iterdir()) == []
+    mine = shared / "mine"  # made by you in the shared directory: yours to use
+    check_writable_dir(str(mine), "--output-filename")
+    os.close(open_beneath(str(mine), ["rank.0", "stdout"]))
+
+
+@needs_root
+def test_a_file_the_job_obeys_is_refused_where_a_neighbour_could_choose_or_change_it(shared, tmp_path):
+    theirs = _neighbours_dir(shared, "team")
+    planted_config = theirs / "job.toml"
+    planted_config.write_text('host-discovery-script = "id > /tmp/pwned"\n')
+    assert "nobody made in" in obeyed_file_problem(str(planted_config))
+    anyones = tmp_path / "open.toml"
+    anyones.write_text("np = 2\n")
+    anyones.chmod(0o666)
+    assert obeyed_file_problem(str(anyones)) == f"anyone may change it (mode 0666): chmod o-w {anyones}"
+    anyones.chmod(0o644)
+    assert obeyed_file_problem(str(anyones)) == ""
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:1\n")
+    script.chmod(0o777)
+    with pytest.raises(ValueError, match="anyone may change it"):
+        discovery_command(str(script))
+    with pytest.raises(ValueError, match="anyone may change it"):
+        discovery_command(f"{script} --zone a")
+    script.chmod(0o755)
+    assert discovery_command(str(script)) == [str(script)]
+    for flag, read in (("--hostfile", read_hostfile),):
+        with pytest.raises(ValueError, match="nobody made in"):
+            read(str(planted_config))
+    assert obeyed_file_problem("/dev/stdin") == ""  # --hostfile <(make_hosts), your own descriptors
+
+
+@needs_root
+def test_the_timeline_commands_output_never_follows_a_planted_link(shared, tmp_path):
+    from elasticrun.timeline.render import TimelineError, write
+    from test_timeline import hand_written
+
+    victim = tmp_path / "precious"
+    victim.write_text("precious\n")
+    link = shared / "job-timeline.svg"
+    link.symlink_to(victim)
+    _own(link, NEIGHBOUR)
+    with pytest.raises(TimelineError, match="symbolic link"):
+        write(hand_written(), str(link))
     assert victim.read_text() == "precious\n"

@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any, Callable, Mapping, NoReturn
 
-from elasticrun.common.paths import read_bounded
+from elasticrun.common.paths import obeyed_file_problem, read_bounded
 from elasticrun.driver.cli import horovod_config
 from elasticrun.driver.cli.parser import (
     module_list,
@@ -179,6 +179,9 @@ def read_config_file(parser: argparse.ArgumentParser, path: str) -> dict[str, An
     else:  # Python 3.10: the same parser, as the tomli package (a dependency there)
         import tomli as tomllib
 
+    why = obeyed_file_problem(path)
+    if why:
+        _fail(parser, f"--config-file {path}: {why}")
     try:
         raw = read_bounded(path, MAX_CONFIG_BYTES)
     except OSError as exc:

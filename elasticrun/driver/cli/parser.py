@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, NoReturn
 
-from elasticrun.common.paths import read_bounded
+from elasticrun.common.paths import obeyed_file_problem, read_bounded
 from elasticrun.common.settings import (
     DEFAULT_CHECKPOINT_INTERVAL,
     DEFAULT_COLLECTIVE_TIMEOUT,
@@ -382,6 +382,9 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
 def read_hostfile(path: str) -> str:
     """The text of a hostfile, read with a limit (``--hostfile /dev/zero`` is one line, not a
     hang); ValueError naming the flag and the reason."""
+    why = obeyed_file_problem(path)
+    if why:
+        raise ValueError(f"--hostfile {path}: {why}")
     try:
         raw = read_bounded(path, MAX_HOSTFILE_BYTES)
     except OSError as exc:

@@ -52,6 +52,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from elasticrun.common.paths import path_problem, user_name as _user
+
 FORMAT = 2
 _NAME = re.compile(r"^ckpt-(\d{6,})$")
 _ANY_NUMBER = re.compile(r"ckpt-(\d{6,})")  # also in moved-aside names: numbers are never reused
@@ -159,15 +161,6 @@ def _reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-def _user(uid: int) -> str:
-    try:
-        import pwd
-
-        return pwd.getpwuid(uid).pw_name
-    except (ImportError, KeyError):
-        return f"uid {uid}"
-
-
 def _trusted(st: os.stat_result, what: str, private: bool = False) -> None:
     """Refuse ``what`` unless it belongs to this process's user and nobody else may write it
     (``private``: nor read it)."""
@@ -180,64 +173,12 @@ def _trusted(st: os.stat_result, what: str, private: bool = False) -> None:
         raise UntrustedDirectory(f"{what} is open to group or others {mode}")
 
 
-def _path_problem(path: str, links: int = 0) -> str:
-    """Why the directories and links leading to ``path`` (absolute) let someone else choose
-    what the job's ``path`` is ("" if they do not); checked before anything is created there.
-
-    Checking the directory alone is not enough: a symbolic link that another user planted
-    (``/tmp/ckpt -> /home/you/other``) would have the job lock, write and rotate copies in a
-    directory of yours they picked (it passes as yours), and a world-writable parent of someone
-    else's (``mkdir -m777 /tmp/team``) lets them move your directory away or swap in another.
-    The rule is ``ssh``'s StrictModes, made to fit shared project directories and containers:
-    every symbolic link on the way belongs to you or root; every directory above yours that
-    anyone may write (``o+w``) belongs to you or root (``/tmp``; a Kubernetes emptyDir, 0777
-    without the sticky bit), and what you name right under such a directory belongs to you or
-    root. A parent that only its group may write (a team's project directory) is trusted as its
-    group is."""
-    me = os.geteuid()
-    parts = [p for p in path.split("/") if p]
-    current = "/"
-    shared = False  # current is a directory anyone may write (sticky)
-    for i, name in enumerate(parts):
-        here = os.path.join(current, name)
-        try:
-            st = os.lstat(here)
-        except FileNotFoundError:
-            return ""  # the rest is created by the job, 0700
-        except OSError:
-            return ""  # (opening says what is wrong)
-        if shared and st.st_uid not in (me, 0):
-            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory"
-            return (f"{here} is {kind} that {_user(st.st_uid)} made in {current}, which anyone may write: "
-                    f"they choose where the copies go")
-        if stat.S_ISLNK(st.st_mode):
-            if st.st_uid not in (me, 0):
-                return f"{here} is a symbolic link that {_user(st.st_uid)} made: they choose where the copies go"
-            try:
-                target = os.readlink(here)
-            except OSError:
-                return ""
-            rest = "/".join(parts[i + 1:])
-            resolved = os.path.normpath(os.path.join(current, target, rest))
-            if links >= 40:  # a loop (the kernel's ELOOP limit): opening says so
-                return ""
-            return _path_problem(resolved, links + 1)
-        if not stat.S_ISDIR(st.st_mode):
-            return ""  # (opening says it is not a directory)
-        if i == len(parts) - 1:
-            return ""  # the directory itself: _trusted's rules, stricter
-        if st.st_mode & stat.S_IWOTH:
-            if st.st_uid not in (me, 0):
-                return (f"{here} belongs to {_user(st.st_uid)} and anyone may write it: they could move the "
-                        f"copies away or swap in others")
-            # Yours or root's: /tmp (sticky), or a container's scratch volume (a Kubernetes
-            # emptyDir is 0777 without the sticky bit, and the pod is its only user). What you
-            # name in it must then be yours or root's: anyone could have made it.
-            shared = True
-        else:
-            shared = False
-        current = here
-    return ""
+def _path_problem(path: str) -> str:
+    """Why someone else could choose what the checkpoint directory ``path`` is (see
+    :func:`elasticrun.common.paths.path_problem`: ``ssh``'s StrictModes, made to fit shared
+    project directories and containers; a directory anyone may write above yours could move
+    your copies away or swap in others)."""
+    return path_problem(path, "they choose where the copies go", "they could move the copies away or swap in others")
 
 
 def _fsync(fd: int) -> None:
