@@ -25,23 +25,34 @@
 #   from DEMO_REMOVE_AFTER s  localhost:1               127.0.0.2:1     (a host is removed)
 #
 # Settings (environment variables, inherited from whoever starts elasticrun):
-#   DEMO_STATE_DIR     where the start stamp lives (default /tmp/elasticrun-demo-$USER);
-#                      delete the directory to start the schedule over
+#   DEMO_STATE_DIR     where the start stamp lives (default $XDG_RUNTIME_DIR/elasticrun-demo-$USER,
+#                      or under /tmp without it); a private directory of yours (0700), made if
+#                      missing; delete its `started` file to start the schedule over
 #   DEMO_ADD_AFTER     seconds until 127.0.0.2 is added   (default 12)
 #   DEMO_REMOVE_AFTER  seconds until 127.0.0.1 is removed (default 24)
 set -euo pipefail
 
-state_dir=${DEMO_STATE_DIR:-/tmp/elasticrun-demo-${USER:-$(id -un)}}
+state_dir=${DEMO_STATE_DIR:-${XDG_RUNTIME_DIR:-/tmp}/elasticrun-demo-${USER:-$(id -un)}}
 add_after=${DEMO_ADD_AFTER:-12}
 remove_after=${DEMO_REMOVE_AFTER:-24}
 
+# Only a private directory of yours: one that someone else made at that (guessable) name in
+# /tmp could hold their links, and writing the stamp would then overwrite a file of yours.
+[[ -e "$state_dir" || -L "$state_dir" ]] || mkdir -m 700 "$state_dir" 2>/dev/null || true
+if [[ -L "$state_dir" || ! -d "$state_dir" || ! -O "$state_dir" ]] ||
+        [[ -n "$(find "$state_dir" -maxdepth 0 -perm /022 2>/dev/null)" ]]; then
+    echo "discover_hosts.sh: $state_dir is not a private directory of yours (someone else's, a link, or" \
+         "writable by others); set DEMO_STATE_DIR to one" >&2
+    exit 1
+fi
+
 # The first run records when the demo started; later runs measure the time since then.
-mkdir -p "$state_dir"
 stamp="$state_dir/started"
 if [[ ! -s "$stamp" ]]; then
     # Write then rename, so a concurrent run never reads a half-written stamp.
-    date +%s.%N > "$stamp.$$"
-    mv -f "$stamp.$$" "$stamp"
+    fresh=$(mktemp "$state_dir/started.XXXXXX")
+    date +%s.%N > "$fresh"
+    mv -f "$fresh" "$stamp"
 fi
 elapsed=$(awk -v start="$(cat "$stamp")" -v now="$(date +%s.%N)" 'BEGIN { printf "%.1f", now - start }')
 

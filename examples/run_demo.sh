@@ -35,11 +35,15 @@ else
 fi
 
 # --- reset the demo schedule ------------------------------------------------------------------
-# discover_hosts.sh times its host changes from a stamp it writes on its first run.
-export DEMO_STATE_DIR=${DEMO_STATE_DIR:-/tmp/elasticrun-demo-${USER:-$(id -un)}}
+# discover_hosts.sh times its host changes from a stamp it writes on its first run: a new
+# private directory for this run (mktemp: no name a neighbour could have taken first).
+if [[ -z "${DEMO_STATE_DIR:-}" ]]; then
+    DEMO_STATE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/elasticrun-demo.XXXXXX")
+    trap 'rm -rf "$DEMO_STATE_DIR"' EXIT
+fi
+export DEMO_STATE_DIR
 export DEMO_ADD_AFTER=${DEMO_ADD_AFTER:-12}
 export DEMO_REMOVE_AFTER=${DEMO_REMOVE_AFTER:-24}
-mkdir -p "$DEMO_STATE_DIR"
 rm -f "$DEMO_STATE_DIR/started"
 
 echo "run_demo.sh: 127.0.0.2 joins after ${DEMO_ADD_AFTER} s, 127.0.0.1 leaves after ${DEMO_REMOVE_AFTER} s" >&2
