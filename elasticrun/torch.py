@@ -7,6 +7,7 @@ table in docs/porting-from-horovod.md lists them all (tests/compat checks it).
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -213,12 +214,18 @@ def stop_timeline() -> None:
     _trace.stop()
 
 
-#: ``hvd.elastic.run``, ``hvd.elastic.TorchState``, ... as in ``horovod.torch.elastic``.
-elastic = types.SimpleNamespace(
+#: ``hvd.elastic.run``, ``hvd.elastic.TorchState``, ... as in ``horovod.torch.elastic``; a module
+#: of its own (``elasticrun.torch.elastic``), so that ``from horovod.torch.elastic import
+#: ElasticSampler, TorchState`` ports by its import line too.
+elastic = types.ModuleType(f"{__name__}.elastic", "horovod.torch.elastic's names, on elasticrun.")
+elastic.__dict__.update(
     run=run, State=State, ObjectState=ObjectState, TorchState=TorchState, ElasticSampler=ElasticSampler,
     HorovodInternalError=HorovodInternalError, HostsUpdatedInterrupt=HostsUpdatedInterrupt, init=init,
     shutdown=shutdown,
+    __all__=["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HorovodInternalError",
+             "HostsUpdatedInterrupt", "init", "shutdown"],
 )
+sys.modules[elastic.__name__] = elastic
 
 __all__ = [
     "Adasum",

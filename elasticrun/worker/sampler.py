@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from typing import Any
 
@@ -275,8 +276,35 @@ class ElasticSampler(Sampler[int]):
         return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices)}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Replace epoch and processed set with ``state_dict``'s, then :meth:`reset`."""
-        processed = set(self._checked(state_dict["processed_indices"]))
-        self.epoch = int(state_dict["epoch"])
+        """Replace epoch and processed set with ``state_dict``'s, then :meth:`reset`.
+
+        Horovod's sampler saves ``{"epoch", "processed_num"}`` instead: the first
+        ``processed_num`` indices of its epoch order, which it draws with
+        ``random.Random(seed + epoch)``. A checkpoint a Horovod job saved is read that way, so
+        the samples it trained in that epoch are not trained again (and none is skipped)."""
+        epoch = int(state_dict["epoch"])
+        if "processed_indices" not in state_dict and "processed_num" in state_dict:
+            processed = set(self._horovod_order(epoch)[:max(0, int(state_dict["processed_num"]))])
+        else:
+            processed = set(self._checked(state_dict["processed_indices"]))
+        self.epoch = epoch
         self.processed_indices = processed
         self.reset()
+
+    def _horovod_order(self, epoch: int) -> list[int]:
+        """Horovod's epoch order (its ElasticSampler.reset): what a Horovod checkpoint's
+        ``processed_num`` counts from."""
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed + epoch).shuffle(order)
+        return order
+
+    @property
+    def num_samples(self) -> int:
+        """Indices this rank is given between two resets (Horovod's attribute)."""
+        return len(self.indices)
+
+    @property
+    def total_size(self) -> int:
+        """``num_samples`` over every rank (Horovod's attribute): the remaining indices, padded."""
+        return len(self.indices) * self.num_replicas

@@ -207,7 +207,7 @@ class Works:
             w.wait()
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: Horovod's handles are ints, used as dict keys
 class Handle:
     """An asynchronous collective in flight; pass it to :func:`synchronize` (or call it)."""
 

@@ -39,3 +39,26 @@ def test_state_and_object_state_take_horovods_framework_arguments():
             super().__init__(bcast_object=bcast, get_rank=lambda: 0)
 
     assert Custom()._get_rank() == 0
+
+
+def test_horovod_torch_elastic_imports_port_by_their_import_line():
+    """``from horovod.torch.elastic import ElasticSampler, TorchState`` (Horovod's elastic is a
+    module) must work as ``from elasticrun.torch.elastic import ...``."""
+    import importlib
+
+    import elasticrun.torch as hvd
+
+    module = importlib.import_module("elasticrun.torch.elastic")
+    assert module is hvd.elastic
+    from elasticrun.torch.elastic import ElasticSampler, TorchState, run  # noqa: F401
+
+    assert TorchState is hvd.elastic.TorchState and run is hvd.elastic.run
+    assert set(module.__all__) <= set(vars(module))
+
+
+def test_async_handles_can_be_dict_keys_as_horovods_int_handles():
+    from elasticrun.worker.waiting import Handle
+
+    a, b = (Handle(work=None, what="allreduce", finish=lambda: None) for _ in range(2))
+    table = {a: "first", b: "second"}
+    assert table[a] == "first" and table[b] == "second" and a != b

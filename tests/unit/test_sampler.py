@@ -352,3 +352,25 @@ def test_a_pass_after_the_whole_epoch_was_recorded_without_set_epoch_repeats_it(
     s.set_epoch(1)
     assert list(s) == list(range(0, 20, 2))  # a new epoch: a new pass, no warning
     assert len([r for r in caplog.records if "without set_epoch()" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_horovod_samplers_state_dict_resumes_where_that_job_stopped(shuffle: bool) -> None:
+    """Horovod's ElasticSampler saves ``{"epoch", "processed_num"}``: the first processed_num
+    indices of its epoch order (``random.Random(seed + epoch).shuffle``). A script resuming from
+    a checkpoint a Horovod job saved must train the rest of that epoch, each sample once."""
+    import random
+
+    s = make(40, 1, 4, seed=7, shuffle=shuffle)
+    s.load_state_dict({"epoch": 3, "processed_num": 12})
+    horovod_order = list(range(40))
+    if shuffle:
+        random.Random(7 + 3).shuffle(horovod_order)
+    assert s.epoch == 3 and s.processed_indices == set(horovod_order[:12])
+    assert sorted(s.remaining_indices) == sorted(horovod_order[12:])
+    assert s.num_samples == len(s) == 7 and s.total_size == 28  # Horovod's attributes: 28 left over 4 ranks
+
+
+def test_horovods_sampler_attributes() -> None:
+    s = make(10, 0, 3)
+    assert (s.num_samples, s.total_size) == (4, 12)  # 10 padded to 12 over 3 ranks
