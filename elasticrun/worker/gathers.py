@@ -177,7 +177,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
                    name: str | None = None, process_set: ProcessSet = global_process_set, *,
                    trusted: bool = False) -> Handle:
     """Start sending ``splits[i]`` rows of ``tensor`` (in order) to member ``i`` and receiving what
-    every member sends here; ``synchronize`` returns ``(output, received_splits)``. Without
+    every member sends here; ``synchronize`` returns ``(output, received_splits)``, the splits
+    int32 whatever the dtype of ``splits`` (as Horovod's). Without
     ``splits`` the rows are split evenly (the first ranks one more).
 
     Each member first learns how many rows it receives (a small alltoall of the splits), then
@@ -193,9 +194,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
             raise ValueError(f"alltoall without splits needs the first dimension ({t.shape[0]}) to be divisible by "
                              f"the number of ranks ({g.size}); pass splits to send uneven parts")
         sends = issuing.even_split(t.shape[0], g.size)
-        splits_dtype = torch.int32
     else:
-        splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
         sends = [int(x) for x in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
         if len(sends) != g.size or any(x < 0 for x in sends) or sum(sends) != t.shape[0]:
             raise ValueError(f"alltoall splits {sends} must be {g.size} non-negative counts adding up to the "
@@ -226,4 +225,4 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     (send, row), (recv, _) = _wire(t), _wire(out)
     sb, rb = ([n * row for n in sends], [n * row for n in received]) if row != 1 else (sends, received)
     work = _on(r, g, lambda pg: pg.alltoall_base(recv, send, rb, sb, opts), what, tag(), on=t)
-    return waiting.handle(work, what, lambda: (out, received_t.to(splits_dtype)), None if trusted else name)
+    return waiting.handle(work, what, lambda: (out, received_t.to(torch.int32)), None if trusted else name)

@@ -62,7 +62,7 @@ def main_world(rank: int, size: int, workdir: Path) -> dict[str, Any]:
     out["broadcast"] = b.detach()
     grads["broadcast"] = t.grad.clone()
     send = torch.arange(5, dtype=torch.float32) + 100 * rank
-    splits = [1, 4] if rank == 0 else [3, 2]
+    splits = [1, 4] if rank == 0 else torch.tensor([3, 2])  # int64: the received splits are int32 all the same
     t = send.clone().requires_grad_()
     received, recv_splits = hvd.alltoall(t, splits=splits)
     (received * torch.arange(1, received.numel() + 1)).sum().backward()
@@ -241,7 +241,7 @@ def test_allgather_broadcast_alltoall_reducescatter_results(world: list[dict[str
     (out0, splits0), (out1, splits1) = world[0]["alltoall"], world[1]["alltoall"]
     assert out0.tolist() == [0.0, 100.0, 101.0, 102.0] and splits0.tolist() == [1, 3]
     assert out1.tolist() == [1.0, 2.0, 3.0, 4.0, 103.0, 104.0] and splits1.tolist() == [4, 2]
-    assert splits0.dtype == torch.int32
+    assert splits0.dtype == splits1.dtype == torch.int32  # as Horovod's, whatever the dtype of the splits sent
     assert world[0]["alltoall_even"].tolist() == [0.0, 1.0, 10.0, 11.0]
     total = torch.arange(10, dtype=torch.float32).view(5, 2) * 3
     assert torch.equal(world[0]["reducescatter_sum"], total[:3]) and torch.equal(world[1]["reducescatter_sum"], total[3:])
