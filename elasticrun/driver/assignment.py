@@ -62,28 +62,29 @@ def assign_keys(keys: Sequence[tuple[str, int]]) -> list[SlotInfo]:
     Ranks fill host by host (a host's places are contiguous ranks, as hierarchical collectives
     expect), hosts in the order of their first place in ``keys``, and within a host in the
     order given: the caller lists the worker that must be rank 0 (the holder of the newest
-    state) first. A host's local ranks number its places by slot, so they are its slot
-    numbers whenever its slots 0..n-1 are all used, and stay within 0..local_size-1 when only
-    some are (a round formed before every newcomer of a host is ready).
+    state) first. A worker's local rank is its slot, for the whole life of its process, as in
+    Horovod (where a worker is launched for a slot): a GPU script picks its device once,
+    ``torch.cuda.set_device(hvd.local_rank())``, and the driver gives NCCL the slot's GPU. In a
+    round formed before every newcomer of a host is ready (slot 1 without slot 0), numbering the
+    places 0..n-1 instead would tell the slot-1 worker it is local rank 0 now and 1 later, and a
+    script that reads it again would move to another GPU. ``local_size`` is the host's places
+    in the round, or one more than its highest slot if that is larger, so that ``local_rank <
+    local_size`` always holds.
     """
     by_host: dict[str, list[int]] = {}
     for host, slot in keys:
         by_host.setdefault(host, []).append(slot)
-    local: dict[tuple[str, int], int] = {}
-    cross_size: list[int] = []
+    cross_size: dict[int, int] = {}
     cross_rank: dict[tuple[str, int], int] = {}
     for host, slots in by_host.items():
-        for index, slot in enumerate(sorted(slots)):
-            local[(host, slot)] = index
-        cross_size.extend([0] * (len(slots) - len(cross_size)))
-        for index in range(len(slots)):
-            cross_rank[(host, index)] = cross_size[index]
-            cross_size[index] += 1
+        for slot in sorted(slots):
+            cross_rank[(host, slot)] = cross_size.get(slot, 0)
+            cross_size[slot] = cross_size.get(slot, 0) + 1
     size = len(keys)
     out: list[SlotInfo] = []
     for host, slots in by_host.items():
+        local_size = max(len(slots), max(slots) + 1)
         for slot in slots:
-            lr = local[(host, slot)]
-            out.append(SlotInfo(host=host, slot=slot, rank=len(out), size=size, local_rank=lr,
-                                local_size=len(slots), cross_rank=cross_rank[(host, lr)], cross_size=cross_size[lr]))
+            out.append(SlotInfo(host=host, slot=slot, rank=len(out), size=size, local_rank=slot,
+                                local_size=local_size, cross_rank=cross_rank[(host, slot)], cross_size=cross_size[slot]))
     return out

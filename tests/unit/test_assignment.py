@@ -135,3 +135,16 @@ def test_property_appending_a_host_keeps_existing_places(hosts, extra, max_np):
     after = {i.key: i.rank for i in assign(hosts + [("new", extra)], max_np)}
     for key, rank in before.items():
         assert after[key] == rank
+
+
+def test_a_workers_local_rank_is_its_slot_also_in_a_round_that_lacks_the_lower_slots():
+    """A round formed before slot 0's newcomer is ready: the slot-1 worker is local rank 1 then
+    and later (a GPU script's set_device(hvd.local_rank()) and the driver's slot GPU agree)."""
+    from elasticrun.driver.assignment import assign_keys
+
+    (only,) = assign_keys([("a", 1)])
+    assert (only.local_rank, only.local_size, only.cross_rank, only.cross_size) == (1, 2, 0, 1)
+    later = {i.slot: i for i in assign_keys([("a", 1), ("a", 0), ("b", 1)])}
+    assert later[1].local_rank == 1 and later[0].local_rank == 0 and later[1].local_size == 2
+    b1 = next(i for i in assign_keys([("a", 1), ("a", 0), ("b", 1)]) if i.host == "b")
+    assert (b1.local_rank, b1.local_size, b1.cross_rank, b1.cross_size) == (1, 2, 1, 2)

@@ -1120,6 +1120,7 @@ class RegistryMachine(RuleBasedStateMachine):
         self.strict = cooldown is None or self.STRICT_WITH_COOLDOWN
         self.finished = None
         self.last_round = -1
+        self.local_ranks: dict[str, int] = {}  # worker -> its local rank (it must never change)
         self.prev_members: set[str] = set()
         self.aborts: Counter = Counter()
         self.launched: set[str] = set()
@@ -1339,13 +1340,17 @@ class RegistryMachine(RuleBasedStateMachine):
         assert size >= (self.cfg.np if first else self.cfg.min_np)
         if self.cfg.max_np is not None:
             assert size <= self.cfg.max_np
-        # Ranks are host by host, local ranks 0..local_size-1 on each host.
+        # Ranks are host by host; a local rank is the worker's slot (for its life), under local_size.
         hosts = [a.info.host for a in assigns]
         assert hosts == sorted(hosts, key=hosts.index), "a host's ranks are not contiguous"
         for h in set(hosts):
             mine = [a.info for a in assigns if a.info.host == h]
-            assert sorted(i.local_rank for i in mine) == list(range(len(mine)))
-            assert all(i.local_size == len(mine) for i in mine)
+            assert all(i.local_rank == i.slot for i in mine)
+            local_size = max(len(mine), max(i.slot for i in mine) + 1)
+            assert all(i.local_size == local_size and i.local_rank < local_size for i in mine)
+        for a in assigns:  # a process's local rank never changes
+            seen = self.local_ranks.setdefault(a.worker_id, a.info.local_rank)
+            assert seen == a.info.local_rank, f"{a.worker_id}: local rank {seen} then {a.info.local_rank}"
         available = dict(self.job.hosts.available())
         new_ids = {a.worker_id for a in assigns}
         # Holders alive when the event came (a holder dismissed by this very decision counts).
