@@ -48,6 +48,11 @@ from elasticrun.driver.resets import ResetTracker
 log = logging.getLogger("elasticrun")
 
 
+#: A gap this long between two turns of the loop (at most 0.5 s apart when it runs) is a stall.
+_STALLED_S = 2.0
+#: After a stall, silence is judged up to where it began for this long: the heartbeats sent
+#: meanwhile reach the inbox (the ZeroMQ threads were stopped too) and are read first.
+_STALL_GRACE_S = 3.0
 #: How far behind its inbox the driver may fall before it says so (seconds).
 _BEHIND_WARNING = 2.0
 
@@ -440,15 +445,31 @@ class ElasticDriver:
         # When the inbox was last found empty: every request that arrived before then has been
         # handled. Silence is judged up to then only (Registry.decide's heard_until).
         heard_until = next_tick
+        last_turn = next_tick  # when the loop last finished a turn
+        stalled: tuple[float, float] | None = None  # (silence judged up to, until when) after a stall
+
+        def stall(began: float, lost: float, now: float) -> tuple[float, float]:
+            # The driver did not run (stopped: Ctrl-Z, SIGSTOP, a suspended machine; or
+            # starved): the workers' heartbeats of that time may still be on their way to its
+            # inbox, and no worker is hung for the driver's own silence.
+            log.warning("the driver did not run for %.1f s (stopped, as by Ctrl-Z or SIGSTOP, or starved): its "
+                        "workers' silence meanwhile is not held against them", lost)
+            return (min(began, stalled[0]) if stalled is not None else began), now + _STALL_GRACE_S
+
         while True:
             now = time.monotonic()
+            if now - last_turn > _STALLED_S:  # stopped between two turns
+                stalled = stall(last_turn, now - last_turn, now)
             store_deadline = self._store.next_deadline()
             due = min(next_tick, store_deadline) if store_deadline is not None else next_tick
             if self.registry.dirty:
                 due = min(due, hold_until)
             if stop_at is not None:
                 due = min(due, stop_at)
-            events = dict(poller.poll(int(max(0.0, min(0.5, due - now)) * 1000) + 1))
+            wait = max(0.0, min(0.5, due - now))
+            events = dict(poller.poll(int(wait * 1000) + 1))
+            if time.monotonic() - now - wait > _STALLED_S:  # stopped while it waited for messages
+                stalled = stall(now, time.monotonic() - now - wait, time.monotonic())
             done = False
             self._in_step = True  # a stop signal waits for the end of this step (see _on_signal)
             try:
@@ -485,8 +506,11 @@ class ElasticDriver:
                     self._limited.warn("driver behind", f"the driver is {now - heard_until:.1f} "
                                        f"s behind its workers' messages (too few cores for this many workers?): it "
                                        f"judges no worker hung until it has read them", "behind")
+                if stalled is not None and now >= stalled[1]:
+                    stalled = None
+                judged = heard_until if stalled is None else min(heard_until, stalled[0])
                 if now >= next_tick or (self.registry.dirty and now >= hold_until):
-                    self._execute(self.registry.decide(now, heard_until))
+                    self._execute(self.registry.decide(now, judged))
                     deadline = self.registry.next_deadline()
                     next_tick = min(deadline, now + 1.0) if deadline is not None else now + 1.0
                     took = time.monotonic() - now
@@ -499,6 +523,7 @@ class ElasticDriver:
                     until() or self._hurry or (stop_at is not None and time.monotonic() >= stop_at))
             finally:
                 self._in_step = False
+                last_turn = time.monotonic()
             signum, self._pending_signal = self._pending_signal, 0
             if done:  # a signal that came in the step that finished the job has nothing left to stop
                 return self.registry.finished

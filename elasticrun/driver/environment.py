@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from elasticrun.common import env
+from elasticrun.common import env, liveness
 from elasticrun.common.settings import JobSettings
 from elasticrun.driver.assignment import SlotInfo
 
@@ -77,6 +77,9 @@ def shared_environment(settings: JobSettings, base_env: Mapping[str, str], remot
         shared["HOROVOD_TIMELINE_MARK_CYCLES"] = "1" if s.timeline_mark_cycles else "0"
     shared.update(s.extra_env)
     shared["PYTHONUNBUFFERED"] = "1"
+    me = liveness.identity() if not remote else None
+    if me is not None:  # a worker on this machine waits for a driver that is only stopped
+        shared[env.DRIVER_PROCESS] = me
     return shared
 
 

@@ -123,6 +123,11 @@ class DriverClient:
         self._dropped.flush(force=True)
 
 
+#: A gap this long between two turns of the control loop (which turns at least every 0.1 s)
+#: means this process did not run, and says nothing of the driver.
+_STALLED_S = 1.0
+
+
 class ControlChannel(threading.Thread):
     """Sends heartbeats and receives their replies and the driver's notifications, on a daemon thread.
 
@@ -133,7 +138,8 @@ class ControlChannel(threading.Thread):
     def __init__(self, ctx: zmq.Context, control_addr: str, keys: WorkerKeys, job_id: str,
                  heartbeat_body: Callable[[], dict[str, Any]], on_message: Callable[[Message], None],
                  on_driver_lost: Callable[[float], None], interval: float, driver_timeout: float,
-                 take_events: Callable[[], list[dict[str, Any]]] = list):
+                 take_events: Callable[[], list[dict[str, Any]]] = list,
+                 driver_here: Callable[[], str | None] = lambda: None):
         super().__init__(name="elasticrun-control", daemon=True)
         self._hb = _socket(ctx, zmq.DEALER, control_addr, keys)
         self._hb_codec = Codec(keys.secret, job_id, new_sender_id("hb"))
@@ -143,6 +149,7 @@ class ControlChannel(threading.Thread):
         self._take_events = take_events
         self._interval = interval
         self._driver_timeout = driver_timeout
+        self._driver_here = driver_here
         self._stopping = threading.Event()
         self._bye: str | None = None
         self._dropped = LimitedLog(log)
@@ -171,11 +178,17 @@ class ControlChannel(threading.Thread):
         poller = zmq.Poller()
         poller.register(self._hb, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        last_answer = time.monotonic()
+        last_answer = last_turn = time.monotonic()
         next_beat = 0.0
+        waiting_for = ""  # what was said of a silent driver whose process is still here
         try:
             while not self._stopping.is_set():
                 now = time.monotonic()
+                if now - last_turn > _STALLED_S:
+                    # This thread did not run (the whole job was stopped, as a batch system's
+                    # suspend does, or this process starved): not the driver's silence.
+                    last_answer += now - last_turn
+                last_turn = now
                 if now >= next_beat:
                     try:  # never block here: this thread must notice a silent driver
                         self._hb.send(self._hb_codec.encode("heartbeat", self._heartbeat_body()), zmq.NOBLOCK)
@@ -183,8 +196,16 @@ class ControlChannel(threading.Thread):
                         pass
                     next_beat = now + self._interval
                 if now - last_answer > self._driver_timeout:
-                    self._on_driver_lost(now - last_answer)
-                    return
+                    here = self._driver_here()
+                    if here is None:
+                        self._on_driver_lost(now - last_answer)
+                        return
+                    if here != waiting_for:
+                        waiting_for = here
+                        log.warning("the driver has not answered for %.0f s, but its process is still here (%s%s): "
+                                    "waiting for it", now - last_answer, here,
+                                    ": SIGSTOP or Ctrl-Z? `kill -CONT` it" if here == "stopped" else "")
+                    last_answer = now - self._driver_timeout + 1.0  # look again in a second
                 self._ship_events()
                 events = dict(poller.poll(int(max(0.0, min(next_beat - now, 0.1)) * 1000) + 1))
                 if self._wake_r in events:
@@ -209,6 +230,9 @@ class ControlChannel(threading.Thread):
                                                exc.reason)
                             continue
                         last_answer = time.monotonic()  # a notification, too, is a driver alive
+                        if waiting_for:
+                            log.warning("the driver answers again")
+                            waiting_for = ""
                         self._on_message(msg)
                 self._dropped.flush()
         finally:

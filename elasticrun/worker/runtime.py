@@ -38,7 +38,7 @@ import torch.distributed as dist
 import zmq
 
 from elasticrun.common.events import Kind
-from elasticrun.common import deathnotice, env, settings
+from elasticrun.common import deathnotice, env, liveness, settings
 from elasticrun.common.protocol import Message, copy_id
 from elasticrun.worker import collectives, devices, durable, forks, prefetch, rounds, trace
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
@@ -218,7 +218,7 @@ class Runtime:
             on_message=self._on_message, on_driver_lost=self._on_driver_lost,
             interval=_seconds(env.HEARTBEAT_INTERVAL, settings.DEFAULT_HEARTBEAT_INTERVAL),
             driver_timeout=_seconds(env.DRIVER_TIMEOUT, settings.DEFAULT_DRIVER_TIMEOUT),
-            take_events=self._take_events)
+            take_events=self._take_events, driver_here=_driver_here)
         self._control.start()
 
     def _heartbeat_body(self) -> dict[str, Any]:
@@ -424,6 +424,7 @@ class Runtime:
         return pg
 
     def _on_driver_lost(self, silence: float) -> None:
+        """Exit: the driver is gone (a worker must not outlive its job)."""
         try:  # stderr is often a pipe to the dead driver: the message is best effort, the exit is not
             sys.stderr.write(f"elasticrun: {self.hostname}[{self.slot}]: the driver has not answered for "
                              f"{silence:.0f} s, so the job is gone; this worker exits.\n")
@@ -711,6 +712,16 @@ def _not_a_worker(above: int) -> Runtime:
 
     rounds.defer(rt.current_round, refuse)
     return rt
+
+
+def _driver_here() -> str | None:
+    """"running" or "stopped" while the driver's process is still on this machine (a worker on
+    another machine cannot tell: None, as for a driver that is gone)."""
+    ident = os.environ.get(env.DRIVER_PROCESS)
+    if not ident:
+        return None
+    st = liveness.state(ident)
+    return st if st in ("running", "stopped") else None
 
 
 def _start_timeline_from_environment() -> None:

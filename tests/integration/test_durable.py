@@ -386,3 +386,39 @@ def test_an_unwritable_checkpoint_dir_is_one_line(job, tmp_path):
     r = job.run(["-np", "1", "--checkpoint-dir", str(tmp_path / "file" / "ckpt")], [sys.executable, "-c", "pass"])
     assert r.returncode == 2, r.output
     assert r.stderr.strip().startswith("elasticrun: error: --checkpoint-dir ") and len(r.stderr.splitlines()) == 1
+
+
+# --- a driver that is only stopped ----------------------------------------------------------------
+@pytest.mark.parametrize("what", ["driver", "everything"])
+def test_a_driver_stopped_longer_than_the_timeouts_loses_no_worker_and_blames_no_host(job, what):
+    """Ctrl-Z (or SIGSTOP) of the driver for longer than the workers' driver timeout and the
+    heartbeat timeout (5 s each): its workers, on its machine, see its process is still there
+    and wait; once it runs again it holds none of their silence against them. Before, every
+    worker exited ("the driver has not answered for 5 s") and the driver blacklisted both
+    healthy hosts for it: the job failed. ``everything``: the whole job stopped and continued
+    (a batch system's suspend and resume): nobody's silence while stopped counts."""
+    job.start(["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1"],
+              sample_cmd(job, "--sleep", "0.15", "--commit-every", "2"))
+    wait_for(lambda: progress(job) >= 2, 60, "the first steps")
+    pids = [job.proc.pid] + (tagged_pids(job.tag) if what == "everything" else [])
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    before = progress(job)
+    try:
+        time.sleep(7.0)  # the scenario itself: longer than both 5 s timeouts
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    at_resume = progress(job) if what == "driver" else before + 1
+    r = job.finish(timeout=120)
+    assert r.returncode == 0, r.output
+    assert "blacklisted permanently" not in r.stderr and "so the job is gone" not in r.output, r.output
+    assert "blacklisted hosts: none" in r.stderr and "0 reset(s)" in r.stderr, r.stderr
+    lost = re.search(r"the driver did not run for ([\d.]+) s \(stopped", r.stderr)
+    assert lost and 6.0 <= float(lost.group(1)) <= 8.0, r.stderr
+    if what == "driver":
+        assert "its process is still here (stopped" in r.output, r.output
+    assert at_resume > 2, "the workers did not train on while the driver was stopped"
+    assert time.monotonic() - stopped < 100
+    assert_exactly_once(entries(job.tmp / "samples"))
