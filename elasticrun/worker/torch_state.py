@@ -376,16 +376,22 @@ class TorchState(ObjectState):
         the sync sends no model at all, and a newcomer's costs one transfer, not one per
         survivor (gloo's broadcast sends to each rank in turn).
         """
+        from elasticrun.worker import runtime
+
+        rt = runtime.get() if runtime.is_initialized() else None
         r = rounds.current()
-        v = torch.zeros(2 + r.size, dtype=torch.int64)
+        v = torch.zeros(3 + r.size, dtype=torch.int64)
         v[0] = self._commit_seq * 65536 + 65535 - r.rank
         v[1] = int(fetched)
-        v[2 + r.rank] = self._commit_seq + 1 if holds else 0
+        v[2] = rt.steps if rt is not None else 0
+        v[3 + r.rank] = self._commit_seq + 1 if holds else 0
         collectives.allreduce_inplace(v, torch.distributed.ReduceOp.MAX, "state.newest_commit")
         words = v.tolist()
         self._commit_seq = words[0] // 65536
         root = 65535 - words[0] % 65536
-        held = [x == self._commit_seq + 1 for x in words[2:]]
+        if rt is not None:  # a newcomer counts the job's steps from here, as the survivors do
+            rt.steps = max(rt.steps, words[2])
+        held = [x == self._commit_seq + 1 for x in words[3:]]
         return root, bool(words[1]), [i for i in range(r.size) if i != root and not (held[root] and held[i])]
 
     def _receivers(self, root: int, needs: list[int], keep: dict[str, frozenset[str]]) -> ProcessSet | None:

@@ -110,9 +110,12 @@ def _survivors_at_a_commit(rank: int, width: int, newcomer: int | None = None,
         state.restore()
     if after_restore is not None:
         after_restore(rank, model, opt)
+    from elasticrun.worker import runtime
+
+    runtime.get().steps = 0 if rank == newcomer else 7  # a newcomer counts the job's steps from its sync
     calls = _record()
     state.sync()
-    return _result(model, opt, state, calls)
+    return dict(_result(model, opt, state, calls), steps=runtime.get().steps)
 
 
 def _same_as_root(results: list[dict[str, Any]]) -> None:
@@ -160,6 +163,7 @@ def test_a_newcomer_is_sent_the_model_alone_and_ends_equal(tmp_path):
         assert _params_sent(results[rank]["calls"]) == [("parameters.broadcast_parameters", (0, 2)),
                                                         ("broadcast_optimizer_state", (0, 2))], rank
     assert results[0]["logs"][0].endswith("model and optimizer state sent to rank(s) 2 only (the others hold them)")
+    assert [r["steps"] for r in results] == [7, 7, 7]  # the job's steps (the driver's status and resumes count them)
 
 
 def small_newcomer(rank: int, size: int, workdir: Path) -> dict[str, Any]:

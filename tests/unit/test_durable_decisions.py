@@ -31,6 +31,10 @@ def test_progress_keeps_the_furthest_point_and_when_its_commit_was_first_heard()
     assert p.commit_at == 100.0 + PROGRESS_EVERY + 0.1
     assert not p.report(30, 3, now=500.0, wall=1e9 + 400, keep_file=False)  # no checkpoint directory
     assert (p.steps, p.commit) == (30, 3)
+    # A worker a step behind the furthest, with a newer commit (the old workers died; it joined
+    # later): its commit counts, and when it was first heard.
+    p.report(29, 4, now=600.0, wall=1e9 + 500, keep_file=False)
+    assert (p.steps, p.commit, p.commit_at, p.at) == (30, 4, 600.0, 1e9 + 400)
 
 
 WAITING = FinalCopy(written=False, failure=None, service_alive=True, workers_alive=True, waited=0.5,

@@ -67,12 +67,17 @@ class Progress:
     def report(self, steps: int, commit: int, now: float, wall: float, keep_file: bool) -> bool:
         """A worker's report; True when the progress file is to be written now (``keep_file``:
         there is a checkpoint directory): at a new furthest point, at most every
-        :data:`PROGRESS_EVERY` s (it only shortens "N steps back" after a resume)."""
-        if (steps, commit) <= (self.steps, self.commit):
+        :data:`PROGRESS_EVERY` s (it only shortens "N steps back" after a resume).
+
+        Steps and commits are each the furthest reported: a worker that joined late counts
+        steps from its first sync, and one a step behind may hold a newer commit (a pair
+        compared steps first ignored its commits, and the "last commit" went stale)."""
+        if steps <= self.steps and commit <= self.commit:
             return False
-        if commit != self.commit:
-            self.commit_at = now
-        self.steps, self.commit, self.at = steps, commit, wall
+        if commit > self.commit:
+            self.commit, self.commit_at = commit, now
+        if steps > self.steps:
+            self.steps, self.at = steps, wall
         if keep_file and now - self._written_at > PROGRESS_EVERY:
             self._written_at = now
             return True
