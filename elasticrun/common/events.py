@@ -154,10 +154,10 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.WORKER_SUCCEEDED: ("round", "message", "host", "label", "rank", "plain"),
     Kind.HOSTS_UPDATED: ("round", "message", "added", "removed", "handover", "from_size", "to_size"),
     Kind.NOTIFICATION_SENT: ("round", "ts", "added", "removed"),
-    Kind.HANDOVER_PENDING: ("round", "message", "hosts"),
-    Kind.REMOVAL_HELD: ("round", "message", "hosts", "min_np"),
+    Kind.HANDOVER_PENDING: ("round", "message", "hosts", "why"),
+    Kind.REMOVAL_HELD: ("round", "message", "hosts", "why", "min_np"),
     # usable: [[host, slots], ...]; left_s: until the wait gives up; flag: the limit's flag
-    Kind.WAITING_FOR_SLOTS: ("round", "message", "need", "ready", "usable", "left_s", "flag"),
+    Kind.WAITING_FOR_SLOTS: ("round", "message", "need", "ready", "usable", "left_s", "flag", "out"),
     Kind.STATE_LOST: ("round", "message"),
     Kind.WORKERS_LOST: ("round", "message", "limit", "min_np", "commit"),
     Kind.NP_NEVER: ("round", "message", "np", "reachable", "min_np"),

@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Generator, Mapping, Union, get_args
 
 from elasticrun.common.events import Cause, Kind, Reason
-from elasticrun.discovery.host_manager import HostManager
+from elasticrun.discovery.host_manager import LEAVING, NOTICE, HostManager
 from elasticrun.driver.assignment import SlotInfo, assign, assign_keys
 from elasticrun.driver.stragglers import Pace, Straggler, StragglerDetector, eviction_pays
 
@@ -898,6 +898,33 @@ class Registry:
                 yield Kill(w.id, why)
                 yield from self._failure(w, why, now)
 
+    def _why_gone(self, hosts: list[str]) -> dict[str, str]:
+        """Why each of ``hosts`` (members' hosts out of the target) is going, for the console."""
+        draining, discovered = self.hosts.draining(), self.hosts.discovered()
+        usable = dict(self.hosts.available())
+        out = {}
+        for h in hosts:
+            if draining.get(h) == LEAVING:
+                out[h] = "leaving"
+            elif draining.get(h) == NOTICE:
+                out[h] = "draining"
+            elif self.hosts.is_blacklisted(h):
+                out[h] = "blacklisted"
+            elif h not in discovered:
+                out[h] = "undiscovered"
+            elif h in usable:
+                out[h] = "resized"
+            else:
+                out[h] = "unusable"
+        return out
+
+    def _held_out(self) -> dict[str, str]:
+        """Hosts discovery lists that the job does not use, with why (a wait's lines name them:
+        a host that is listed but left out is otherwise a mystery)."""
+        usable = {h for h, _ in self.hosts.available()}
+        listed = [h for h in self.hosts.discovered() if h not in usable]
+        return self._why_gone(sorted(listed)) if listed else {}
+
     def _say_once(self, key: str, event: Event) -> Decision:
         """An event said once per round (decisions run often; the console hears it once)."""
         if key not in self._said:
@@ -1058,14 +1085,15 @@ class Registry:
         gone = sorted({h for h, _ in current - target_keys})
         if not plan:  # every holder is leaving and no newcomer is ready to take the state over
             if gone:
-                yield from self._say_once("handover", Event(Kind.HANDOVER_PENDING, {"hosts": gone}))
+                yield from self._say_once("handover", Event(Kind.HANDOVER_PENDING, {
+                    "hosts": gone, "why": self._why_gone(gone)}))
             return
         if keys == current:
             return
         if len(plan) < self.config.min_np:
             if gone:
                 yield from self._say_once("below_min_np", Event(Kind.REMOVAL_HELD, {
-                    "hosts": gone, "min_np": self.config.min_np}, level="warning"))
+                    "hosts": gone, "why": self._why_gone(gone), "min_np": self.config.min_np}, level="warning"))
             return
         by_key = self._by_key()
         starting = any(i.key not in by_key or by_key[i.key].state is WorkerState.LAUNCHING for i in target)
@@ -1232,7 +1260,7 @@ class Registry:
         if waited >= self._wait_limit():
             yield Mark("_wait_reminder", None)
             yield Finish(False, Reason(Cause.TIMED_OUT, {"limit": self._wait_limit(), "flag": flag, "need": need,
-                                                         "usable": usable}))
+                                                         "usable": usable, "out": self._held_out()}))
             return
         if self._wait_reminder is not None and now < self._wait_reminder:
             return
@@ -1240,7 +1268,7 @@ class Registry:
         left = self._wait_limit() - waited
         ready = sum(1 for w in self.workers.values() if w.state is WorkerState.WAITING)
         yield Event(Kind.WAITING_FOR_SLOTS, {"need": need, "ready": ready, "usable": usable, "left_s": left,
-                                             "flag": flag},
+                                             "flag": flag, "out": self._held_out()},
                     level="warning" if self.round >= 0 or waited > 0 else "info")
 
     def _never_enough(self, need: int) -> Reason:

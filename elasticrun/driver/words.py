@@ -110,6 +110,33 @@ def _whitelisted(f: Mapping[str, Any]) -> str:
     return f"host {f['host']} is back after its blacklist cooldown"
 
 
+#: Why a member's host is going (registry._why_gone), as the console says it.
+_GOING = {
+    "leaving": "leaving (a worker there got SIGTERM: the host is kept out until discovery stops listing it and "
+               "lists it again)",
+    "draining": "listed draining by discovery",
+    "blacklisted": "blacklisted",
+    "undiscovered": "no longer listed by discovery",
+    "resized": "now listed with fewer slots",
+    "unusable": "unusable",
+}
+
+
+def _going(f: Mapping[str, Any]) -> str:
+    """``hosts`` grouped by why they are going: "a, b (left discovery); c (leaving ...)"."""
+    why = f.get("why") or {}
+    groups: dict[str, list[str]] = {}
+    for h in f["hosts"]:
+        groups.setdefault(why.get(h, "unusable"), []).append(h)
+    return "; ".join(f"{_hosts(hosts)} {_GOING.get(w, w)}" for w, hosts in groups.items())
+
+
+def _held(f: Mapping[str, Any]) -> str:
+    """"; listed but not used: ..." for hosts discovery lists that the job leaves out ("" if none)."""
+    out = f.get("out") or {}
+    return f"; listed but not used: {_going({'hosts': list(out), 'why': out})}" if out else ""
+
+
 _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
     Kind.DISCOVERY_EMPTY: lambda f: "discovery listed no usable hosts; keeping the last known hosts",
     Kind.HOST_DRAINING: lambda f: (f"host {f['host']} is about to go (discovery lists it draining): its workers "
@@ -125,12 +152,10 @@ _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
     Kind.WORKER_FAILED: lambda f: f"{f['label']} (rank {f['rank']}) {reason(f['why'])}",
     Kind.PLAIN_COMMAND: lambda f: (f"no worker called hvd.init() within --start-timeout {f['limit']:g} s: running "
                                    f"them as plain processes (each runs to its end; the job fails if one fails)"),
-    Kind.HANDOVER_PENDING: lambda f: (f"the workers holding the job's state are on host(s) {_hosts(f['hosts'])}, "
-                                      f"which left discovery or were blacklisted: "
+    Kind.HANDOVER_PENDING: lambda f: (f"the workers holding the job's state are on host(s) {_going(f)}: "
                                       f"they keep training until new workers are ready to take the state over"),
-    Kind.REMOVAL_HELD: lambda f: (f"host(s) {_hosts(f['hosts'])} left discovery or were blacklisted, but without "
-                                  f"them fewer than --min-np {f['min_np']} workers are ready: they keep training "
-                                  f"until enough are"),
+    Kind.REMOVAL_HELD: lambda f: (f"host(s) {_going(f)}, but without them fewer than --min-np {f['min_np']} "
+                                  f"workers are ready: they keep training until enough are"),
     Kind.HOSTS_UPDATED: lambda f: (f"{'handing the state over' if f['handover'] else 'membership changing'} from "
                                    f"{f['from_size']} to {f['to_size']} worker(s)"),
     Kind.NP_NEVER: lambda f: (f"-np {f['np']} can never be met: a listed host failed and none can come back; "
@@ -139,7 +164,8 @@ _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
                                   f"--min-np {f['min_np']} slots to resume from the durable copy of commit "
                                   f"{f['commit']}"),
     Kind.WAITING_FOR_SLOTS: lambda f: (f"waiting for {f['need']} ready worker(s) (have {f['ready']}; usable hosts: "
-                                       f"{_usable(f['usable'])}); giving up in {f['left_s']:.0f} s ({f['flag']})"),
+                                       f"{_usable(f['usable'])}{_held(f)}); giving up in {f['left_s']:.0f} s "
+                                       f"({f['flag']})"),
     Kind.STATE_LOST: lambda f: (f"round {f['round']} starts without any worker that held the job's state: every "
                                 f"holder is gone. The new workers start from what the script loads (its initial "
                                 f"state or its own checkpoint); training since then is redone"),
@@ -198,7 +224,7 @@ _REASONS: dict[Cause, Callable[[Mapping[str, Any]], str]] = {
     Cause.RESET_LIMIT: lambda f: (f"reset limit {f['limit']} exceeded: the job needed another reset after "
                                   f"{f['resets']} (raise --reset-limit to allow more)"),
     Cause.TIMED_OUT: lambda f: (f"timed out after {f['limit']:g} s ({f['flag']}) waiting for {f['need']} "
-                                f"slots; usable hosts: {_usable(f['usable'])}"),
+                                f"slots; usable hosts: {_usable(f['usable'])}{_held(f)}"),
     Cause.NEVER_ENOUGH: lambda f: _never_enough(f),
     Cause.NCCL_CANNOT_RUN: lambda f: (f"--backend nccl cannot run round {f['round']}: {reason(f['why'])} (NCCL needs "
                                       f"a GPU of its own per worker; use --backend auto or gloo)"),

@@ -67,3 +67,21 @@ def test_a_thousand_hosts_make_one_short_line():
                     "h6:4, h7:4 and 1016 more); giving up in 12 s (--start-timeout)")
     black = words.reason(Reason(Cause.ALL_BLACKLISTED, {"hosts": [f"h{i}" for i in range(9)]}))
     assert black == "every host is blacklisted after failures: h0, h1, h2, h3, h4, h5, h6, h7 and 1 more"
+
+
+def test_hosts_held_out_or_going_say_why_each():
+    """A SIGTERMed host's worker left and discovery still lists it: the lines said it "left
+    discovery or were blacklisted" and the timeout named only the usable hosts, so a job failed
+    with two healthy hosts listed and no word of why one was not used."""
+    held = words.event(Event(Kind.REMOVAL_HELD, {"hosts": ["b", "c"], "why": {"b": "leaving", "c": "undiscovered"},
+                                                 "min_np": 2}))
+    assert held == ("host(s) b leaving (a worker there got SIGTERM: the host is kept out until discovery stops listing "
+                    "it and lists it again); c no longer listed by discovery, but without them fewer than --min-np 2 "
+                    "workers are ready: they keep training until enough are")
+    timed_out = words.reason(Reason(Cause.TIMED_OUT, {"limit": 8.0, "flag": "--elastic-timeout", "need": 2,
+                                                      "usable": [("a", 1)], "out": {"b": "leaving", "d": "blacklisted"}}))
+    assert timed_out.startswith("timed out after 8 s (--elastic-timeout) waiting for 2 slots; usable hosts: a:1; "
+                                "listed but not used: b leaving (a worker there got SIGTERM"), timed_out
+    assert timed_out.endswith("; d blacklisted"), timed_out
+    handover = words.event(Event(Kind.HANDOVER_PENDING, {"hosts": ["a"], "why": {"a": "draining"}}))
+    assert handover.startswith("the workers holding the job's state are on host(s) a listed draining by discovery: ")
