@@ -1169,7 +1169,11 @@ class Registry:
         if not live and failed:
             if not self._resumable(failed):
                 yield from self._say_held()
-                yield Finish(False, Reason(Cause.ALL_FAILED, {"failed": [(w.label, w.why) for w in failed[-8:]]}))
+                # The failures that ended it: the latest round's (those of earlier rounds were
+                # recovered from, and only crowd the line).
+                latest = max(w.round for w in failed)
+                last = [w for w in failed if w.round == latest]
+                yield Finish(False, Reason(Cause.ALL_FAILED, {"failed": [(w.label, w.why) for w in last[-8:]]}))
                 return
             if "collapse" not in self._said:
                 # Losing everything at once says nothing about any one host: let them all back.

@@ -572,6 +572,16 @@ class TestFailures:
         acts = job.exit("w1", 1, at=3)
         assert [(a.round, why(a)) for a in of(acts, AbortRound)] == [(1, "b[0] exited with code 1")]
 
+    def test_all_workers_failed_names_the_failures_of_the_last_round_only(self):
+        """Failures recovered from in earlier rounds are not why the job ended."""
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        job.exit("w1", -9, at=1)  # round 0: b's worker killed; the job goes on with a
+        job.rdv_all(["w0"], at=2)
+        assert job.reg.round == 1
+        finish = of(job.exit("w0", -9, at=3), Finish)
+        assert len(finish) == 1 and why(finish[0]) == "all workers failed (a[0] exited with code -9)"
+
     def test_member_failure_after_notify_still_aborts(self):
         job = Job(np=2, min_np=1)
         job.start({"a": 1, "b": 1})
