@@ -152,7 +152,7 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.WORKER_EXITED: ("worker", "code", "host", "slot", "rank"),
     Kind.WORKER_FAILED: ("round", "message", "host", "label", "rank", "why"),
     Kind.WORKER_SUCCEEDED: ("round", "message", "host", "label", "rank", "plain"),
-    Kind.HOSTS_UPDATED: ("round", "message", "added", "removed", "handover", "from_size", "to_size"),
+    Kind.HOSTS_UPDATED: ("round", "message", "added", "removed", "handover", "from_size", "to_size", "again"),
     Kind.NOTIFICATION_SENT: ("round", "ts", "added", "removed"),
     Kind.HANDOVER_PENDING: ("round", "message", "hosts", "why"),
     Kind.REMOVAL_HELD: ("round", "message", "hosts", "why", "min_np"),

@@ -1102,11 +1102,12 @@ class Registry:
         if starting and (handover or not removal):
             return  # newcomers first: one reset for all of them (the survivors train meanwhile)
         if self._notified_target != keys:
+            again = self._notified_target is not None  # the target changed since this round's first notice
             yield Mark("_notified_target", keys)
             added, removed = bool(keys - current), removal
             yield Notify(added=added, removed=removed)
             yield Event(Kind.HOSTS_UPDATED, {"added": added, "removed": removed, "handover": handover,
-                                             "from_size": len(current), "to_size": len(keys)})
+                                             "from_size": len(current), "to_size": len(keys), "again": again})
 
     def _stop_waiting(self) -> Decision:
         """Enough slots: the wait for them (and its reminders) is over."""

@@ -22,6 +22,12 @@ class _Open:
     to_size: int = 0
 
 
+def _hosts_cause(first: str, then: str) -> str:
+    """Two host updates' causes ("hosts removed", "hosts added and removed") as one."""
+    what = [w for w in ("added", "removed") if w in first.split() or w in then.split()]
+    return "hosts " + " and ".join(what) if what else first
+
+
 @dataclass
 class ResetTracker:
     size: int = 0  # workers in the current round
@@ -36,9 +42,13 @@ class ResetTracker:
     _done: list[str] = field(default_factory=list)
 
     def trigger(self, kind: str, cause: str, t: float) -> None:
-        """A failure or a host update ends the current round (the first trigger counts)."""
+        """A failure or a host update ends the current round (the first trigger counts; a
+        second host update before the next round adds what it changed: "hosts removed", then
+        a host added as well, is a reset for "hosts added and removed")."""
         if self.rounds > 0 and (not self._open or self._open[-1].round is not None):
             self._open.append(_Open(cause, kind, t, self.size))
+        elif self._open and self._open[-1].round is None and kind == self._open[-1].kind == "hosts":
+            self._open[-1].cause = _hosts_cause(self._open[-1].cause, cause)
 
     def round_formed(self, round_: int, size: int) -> None:
         """Every round after the first is a reset (as the registry counts them): counted here,

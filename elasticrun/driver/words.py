@@ -156,8 +156,10 @@ _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
                                       f"they keep training until new workers are ready to take the state over"),
     Kind.REMOVAL_HELD: lambda f: (f"host(s) {_going(f)}, but without them fewer than --min-np {f['min_np']} "
                                   f"workers are ready: they keep training until enough are"),
-    Kind.HOSTS_UPDATED: lambda f: (f"{'handing the state over' if f['handover'] else 'membership changing'} from "
-                                   f"{f['from_size']} to {f['to_size']} worker(s)"),
+    Kind.HOSTS_UPDATED: lambda f: (f"{'handing the state over' if f['handover'] else 'membership changing'}"
+                                   f"{' again, now' if f.get('again') else ''} from {f['from_size']} to "
+                                   f"{f['to_size']} worker(s)"
+                                   + (" (hosts added and removed)" if f['added'] and f['removed'] else "")),
     Kind.NP_NEVER: lambda f: (f"-np {f['np']} can never be met: a listed host failed and none can come back; "
                               f"starting with {f['reachable']} (--min-np {f['min_np']})"),
     Kind.WORKERS_LOST: lambda f: (f"every worker is gone; waiting up to --elastic-timeout {f['limit']:g} s for "

@@ -86,3 +86,15 @@ def test_summary_agrees_with_the_registry_when_the_job_ends_right_after_a_reset(
     r.round_formed(1, 3)
     assert r.summary([]).startswith("2 round(s), 1 reset(s) (1 after host changes), 0.00 s spent recovering "
                                     "(1 ended before training resumed)")
+
+
+def test_a_second_host_update_before_the_round_adds_what_it_changed():
+    """A host lost slots (removed), then a newcomer was ready (added): one reset for both, named
+    for both (it said "hosts removed")."""
+    r = ResetTracker()
+    r.round_formed(0, 3)
+    r.trigger("hosts", "hosts removed", t=5.0)
+    r.trigger("hosts", "hosts added and removed", t=5.5)
+    r.round_formed(1, 3)
+    done = r.first_step(1, t=5.6)
+    assert done is not None and done["cause"] == "hosts added and removed" and done["seconds"] == pytest.approx(0.6)

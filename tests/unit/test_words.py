@@ -85,3 +85,12 @@ def test_hosts_held_out_or_going_say_why_each():
     assert timed_out.endswith("; d blacklisted"), timed_out
     handover = words.event(Event(Kind.HANDOVER_PENDING, {"hosts": ["a"], "why": {"a": "draining"}}))
     assert handover.startswith("the workers holding the job's state are on host(s) a listed draining by discovery: ")
+
+
+def test_a_second_membership_change_in_a_round_says_again_and_what():
+    first = words.event(Event(Kind.HOSTS_UPDATED, {"added": False, "removed": True, "handover": False,
+                                                    "from_size": 3, "to_size": 2, "again": False}))
+    then = words.event(Event(Kind.HOSTS_UPDATED, {"added": True, "removed": True, "handover": False,
+                                                   "from_size": 3, "to_size": 3, "again": True}))
+    assert first == "membership changing from 3 to 2 worker(s)"
+    assert then == "membership changing again, now from 3 to 3 worker(s) (hosts added and removed)"
