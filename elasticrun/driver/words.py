@@ -138,7 +138,8 @@ def _held(f: Mapping[str, Any]) -> str:
 
 
 _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
-    Kind.DISCOVERY_EMPTY: lambda f: "discovery listed no usable hosts; keeping the last known hosts",
+    Kind.DISCOVERY_EMPTY: lambda f: ("discovery listed no hosts (empty output, or only invalid lines); keeping the "
+                                     "last known hosts"),
     Kind.HOST_DRAINING: lambda f: (f"host {f['host']} is about to go (discovery lists it draining): its workers "
                                    f"leave at their next step"),
     Kind.HOST_WHITELISTED: _whitelisted,

@@ -75,7 +75,7 @@ echo localhost:1; echo 127.0.0.1:1; echo 'not a host!'; echo 'localhost:0'; echo
     assert "skipped invalid line, line 3: 'not a host!'" in r.stderr, r.stderr
     assert "a host needs at least 1 slot" in r.stderr
     assert "listed again with 2 slots" in r.stderr
-    assert "discovery listed no usable hosts; keeping the last known hosts" in r.stderr
+    assert "discovery listed no hosts (empty output, or only invalid lines); keeping the last known hosts" in r.stderr
     assert r.stderr.count("skipped invalid line, line 3") == 1  # said once, not every interval
     assert {e["size"] for e in r.log} == {2}
 
