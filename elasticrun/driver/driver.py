@@ -40,7 +40,8 @@ from elasticrun.driver.environment import shared_environment, worker_environment
 from elasticrun.driver.functions import Service
 from elasticrun.driver.kvstore import KVStore
 from elasticrun.driver.launching import Launcher
-from elasticrun.driver.network import DriverEndpoints, driver_bind_address, io_threads, usable_cores, zmq_endpoint
+from elasticrun.driver.network import (DriverEndpoints, UnresolvedHost, driver_bind_address, io_threads, usable_cores,
+                                      zmq_endpoint)
 from elasticrun.driver.notifications import Notifications
 from elasticrun.driver.output import OutputSink
 from elasticrun.driver.resets import ResetTracker
@@ -802,8 +803,10 @@ class ElasticDriver:
             if self._durable is not None:
                 durable_addr = self._durable.endpoint(zmq_endpoint(self._endpoints.address(where if remote else None)))
         except OSError as exc:
-            log.error("%s: cannot tell which address of this machine its workers could reach (%s); "
-                      "set --driver-address or --network-interface", info.host, exc.strerror or exc)
+            fix = ("make the name resolve here (DNS or /etc/hosts), or list the host by its address"
+                   if isinstance(exc, UnresolvedHost) else "set --driver-address or --network-interface")
+            log.error("%s: cannot tell which address of this machine its workers could reach (%s); %s",
+                      info.host, exc.strerror or exc, fix)
             self._post("exit", (act.worker_id, 255))
             return
         worker_env = worker_environment(s, info, job_id=self.job_id, worker_id=act.worker_id,

@@ -19,13 +19,17 @@ if TYPE_CHECKING:
     from elasticrun.common.settings import JobSettings
 
 
+class UnresolvedHost(OSError):
+    """A host name that does not resolve here (DNS or /etc/hosts: no flag of the driver helps)."""
+
+
 def route_source_address(host: str) -> str:
     """The address of this machine that the kernel uses to reach ``host`` (no packet is sent)."""
     name = host.rpartition("@")[2]  # user@name: the name
     try:
         infos = socket.getaddrinfo(name, 9, type=socket.SOCK_DGRAM)
     except socket.gaierror as exc:
-        raise OSError(f"cannot resolve host name {name!r}: {exc.strerror}") from None
+        raise UnresolvedHost(f"cannot resolve host name {name!r}: {exc.strerror}") from None
     infos.sort(key=lambda i: i[0] != socket.AF_INET)  # IPv4 first
     last: OSError | None = None
     for family, _, _, _, sockaddr in infos:

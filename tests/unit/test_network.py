@@ -18,7 +18,8 @@ def test_route_source_address_for_loopback_hosts():
 
 
 def test_route_source_address_unknown_name():
-    with pytest.raises(OSError):
+    """An unresolvable name is its own error: the driver's advice is DNS, not its flags."""
+    with pytest.raises(network.UnresolvedHost, match="cannot resolve host name 'no-such-host.invalid'"):
         network.route_source_address("no-such-host.invalid")
 
 
