@@ -661,7 +661,7 @@ def set_main_path(entry: str | None) -> None:
     if _main_path and sys.path and sys.path[0] == _main_path[0]:
         del sys.path[0]
     _main_path.clear()
-    if entry is not None and not sys.flags.safe_path:
+    if entry is not None and not getattr(sys.flags, "safe_path", False):  # (-P: Python 3.11+)
         sys.path.insert(0, entry)
         _main_path.append(entry)
 
