@@ -13,6 +13,7 @@ The job's keys are never part of it: they reach the worker through an inherited 
 
 from __future__ import annotations
 
+import os
 from typing import Mapping
 
 from elasticrun.common import env, liveness
@@ -77,10 +78,18 @@ def shared_environment(settings: JobSettings, base_env: Mapping[str, str], remot
         shared["HOROVOD_TIMELINE_MARK_CYCLES"] = "1" if s.timeline_mark_cycles else "0"
     shared.update(s.extra_env)
     shared["PYTHONUNBUFFERED"] = "1"
-    me = liveness.identity() if not remote else None
-    if me is not None:  # a worker on this machine waits for a driver that is only stopped
-        shared[env.DRIVER_PROCESS] = me
     return shared
+
+
+_identity: dict[int, str | None] = {}  # this process (the driver) by its pid: forks are others
+
+
+def _driver_process() -> str | None:
+    pid = os.getpid()
+    if pid not in _identity:
+        _identity.clear()
+        _identity[pid] = liveness.identity(pid)
+    return _identity[pid]
 
 
 #: About how many heartbeats a second the driver answers at most (each costs it ~0.1 ms of one
@@ -147,6 +156,9 @@ def worker_environment(settings: JobSettings, info: SlotInfo, *, job_id: str, wo
         env.LOG_LEVEL: s.worker_log_level, env.SIGTERM_GRACE: str(s.sigterm_grace), env.BACKEND: s.backend, "PYTHONUNBUFFERED": "1",
         env.PREFETCH: "1" if s.prefetch else "0",
     })
+    me = None if remote else _driver_process()
+    if me is not None:  # a worker on this machine waits for a driver that is only stopped
+        worker_env[env.DRIVER_PROCESS] = me
     # Horovod's names and torch.distributed's, for scripts and libraries that read them; the
     # worker updates them (and sets MASTER_ADDR/MASTER_PORT) whenever it enters a new round.
     worker_env.update(horovod_environment(info))

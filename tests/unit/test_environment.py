@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from elasticrun.common import env
+from elasticrun.common import env, liveness
 from elasticrun.common.auth import JobKeys
 from elasticrun.common.settings import JobSettings
 from elasticrun.driver.assignment import SlotInfo
@@ -31,9 +31,11 @@ def _env(settings: JobSettings = SETTINGS, base: dict[str, str] = DRIVER_ENV, re
                               base_env=base, remote=remote)
 
 
-def _job_part(settings: JobSettings = SETTINGS) -> dict[str, str]:
-    """What every worker gets from the job itself, whatever else it inherits."""
-    return {
+def _job_part(settings: JobSettings = SETTINGS, remote: bool = False) -> dict[str, str]:
+    """What every worker gets from the job itself, whatever else it inherits (a local one also
+    the driver's process, to tell a stopped driver from a gone one: common/liveness.py)."""
+    mine = {} if remote else {env.DRIVER_PROCESS: liveness.identity()}
+    return {**mine,
         env.HOSTNAME: "node2", env.RANK: "3", env.SIZE: "4", env.LOCAL_RANK: "1", env.LOCAL_SIZE: "2",
         env.CROSS_RANK: "1", env.CROSS_SIZE: "2", env.SLOT: "1", env.WORKER_ID: "w7", env.JOB_ID: "job1",
         env.CONTROL_ADDR: "tcp://10.0.0.1:5000",
@@ -61,12 +63,12 @@ def test_a_local_worker_inherits_the_whole_driver_environment():
 
 
 def test_a_remote_worker_gets_the_forwarded_part():
-    assert _env(remote=True) == {**forwarded_environment(DRIVER_ENV, True), **_job_part()}
+    assert _env(remote=True) == {**forwarded_environment(DRIVER_ENV, True), **_job_part(remote=True)}
 
 
 def test_no_forward_env_gives_a_remote_worker_only_the_x_variables_and_the_jobs_own():
     s = dataclasses.replace(SETTINGS, forward_env=False, extra_env={"GREETING": "hi", "PATH": "/opt/bin"})
-    assert _env(s, remote=True) == {"GREETING": "hi", "PATH": "/opt/bin", **_job_part(s)}
+    assert _env(s, remote=True) == {"GREETING": "hi", "PATH": "/opt/bin", **_job_part(s, remote=True)}
     # A local worker is a child process: it inherits everything whatever the flag says.
     assert _env(s) == {**DRIVER_ENV, "GREETING": "hi", "PATH": "/opt/bin", **_job_part(s)}
 
