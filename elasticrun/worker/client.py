@@ -205,7 +205,9 @@ class ControlChannel(threading.Thread):
                         log.warning("the driver has not answered for %.0f s, but its process is still here (%s%s): "
                                     "waiting for it", now - last_answer, here,
                                     ": SIGSTOP or Ctrl-Z? `kill -CONT` it" if here == "stopped" else "")
-                    last_answer = now - self._driver_timeout + 1.0  # look again in a second
+                    # Seen stopped just now: once it runs again it has the whole timeout to answer
+                    # (its backlog first); still stopped then, it is looked at again.
+                    last_answer = now
                 self._ship_events()
                 events = dict(poller.poll(int(max(0.0, min(next_beat - now, 0.1)) * 1000) + 1))
                 if self._wake_r in events:

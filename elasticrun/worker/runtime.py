@@ -715,13 +715,15 @@ def _not_a_worker(above: int) -> Runtime:
 
 
 def _driver_here() -> str | None:
-    """"running" or "stopped" while the driver's process is still on this machine (a worker on
-    another machine cannot tell: None, as for a driver that is gone)."""
+    """"stopped" while the driver's process is on this machine and stopped (Ctrl-Z, SIGSTOP, a
+    debugger): it is not gone, and this worker waits for it. None otherwise: a driver that runs
+    and has been silent past the timeout is treated as before (the job may be over while its
+    process lives on, as an ``elasticrun.run`` caller's does), and a worker on another machine
+    cannot tell."""
     ident = os.environ.get(env.DRIVER_PROCESS)
     if not ident:
         return None
-    st = liveness.state(ident)
-    return st if st in ("running", "stopped") else None
+    return "stopped" if liveness.state(ident) == "stopped" else None
 
 
 def _start_timeline_from_environment() -> None:
