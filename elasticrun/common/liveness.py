@@ -2,9 +2,9 @@
 
 A worker that hears nothing from the driver for ``ELASTICRUN_DRIVER_TIMEOUT`` exits, so that a
 job whose driver is gone leaves nothing behind. But a driver that is only stopped (Ctrl-Z,
-``kill -STOP``, a debugger) or starved is not gone: its workers must not all exit, and then be
-blamed for it, because it did not answer for a few seconds. A worker on the driver's machine
-can tell the two apart: the driver's process is still there. It is named by the machine's
+``kill -STOP``, a debugger) is not gone: its workers must not all exit, and then be blamed for
+it, because it did not answer for a few seconds. A worker on the driver's machine can tell the
+two apart: the driver's process is still there, stopped. It is named by the machine's
 boot id, its pid and its start time, so that a pid reused by another process, or a worker in
 another pid namespace (a container on the same machine), is never mistaken for it. Workers on
 other machines cannot tell, and keep the timeout.

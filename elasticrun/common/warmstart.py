@@ -73,8 +73,8 @@ class PythonCommand:
 #: planted them in a shared directory (/tmp, a team's scratch) would run code as you. Only the
 #: empty entry ``-c`` puts there is dropped (with ``-P`` or PYTHONSAFEPATH there is none); the
 #: code runs before anything but ``sys`` is imported, on any Python 3.
-OWN_MAIN = ("import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; import runpy; "
-            "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+NO_CWD = "import sys; sys.path[:1] = [p for p in sys.path[:1] if p]"
+OWN_MAIN = NO_CWD + "; import runpy; runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
 
 
 def own_module_command(python: str, module: str, *args: str) -> list[str]:

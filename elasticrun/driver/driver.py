@@ -469,8 +469,9 @@ class ElasticDriver:
                 due = min(due, stop_at)
             wait = max(0.0, min(0.5, due - now))
             events = dict(poller.poll(int(wait * 1000) + 1))
-            if time.monotonic() - now - wait > _STALLED_S:  # stopped while it waited for messages
-                stalled = stall(now, time.monotonic() - now - wait, time.monotonic())
+            woke = time.monotonic()
+            if woke - now - wait > _STALLED_S:  # stopped while it waited for messages
+                stalled = stall(now, woke - now - wait, woke)
             done = False
             self._in_step = True  # a stop signal waits for the end of this step (see _on_signal)
             try:

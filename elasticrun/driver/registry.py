@@ -899,7 +899,7 @@ class Registry:
                 yield from self._failure(w, why, now)
 
     def _why_gone(self, hosts: list[str]) -> dict[str, str]:
-        """Why each of ``hosts`` (members' hosts out of the target) is going, for the console."""
+        """Why each of ``hosts`` is going or left out (a key of words._GOING), for the console."""
         draining, discovered = self.hosts.draining(), self.hosts.discovered()
         usable = dict(self.hosts.available())
         out = {}

@@ -123,7 +123,7 @@ _GOING = {
 
 
 def _going(f: Mapping[str, Any]) -> str:
-    """``hosts`` grouped by why they are going: "a, b (left discovery); c (leaving ...)"."""
+    """``hosts`` grouped by why they are going: "a, b no longer listed by discovery; c leaving (...)"."""
     why = f.get("why") or {}
     groups: dict[str, list[str]] = {}
     for h in f["hosts"]:

@@ -139,7 +139,7 @@ class ControlChannel(threading.Thread):
                  heartbeat_body: Callable[[], dict[str, Any]], on_message: Callable[[Message], None],
                  on_driver_lost: Callable[[float], None], interval: float, driver_timeout: float,
                  take_events: Callable[[], list[dict[str, Any]]] = list,
-                 driver_here: Callable[[], str | None] = lambda: None):
+                 driver_stopped: Callable[[], bool] = lambda: False):
         super().__init__(name="elasticrun-control", daemon=True)
         self._hb = _socket(ctx, zmq.DEALER, control_addr, keys)
         self._hb_codec = Codec(keys.secret, job_id, new_sender_id("hb"))
@@ -149,7 +149,7 @@ class ControlChannel(threading.Thread):
         self._take_events = take_events
         self._interval = interval
         self._driver_timeout = driver_timeout
-        self._driver_here = driver_here
+        self._driver_stopped = driver_stopped
         self._stopping = threading.Event()
         self._bye: str | None = None
         self._dropped = LimitedLog(log)
@@ -180,7 +180,7 @@ class ControlChannel(threading.Thread):
         poller.register(self._wake_r, zmq.POLLIN)
         last_answer = last_turn = time.monotonic()
         next_beat = 0.0
-        waiting_for = ""  # what was said of a silent driver whose process is still here
+        waiting = False  # said that a silent driver is stopped, and waited for
         try:
             while not self._stopping.is_set():
                 now = time.monotonic()
@@ -196,15 +196,13 @@ class ControlChannel(threading.Thread):
                         pass
                     next_beat = now + self._interval
                 if now - last_answer > self._driver_timeout:
-                    here = self._driver_here()
-                    if here is None:
+                    if not self._driver_stopped():
                         self._on_driver_lost(now - last_answer)
                         return
-                    if here != waiting_for:
-                        waiting_for = here
-                        log.warning("the driver has not answered for %.0f s, but its process is still here (%s%s): "
-                                    "waiting for it", now - last_answer, here,
-                                    ": SIGSTOP or Ctrl-Z? `kill -CONT` it" if here == "stopped" else "")
+                    if not waiting:
+                        waiting = True
+                        log.warning("the driver has not answered for %.0f s, but its process is still here (stopped: "
+                                    "SIGSTOP or Ctrl-Z? `kill -CONT` it): waiting for it", now - last_answer)
                     # Seen stopped just now: once it runs again it has the whole timeout to answer
                     # (its backlog first); still stopped then, it is looked at again.
                     last_answer = now
@@ -232,9 +230,9 @@ class ControlChannel(threading.Thread):
                                                exc.reason)
                             continue
                         last_answer = time.monotonic()  # a notification, too, is a driver alive
-                        if waiting_for:
+                        if waiting:
                             log.warning("the driver answers again")
-                            waiting_for = ""
+                            waiting = False
                         self._on_message(msg)
                 self._dropped.flush()
         finally:

@@ -218,7 +218,7 @@ class Runtime:
             on_message=self._on_message, on_driver_lost=self._on_driver_lost,
             interval=_seconds(env.HEARTBEAT_INTERVAL, settings.DEFAULT_HEARTBEAT_INTERVAL),
             driver_timeout=_seconds(env.DRIVER_TIMEOUT, settings.DEFAULT_DRIVER_TIMEOUT),
-            take_events=self._take_events, driver_here=_driver_here)
+            take_events=self._take_events, driver_stopped=_driver_stopped)
         self._control.start()
 
     def _heartbeat_body(self) -> dict[str, Any]:
@@ -714,16 +714,13 @@ def _not_a_worker(above: int) -> Runtime:
     return rt
 
 
-def _driver_here() -> str | None:
-    """"stopped" while the driver's process is on this machine and stopped (Ctrl-Z, SIGSTOP, a
-    debugger): it is not gone, and this worker waits for it. None otherwise: a driver that runs
-    and has been silent past the timeout is treated as before (the job may be over while its
-    process lives on, as an ``elasticrun.run`` caller's does), and a worker on another machine
-    cannot tell."""
+def _driver_stopped() -> bool:
+    """Whether the driver's process is on this machine and stopped (Ctrl-Z, SIGSTOP, a
+    debugger): it is not gone, and this worker waits for it. A driver that runs and has been
+    silent past the timeout is taken for gone as before (the job may be over while its process
+    lives on, as an ``elasticrun.run`` caller's does); a worker on another machine cannot tell."""
     ident = os.environ.get(env.DRIVER_PROCESS)
-    if not ident:
-        return None
-    return "stopped" if liveness.state(ident) == "stopped" else None
+    return ident is not None and liveness.state(ident) == "stopped"
 
 
 def _start_timeline_from_environment() -> None:

@@ -150,16 +150,21 @@ def _own(path: Path, uid: int) -> None:
     os.chown(path, uid, uid, follow_symlinks=False)
 
 
+def _planted_link(at: Path, victim: Path) -> Path:
+    """A file of yours (``victim``, "precious") and a link to it at ``at`` that the neighbour made."""
+    victim.write_text("precious\n")
+    at.symlink_to(victim)
+    _own(at, NEIGHBOUR)
+    return at
+
+
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make files of another user")
 
 
 @needs_root
 def test_a_neighbours_link_in_a_shared_directory_is_refused_up_front_and_at_the_open(shared, tmp_path):
     victim = tmp_path / "bashrc"
-    victim.write_text("precious\n")
-    link = shared / "t.json"
-    link.symlink_to(victim)
-    _own(link, NEIGHBOUR)
+    link = _planted_link(shared / "t.json", victim)
     why = refused(check_writable_file, link, "--timeline-filename")
     assert why == (f"it is a symbolic link that uid {NEIGHBOUR} put in a shared directory (not followed); "
                    f"remove it or choose another path")
@@ -231,11 +236,8 @@ def test_a_link_in_a_directory_a_neighbour_made_in_a_shared_one_is_refused(share
     sticky directory, so the kernel's rule (and the last part's check) let the job truncate or
     append to your file."""
     victim = tmp_path / "precious"
-    victim.write_text("precious\n")
     theirs = _neighbours_dir(shared, "tl")
-    link = theirs / "timeline.json"
-    link.symlink_to(victim)
-    _own(link, NEIGHBOUR)
+    link = _planted_link(theirs / "timeline.json", victim)
     why = refused(check_writable_file, link, flag)
     assert why.startswith(f"{theirs} is a directory that nobody made in {shared}, which anyone may write: "
                           f"they choose which file the job writes"), why
@@ -297,10 +299,7 @@ def test_the_timeline_commands_output_never_follows_a_planted_link(shared, tmp_p
     from test_timeline import hand_written
 
     victim = tmp_path / "precious"
-    victim.write_text("precious\n")
-    link = shared / "job-timeline.svg"
-    link.symlink_to(victim)
-    _own(link, NEIGHBOUR)
+    link = _planted_link(shared / "job-timeline.svg", victim)
     with pytest.raises(TimelineError, match="symbolic link"):
         write(hand_written(), str(link))
     assert victim.read_text() == "precious\n"

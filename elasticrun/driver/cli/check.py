@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Callable
 
+from elasticrun.common import warmstart
 from elasticrun.common.hosts import HostSpecError, parse_hostfile, parse_hosts_arg
 from elasticrun.discovery.sources import DiscoveryError, ScriptDiscovery, discovery_command
 from elasticrun.common.version import VERSION
@@ -31,7 +32,7 @@ from elasticrun.driver.launch.ssh import HostConnections, LaunchError, SSHOption
 # Run by the (local or remote) Python: argv[1] is the working directory to import from.
 #: The probes' first line: ``-c`` puts the current directory first on sys.path, where a
 #: neighbour's ``json.py`` in a shared directory would run as you (see warmstart.OWN_MAIN).
-_NO_CWD = "import sys; sys.path[:1] = [p for p in sys.path[:1] if p]\n"
+_NO_CWD = warmstart.NO_CWD + "\n"
 _PROBE = _NO_CWD + r'''
 import json, os, sys
 r = {"python": sys.version.split()[0]}
