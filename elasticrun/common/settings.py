@@ -19,6 +19,9 @@ DEFAULT_START_TIMEOUT = 30.0
 #: Horovod scripts do), which Horovod lets run as long as it takes. (It was 60 s: a rank-0-only
 #: evaluation of a minute failed the job, or reset it again and again under elastic.run.)
 DEFAULT_COLLECTIVE_TIMEOUT = 1800.0
+#: Horovod's stall check: a collective waiting this long for other ranks says so (or after half
+#: the collective timeout, if shorter), unless --stall-check-warning-time-seconds says otherwise.
+DEFAULT_STALL_WARNING = 60.0
 DEFAULT_HEARTBEAT_INTERVAL = 0.5
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0  # a worker silent this long is declared hung and killed
 DEFAULT_DRIVER_TIMEOUT = 5.0  # a worker that hears nothing from the driver this long exits
@@ -99,6 +102,10 @@ class JobSettings:
     prefix_output_with_timestamp: bool = False  # the console's worker lines start with the time
     ignored_horovodrun_flags: tuple[str, ...] = ()  # Horovod engine tuning flags given: named in one warning
     tcp_only: bool = False  # horovodrun's --tcp: NCCL too keeps to TCP (NCCL_IB_DISABLE=1)
+    # horovodrun's stall check, passed to the workers as Horovod's variables (its set_env_from_args):
+    stall_check: bool | None = None  # --stall-check / --no-stall-check (None: the environment's, else on)
+    stall_warning_s: int | None = None  # --stall-check-warning-time-seconds (None: 60, or half the collective timeout)
+    stall_shutdown_s: int | None = None  # --stall-check-shutdown-time-seconds (0: never)
     startup_warnings: tuple[str, ...] = ()  # what the options meant that the user may not expect: said at start
 
     @property

@@ -76,6 +76,15 @@ def shared_environment(settings: JobSettings, base_env: Mapping[str, str], remot
     if s.timeline_filename:  # read by the worker's hvd.init(), as Horovod's workers read it
         shared["HOROVOD_TIMELINE"] = s.timeline_filename
         shared["HOROVOD_TIMELINE_MARK_CYCLES"] = "1" if s.timeline_mark_cycles else "0"
+    # The stall check's flags, as horovodrun passes them: over the variables this environment has.
+    if s.stall_check is False:
+        shared["HOROVOD_STALL_CHECK_DISABLE"] = "1"
+    elif s.stall_check:
+        shared.pop("HOROVOD_STALL_CHECK_DISABLE", None)
+    if s.stall_warning_s is not None:
+        shared["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(s.stall_warning_s)
+    if s.stall_shutdown_s is not None:
+        shared["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(s.stall_shutdown_s)
     shared.update(s.extra_env)
     shared["PYTHONUNBUFFERED"] = "1"
     return shared

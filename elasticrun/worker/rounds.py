@@ -16,11 +16,14 @@ into the mapping a Round reads, one ``dict.get`` per poll.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
 from elasticrun.common.events import Kind
+from elasticrun.common.settings import DEFAULT_STALL_WARNING
 from elasticrun.worker import trace
 from elasticrun.worker.descriptors import Op
 
@@ -31,7 +34,7 @@ if TYPE_CHECKING:
     from elasticrun.worker.durable import CopyRequests
     from elasticrun.worker.host_updates import HostUpdates
 
-__all__ = ["Round", "completed", "current", "defer", "install", "placed", "uninstall"]
+__all__ = ["Round", "StallCheck", "completed", "current", "defer", "install", "placed", "stall_check", "uninstall"]
 
 #: How many recent operations a round remembers for ``join()``: more than any rank issues
 #: before it waits for one (the DistributedOptimizer's buckets of one step).
@@ -44,6 +47,46 @@ _LOG = 4096
 #: the failure looked like any other (a dead peer, which the driver sees itself), the round was
 #: not aborted, and the peers blocked with this rank waited out timeouts of their own.
 GROUP_TIMEOUT_SLACK = 1.0
+
+
+STALL_WARNING = DEFAULT_STALL_WARNING  # (or half the collective timeout): see stall_check()
+#: The shortest warning time taken from the environment: Horovod's 0 would name every wait.
+_STALL_WARNING_MIN = 1.0
+
+
+@dataclass(frozen=True)
+class StallCheck:
+    """When a collective that waits for other ranks says so (``warning``), and when it gives up
+    (``shutdown``) before the collective timeout; None: never."""
+
+    warning: float | None
+    shutdown: float | None = None
+
+
+def stall_check(environ: Mapping[str, str], collective_timeout: float) -> StallCheck:
+    """Horovod's stall check from Horovod's variables (which horovodrun's ``--no-stall-check``
+    and ``--stall-check-*-time-seconds`` set, and elasticrun's too): disabled by
+    ``HOROVOD_STALL_CHECK_DISABLE`` > 0; a warning after ``HOROVOD_STALL_CHECK_TIME_SECONDS``
+    (else 60 s, or half the collective timeout); a shutdown after
+    ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` when it is positive and not below the warning time,
+    as Horovod's rule is. A value that is not a number is ignored (the default holds)."""
+
+    def number(name: str) -> float | None:
+        try:
+            value = float(environ.get(name, "").strip())
+        except ValueError:
+            return None
+        return value if math.isfinite(value) and value >= 0 else None
+
+    disable = number("HOROVOD_STALL_CHECK_DISABLE")
+    if disable is not None and disable >= 1:
+        return StallCheck(None, None)
+    given = number("HOROVOD_STALL_CHECK_TIME_SECONDS")
+    warning = max(_STALL_WARNING_MIN, given) if given is not None else min(STALL_WARNING, collective_timeout / 2)
+    shutdown = number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+    if not shutdown or shutdown < warning:
+        shutdown = None
+    return StallCheck(warning, shutdown)
 
 
 def group_timeout(collective_timeout: float) -> timedelta:
@@ -60,7 +103,7 @@ class Round:
     plain attribute so that the common case costs no call.
     """
 
-    __slots__ = ("number", "rank", "size", "pg", "collective_timeout", "host_updates", "copy_requests", "copy_busy",
+    __slots__ = ("number", "rank", "size", "pg", "collective_timeout", "stall", "host_updates", "copy_requests", "copy_busy",
                  "step_done", "awaiting_first_step", "store", "subgroups", "calls", "log", "join_gen", "join_active",
                  "joined", "capacities", "device_backend", "device_groups", "form_device_group", "in_flight",
                  "works", "_aborted", "_emit", "__weakref__")
@@ -69,12 +112,14 @@ class Round:
                  host_updates: HostUpdates, aborted: Mapping[int, str],
                  emit: Callable[..., None], pg: dist.ProcessGroupGloo | None = None,
                  copy_requests: CopyRequests | None = None, copy_busy: Callable[[], bool] = lambda: False,
-                 step_done: Callable[[float], None] | None = None) -> None:
+                 step_done: Callable[[float], None] | None = None, stall: StallCheck | None = None) -> None:
         self.number = number
         self.rank = rank
         self.size = size
         self.pg = pg
         self.collective_timeout = collective_timeout
+        #: When a collective waiting for other ranks says so, and gives up early (the job's stall check).
+        self.stall = stall if stall is not None else StallCheck(min(STALL_WARNING, collective_timeout / 2))
         #: The job's host updates (they outlive rounds): the gradient allreduce carries their flags.
         self.host_updates = host_updates
         #: The driver's requests for a durable copy (job-wide too): the same bucket carries their flags.

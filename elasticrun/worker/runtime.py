@@ -167,6 +167,7 @@ class Runtime:
         self.cross_rank = int(os.environ.get(env.CROSS_RANK, "0"))
         self.cross_size = int(os.environ.get(env.CROSS_SIZE, "1"))
         self.collective_timeout = _seconds(env.COLLECTIVE_TIMEOUT, settings.DEFAULT_COLLECTIVE_TIMEOUT)
+        self.stall = rounds.stall_check(os.environ, self.collective_timeout)  # Horovod's stall check
         self.rendezvous_timeout = _seconds(env.RENDEZVOUS_TIMEOUT, settings.DEFAULT_RENDEZVOUS_TIMEOUT)
         self.rendezvous_count = 0
         self.must_sync = True  # the driver's word for this round: sync() even after removals only
@@ -251,7 +252,8 @@ class Runtime:
         return self._round.pg
 
     def _new_round(self, number: int, rank: int, size: int, pg: dist.ProcessGroupGloo | None = None) -> Round:
-        return Round(number, rank, size, collective_timeout=self.collective_timeout, host_updates=self.host_updates,
+        return Round(number, rank, size, collective_timeout=self.collective_timeout, stall=self.stall,
+                     host_updates=self.host_updates,
                      aborted=self._aborted, emit=self.emit, pg=pg, copy_requests=self.copy_requests,
                      copy_busy=self.copy_busy, step_done=self.step_done)
 

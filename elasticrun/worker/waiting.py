@@ -11,6 +11,7 @@ operations that peer must take part in.
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import time
 from collections.abc import Callable
@@ -44,10 +45,9 @@ _SLICES = tuple(timedelta(milliseconds=ms) for ms in (1, 2, 3, 4))
 # and now waits for descriptors; then again after as long as it has waited, at most 0.2 s.
 _JOIN_CHECK = 0.01
 _JOIN_CHECK_MAX = 0.2
-#: As Horovod's stall check: a collective waiting this long (or half the collective timeout, if
-#: shorter) says so, then every STALL_REPEAT s: a rank busy outside collectives holds every
-#: other, and that should not be silent.
-STALL_WARNING = 60.0
+#: A collective still waiting after its stall warning (``Round.stall``: Horovod's stall check)
+#: says so again every STALL_REPEAT s: a rank busy outside collectives holds every other, and
+#: that should not be silent, nor fill the log.
 STALL_REPEAT = 300.0
 
 log = logging.getLogger("elasticrun.worker")
@@ -58,7 +58,9 @@ def wait(r: Round, work: Any, what: str) -> None:
     start = time.monotonic()
     deadline = start + r.collective_timeout
     check = start + _JOIN_CHECK
-    stall = start + min(STALL_WARNING, r.collective_timeout / 2)
+    stall = start + r.stall.warning if r.stall.warning is not None else math.inf
+    if r.stall.shutdown is not None and r.stall.shutdown < r.collective_timeout:
+        deadline = start + r.stall.shutdown
     # A NCCL work's is_completed() takes its communicator's lock, which an abort (NCCL's takes
     # about a second) holds throughout: the abort is looked for first, so that the training
     # thread hears it at once instead of after the abort.
@@ -69,7 +71,7 @@ def wait(r: Round, work: Any, what: str) -> None:
             raise HorovodInternalError(f"{what} abandoned: round {r.number} was aborted ({reason})")
         now = time.monotonic()
         if now > deadline:
-            raise _timeout(r, what)
+            raise _timeout(r, what, stalled=now - start)
         if now > check:
             check = now + min(_JOIN_CHECK_MAX, now - start)
             look_for_join(r)
@@ -97,9 +99,11 @@ def wait(r: Round, work: Any, what: str) -> None:
 
 
 def _stalled(r: Round, what: str, waited: float) -> None:
+    shutdown = r.stall.shutdown
+    until = (f"--stall-check-shutdown-time-seconds {shutdown:g}" if shutdown is not None and shutdown < r.collective_timeout
+             else f"--collective-timeout {r.collective_timeout:g}")
     log.warning("rank %d: %s has waited %.0f s for the other ranks: one of them is busy outside collectives "
-                "(evaluating or saving alone?) or stuck; waiting up to --collective-timeout %g s", r.rank, what,
-                waited, r.collective_timeout)
+                "(evaluating or saving alone?) or stuck; waiting up to %s s", r.rank, what, waited, until)
 
 
 def solo(r: Round, what: str) -> None:
@@ -112,7 +116,12 @@ def solo(r: Round, what: str) -> None:
         r.step_completed(what)
 
 
-def _timeout(r: Round, what: str, detail: str = "") -> CollectiveTimeout:
+def _timeout(r: Round, what: str, detail: str = "", stalled: float = 0.0) -> CollectiveTimeout:
+    shutdown = r.stall.shutdown
+    if shutdown is not None and shutdown < r.collective_timeout and stalled >= shutdown:
+        return CollectiveTimeout(f"{what} waited {shutdown:g} s for the other ranks, the stall check's shutdown "
+                                 f"time (--stall-check-shutdown-time-seconds, HOROVOD_STALL_SHUTDOWN_TIME_SECONDS): "
+                                 f"a peer is busy outside collectives, hung or unreachable")
     return CollectiveTimeout(f"{what} did not complete within the collective timeout ({r.collective_timeout:g} s); "
                              f"a peer is hung or unreachable{detail}")
 

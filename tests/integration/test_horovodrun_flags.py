@@ -51,8 +51,31 @@ def test_tuning_flags_take_their_values_and_are_listed_once():
     assert s.command == ["python", "train.py", "--epochs", "3"]  # no value taken for the command
     assert s.ignored_horovodrun_flags == (
         "--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity", "--hierarchical-allreduce", "--autotune",
-        "--autotune-log-file", "--no-stall-check", "--stall-check-shutdown-time-seconds", "--num-nccl-streams",
-        "--log-without-timestamp")
+        "--autotune-log-file", "--num-nccl-streams", "--log-without-timestamp")
+    # The stall check is not ignored: elasticrun's workers have one (worker/rounds.py stall_check)
+    assert (s.stall_check, s.stall_warning_s, s.stall_shutdown_s) == (False, None, 240)
+
+
+def test_the_stall_check_flags_are_taken_and_a_shutdown_below_the_warning_is_named():
+    s = parse_settings(["--stall-check-warning-time-seconds", "30", "--stall-check-shutdown-time-seconds", "90",
+                        *HOST, "python", "x.py"])
+    assert (s.stall_check, s.stall_warning_s, s.stall_shutdown_s) == (None, 30, 90) and not s.startup_warnings
+    s = parse_settings(["--stall-check-shutdown-time-seconds", "20", *HOST, "python", "x.py"])
+    assert s.startup_warnings == (
+        "--stall-check-shutdown-time-seconds 20 is below the stall warning time (60 s): no collective stops for a "
+        "stall (as with horovodrun); raise it or lower --stall-check-warning-time-seconds",)
+    s = parse_settings(["--stall-check-shutdown-time-seconds", "20", "--collective-timeout", "40", *HOST, "python",
+                        "x.py"])
+    assert s.startup_warnings == ()  # the warning comes at half the collective timeout: 20 s
+
+
+def test_a_horovodrun_yaml_configs_stall_check_section(tmp_path):
+    config = tmp_path / "horovod.yaml"
+    config.write_text("stall_check:\n  enabled: false\n  warning_time_seconds: 30\n  shutdown_time_seconds: 90\n")
+    s = parse_settings(["--config-file", str(config), *HOST, "python", "x.py"])
+    assert (s.stall_check, s.stall_warning_s, s.stall_shutdown_s, s.ignored_horovodrun_flags) == (False, 30, 90, ())
+    config.write_text("stall_check:\n  enabled: true\n")
+    assert parse_settings(["--config-file", str(config), *HOST, "python", "x.py"]).stall_check is True
 
 
 def test_every_ignored_flag_parses(tmp_path):
@@ -146,6 +169,34 @@ def test_a_horovodrun_command_line_runs_as_it_is(job):
     assert sum("allreduce grad" in n for n in names) == 4, names
     assert names.count("commit") == 4, names  # --timeline-mark-cycles: one mark per commit
     assert sorted(p.name for p in job.tmp.iterdir() if p.name.startswith("timeline")) == ["timeline.json"]
+
+
+STALLED = """
+import time
+import torch
+import elasticrun.torch as hvd
+
+hvd.init()
+if hvd.rank() == 1:
+    time.sleep(6)  # busy alone: rank 0's allreduce stalls (and this rank hears of its end when it is back)
+hvd.allreduce(torch.ones(1), name="metric")
+print(f"done rank={hvd.rank()}", flush=True)
+"""
+
+
+def test_the_stall_check_flags_warn_then_end_a_stalled_collective(job):
+    """horovodrun's --stall-check-*-time-seconds: rank 0 says it waits after 1 s, gives up after
+    2 s (not after --collective-timeout's 30 minutes), and the job ends with that reason."""
+    script = job.tmp / "stalled.py"
+    script.write_text(STALLED)
+    r = job.run(["-np", "2", "-H", "localhost:2", "--stall-check-warning-time-seconds", "1",
+                 "--stall-check-shutdown-time-seconds", "2"], [sys.executable, str(script)])
+    assert r.returncode != 0 and "done rank" not in r.stdout, r.output
+    assert "ignoring" not in r.stderr, r.stderr  # taken, not named among Horovod's tuning flags
+    assert re.search(r"rank 0: allreduce metric .*has waited 1 s for the other ranks: .*waiting up to "
+                     r"--stall-check-shutdown-time-seconds 2 s", r.stderr), r.stderr
+    assert re.search(r"The job failed after [\d.]+ s: .*allreduce metric .*waited 2 s for the other ranks, the stall "
+                     r"check's shutdown time", r.stderr), r.stderr
 
 
 def test_horovod_timeline_variable_with_a_file_per_rank(job):

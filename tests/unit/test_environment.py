@@ -120,6 +120,20 @@ def test_horovodruns_variables_are_set_as_it_sets_them_unless_the_driver_has_the
     assert "NCCL_IB_DISABLE" not in _env(dataclasses.replace(base, tcp_only=False))
 
 
+@pytest.mark.parametrize("remote", [False, True])
+def test_the_stall_check_flags_reach_the_workers_as_horovods_variables_over_the_drivers(remote):
+    mine = {**DRIVER_ENV, "HOROVOD_STALL_CHECK_TIME_SECONDS": "30", "HOROVOD_STALL_CHECK_DISABLE": "1"}
+    unset = _env(SETTINGS, base=mine, remote=remote)  # no flag: the driver's own variables go through
+    assert unset["HOROVOD_STALL_CHECK_TIME_SECONDS"] == "30" and unset["HOROVOD_STALL_CHECK_DISABLE"] == "1"
+    assert "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" not in unset
+    flags = dataclasses.replace(SETTINGS, stall_check=True, stall_warning_s=10, stall_shutdown_s=20)
+    given = _env(flags, base=mine, remote=remote)
+    assert given["HOROVOD_STALL_CHECK_TIME_SECONDS"] == "10" and given["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] == "20"
+    assert "HOROVOD_STALL_CHECK_DISABLE" not in given  # --stall-check turns a disabled check back on
+    off = _env(dataclasses.replace(SETTINGS, stall_check=False), remote=remote)
+    assert off["HOROVOD_STALL_CHECK_DISABLE"] == "1"
+
+
 def test_the_environment_holds_no_key_material():
     """The keys travel through a pipe: the environment is built without them, local or remote."""
     keys = JobKeys.generate()

@@ -71,6 +71,60 @@ def test_a_slow_collective_times_out() -> None:
         waiting.wait(r, Work(60), "broadcast b")
 
 
+@pytest.mark.parametrize("environ, timeout, expected", [
+    ({}, 1800, rounds.StallCheck(60.0, None)),  # Horovod's default: a warning after 60 s, no shutdown
+    ({}, 30, rounds.StallCheck(15.0, None)),  # a short collective timeout: half of it
+    ({"HOROVOD_STALL_CHECK_TIME_SECONDS": "120"}, 1800, rounds.StallCheck(120.0, None)),
+    ({"HOROVOD_STALL_CHECK_TIME_SECONDS": "10", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "20"}, 1800,
+     rounds.StallCheck(10.0, 20.0)),
+    ({"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "300"}, 1800, rounds.StallCheck(60.0, 300.0)),
+    # Horovod's rule: a shutdown time below the warning time never shuts down; 0 is "never"
+    ({"HOROVOD_STALL_CHECK_TIME_SECONDS": "10", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"}, 1800,
+     rounds.StallCheck(10.0, None)),
+    ({"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"}, 1800, rounds.StallCheck(60.0, None)),
+    # disabled: neither warning nor shutdown, whatever else is set
+    ({"HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "300"}, 1800,
+     rounds.StallCheck(None, None)),
+    ({"HOROVOD_STALL_CHECK_DISABLE": "0"}, 1800, rounds.StallCheck(60.0, None)),
+    # Horovod's 0 would warn at every wait; what is not a number leaves the default
+    ({"HOROVOD_STALL_CHECK_TIME_SECONDS": "0"}, 1800, rounds.StallCheck(1.0, None)),
+    ({"HOROVOD_STALL_CHECK_TIME_SECONDS": "soon", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "-5"}, 1800,
+     rounds.StallCheck(60.0, None)),
+    ({"HOROVOD_STALL_CHECK_TIME_SECONDS": "nan"}, 1800, rounds.StallCheck(60.0, None)),
+])
+def test_the_stall_check_follows_horovods_variables(environ: dict[str, str], timeout: float,
+                                                   expected: rounds.StallCheck) -> None:
+    assert rounds.stall_check(environ, timeout) == expected
+
+
+def test_a_stalled_collective_warns_then_gives_up_at_the_stall_shutdown_time(
+        caplog: pytest.LogCaptureFixture) -> None:
+    r = Round(3, 1, 4, collective_timeout=20, host_updates=HostUpdates(), aborted={}, emit=lambda *a, **f: None,
+              stall=rounds.StallCheck(0.05, 0.3))
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="elasticrun.worker"), \
+            pytest.raises(CollectiveTimeout, match=r"allreduce x waited 0.3 s for the other ranks, the stall "
+                                                   r"check's shutdown time \(--stall-check-shutdown-time-seconds"):
+        waiting.wait(r, Work(60), "allreduce x")
+    assert 0.3 <= time.monotonic() - started < 5  # not the collective timeout's 20 s
+    warned = [m for m in caplog.messages if "has waited" in m]
+    assert len(warned) == 1 and "waiting up to --stall-check-shutdown-time-seconds 0.3 s" in warned[0], warned
+
+
+def test_a_disabled_stall_check_says_nothing_and_waits_out_the_collective_timeout(
+        caplog: pytest.LogCaptureFixture) -> None:
+    r = Round(3, 1, 4, collective_timeout=0.3, host_updates=HostUpdates(), aborted={}, emit=lambda *a, **f: None,
+              stall=rounds.StallCheck(None, None))
+    with caplog.at_level("WARNING", logger="elasticrun.worker"), \
+            pytest.raises(CollectiveTimeout, match=r"within the collective timeout \(0.3 s\)"):
+        waiting.wait(r, Work(60), "broadcast b")
+    assert not [m for m in caplog.messages if "has waited" in m]
+    default = make_round(timeout=0.3)  # without a word from the job: half the collective timeout
+    with caplog.at_level("WARNING", logger="elasticrun.worker"), pytest.raises(CollectiveTimeout):
+        waiting.wait(default, Work(60), "broadcast c")
+    assert [m for m in caplog.messages if "broadcast c has waited" in m]
+
+
 def test_a_failed_collective_is_an_internal_error() -> None:
     events: list[tuple[str, dict[str, Any]]] = []
     r = make_round(events=events)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, NoReturn
 from elasticrun.common.errors import JobFailed
 from elasticrun.common.hosts import MAX_SLOTS_PER_HOST, HostSpecError, parse_hostfile, parse_hosts_arg
 from elasticrun.common.paths import check_writable_dir, check_writable_file
-from elasticrun.common.settings import JobSettings
+from elasticrun.common.settings import DEFAULT_STALL_WARNING, JobSettings
 from elasticrun.discovery.sources import FixedHosts, ScriptDiscovery, discovery_command
 from elasticrun.driver import network
 from elasticrun.driver.cli import check
@@ -166,6 +166,12 @@ def settings_from_options(o: Mapping[str, Any], command: list[str], fail: Fail, 
     worker_level = "DEBUG" if o["verbose"] else (o["log_level"] or "WARNING")
     _check_output_paths(o, fail)
     horovodrun = _horovodrun_settings(o, fail)
+    shutdown = o.get("stall_shutdown_s")
+    warning = o.get("stall_warning_s") or min(DEFAULT_STALL_WARNING, o["collective_timeout"] / 2)
+    if shutdown and o.get("stall_check") is not False and shutdown < warning:
+        warnings.append(f"--stall-check-shutdown-time-seconds {shutdown} is below the stall warning time "
+                        f"({warning:g} s): no collective stops for a stall (as with horovodrun); "
+                        f"raise it or lower --stall-check-warning-time-seconds")
     return JobSettings(
         command=list(command), np=np, min_np=min_np, max_np=max_np, hosts=fixed, discovery_script=script,
         startup_warnings=tuple(warnings),
@@ -204,7 +210,9 @@ def _horovodrun_settings(o: Mapping[str, Any], fail: Fail) -> dict:
     ignored = tuple(flag for flag, value in given.items() if value is not None and value is not False)  # 0 counts
     return dict(timeline_filename=timeline, timeline_mark_cycles=bool(o.get("timeline_mark_cycles")),
                 prefix_output_with_timestamp=bool(o.get("prefix_output_with_timestamp")),
-                ignored_horovodrun_flags=ignored, tcp_only=bool(o.get("use_tcp")))
+                ignored_horovodrun_flags=ignored, tcp_only=bool(o.get("use_tcp")),
+                stall_check=o.get("stall_check"), stall_warning_s=o.get("stall_warning_s"),
+                stall_shutdown_s=o.get("stall_shutdown_s"))
 
 
 def _ray_settings(o: Mapping[str, Any], fail: Fail) -> dict:

@@ -396,7 +396,7 @@ def read_hostfile(path: str) -> str:
 
 
 #: horovodrun's tuning flags for Horovod's own engine (tensor fusion, the response cache,
-#: autotuning, hierarchical algorithms, the stall check, MPI/NCCL threads, log timestamps):
+#: autotuning, hierarchical algorithms, MPI/NCCL threads, log timestamps):
 #: accepted so that a horovodrun command line runs unchanged, and named once in a warning,
 #: since there is nothing here they could tune. flag -> type of its value (None: no value).
 IGNORED_HOROVODRUN_FLAGS: dict[str, Any] = {
@@ -407,8 +407,6 @@ IGNORED_HOROVODRUN_FLAGS: dict[str, Any] = {
     "--autotune": None, "--no-autotune": None, "--autotune-log-file": str,
     "--autotune-warmup-samples": non_negative_int, "--autotune-steps-per-sample": non_negative_int,
     "--autotune-bayes-opt-max-samples": non_negative_int, "--autotune-gaussian-process-noise": non_negative_number,
-    "--no-stall-check": None, "--stall-check": None,
-    "--stall-check-warning-time-seconds": non_negative_int, "--stall-check-shutdown-time-seconds": non_negative_int,
     "--mpi-threads-disable": None, "--no-mpi-threads-disable": None,
     "--num-nccl-streams": non_negative_int, "--ccl-bgt-affinity": non_negative_int,
     "--thread-affinity": non_negative_int,
@@ -448,6 +446,16 @@ def add_horovodrun_arguments(p: argparse.ArgumentParser) -> None:
                    help=argparse.SUPPRESS)
     g.add_argument("--prefix-output-with-timestamp", "-prefix-timestamp", dest="prefix_output_with_timestamp",
                    action="store_true", help="start each line of the workers' output on the console with the time")
+    g.add_argument("--no-stall-check", dest="stall_check", action="store_false", default=None,
+                   help="no warning about a collective that waits long for other ranks (Horovod's stall check)")
+    g.add_argument("--stall-check", dest="stall_check", action="store_true", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--stall-check-warning-time-seconds", dest="stall_warning_s", type=positive_int,
+                   metavar="S", help="warn when a collective has waited S s for other ranks (60, or half "
+                                     "--collective-timeout if shorter), then every 5 minutes")
+    g.add_argument("--stall-check-shutdown-time-seconds", dest="stall_shutdown_s", type=non_negative_int,
+                   metavar="S", help="a collective that waited S s for other ranks raises HorovodInternalError "
+                                     "on every rank, as one past --collective-timeout (0, the default: never; "
+                                     "not below the warning time)")
     for flag, kind in IGNORED_HOROVODRUN_FLAGS.items():
         if kind is None:
             g.add_argument(flag, dest=ignored_dest(flag), action="store_true", help=argparse.SUPPRESS)
