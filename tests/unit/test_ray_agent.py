@@ -101,7 +101,9 @@ def test_the_worker_gets_its_keys_through_a_pipe_and_its_output_and_exit_come_ba
     assert ("stdout", "env-has-keys False") in lines
     assert ("stderr", "to stderr") in lines
     child = int(next(line for s, line in lines if line.startswith("child "))[6:])
-    assert not _alive(child)  # the watchdog kills what the worker left in its group
+    # the watchdog kills what the worker left in its group (SIGKILL before it reports the exit;
+    # the kernel's teardown of the child may take a scheduling slice more on a busy host)
+    assert _gone([child], within=5)
 
 
 def test_the_environment_travels_sealed_with_the_keys(agents, tmp_path):
@@ -138,7 +140,7 @@ def test_a_signal_reaches_the_whole_group(agents, tmp_path):
     assert agent.signal(signal.SIGKILL)
     _, code = _collect(agent, lambda lines: False)
     assert code == -signal.SIGKILL
-    assert not _alive(child)
+    assert _gone([child], within=5)
 
 
 def test_a_missing_directory_or_command_is_reported_not_raised(agents, tmp_path):
