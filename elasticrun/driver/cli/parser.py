@@ -40,6 +40,8 @@ arguments or a misconfigured discovery script; 128+N when stopped by signal N.
 
 example:
   elasticrun -np 2 --min-np 1 --max-np 4 --host-discovery-script ./discover_hosts.sh python train.py
+
+also: elasticrun timeline EVENTS.jsonl [-o FILE.svg] draws a job's event log (elasticrun timeline --help)
 """
 
 
