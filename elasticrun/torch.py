@@ -132,11 +132,9 @@ def cross_size() -> int:
 
 def is_homogeneous() -> bool:
     """Whether every host runs the same number of workers in this round (Horovod's meaning).
-    A worker knows only its own host's count, so this is an allreduce of it (MIN == MAX)."""
-    n = float(local_size())
-    both = torch.tensor([n, -n], dtype=torch.float64)
-    _collectives.allreduce_inplace(both, dist.ReduceOp.MAX, "is_homogeneous")
-    return bool(both[0] == -both[1])
+    As Horovod's, a value the worker holds (the driver sends it with each round's ranks), not a
+    collective: a script may ask on one rank alone."""
+    return bool(_runtime.get().homogeneous)
 
 
 def process_group() -> Any:

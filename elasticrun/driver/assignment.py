@@ -23,6 +23,7 @@ class SlotInfo:
     local_size: int
     cross_rank: int  # index of this host among hosts that have this local_rank
     cross_size: int  # number of hosts that have this local_rank
+    homogeneous: bool = True  # every host of the round has as many places (Horovod's is_homogeneous())
     # (host, slot): a plain attribute, not a property; decisions read it for every place.
     key: tuple[str, int] = field(init=False, repr=False, compare=False)
 
@@ -32,7 +33,7 @@ class SlotInfo:
     def as_dict(self) -> dict[str, int | str]:
         return {"host": self.host, "slot": self.slot, "rank": self.rank, "size": self.size,
                 "local_rank": self.local_rank, "local_size": self.local_size,
-                "cross_rank": self.cross_rank, "cross_size": self.cross_size}
+                "cross_rank": self.cross_rank, "cross_size": self.cross_size, "homogeneous": self.homogeneous}
 
 
 def assign(hosts: Sequence[tuple[str, int]], max_np: int | None,
@@ -81,10 +82,12 @@ def assign_keys(keys: Sequence[tuple[str, int]]) -> list[SlotInfo]:
             cross_rank[(host, slot)] = cross_size.get(slot, 0)
             cross_size[slot] = cross_size.get(slot, 0) + 1
     size = len(keys)
+    homogeneous = len({len(slots) for slots in by_host.values()}) <= 1
     out: list[SlotInfo] = []
     for host, slots in by_host.items():
         local_size = max(len(slots), max(slots) + 1)
         for slot in slots:
             out.append(SlotInfo(host=host, slot=slot, rank=len(out), size=size, local_rank=slot,
-                                local_size=local_size, cross_rank=cross_rank[(host, slot)], cross_size=cross_size[slot]))
+                                local_size=local_size, cross_rank=cross_rank[(host, slot)], cross_size=cross_size[slot],
+                                homogeneous=homogeneous))
     return out

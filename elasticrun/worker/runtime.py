@@ -166,6 +166,7 @@ class Runtime:
         self.local_size = int(os.environ.get(env.LOCAL_SIZE, "1"))
         self.cross_rank = int(os.environ.get(env.CROSS_RANK, "0"))
         self.cross_size = int(os.environ.get(env.CROSS_SIZE, "1"))
+        self.homogeneous = True  # every host of the round has as many workers (the driver says, each round)
         self.collective_timeout = _seconds(env.COLLECTIVE_TIMEOUT, settings.DEFAULT_COLLECTIVE_TIMEOUT)
         self.stall = rounds.stall_check(os.environ, self.collective_timeout)  # Horovod's stall check
         self.rendezvous_timeout = _seconds(env.RENDEZVOUS_TIMEOUT, settings.DEFAULT_RENDEZVOUS_TIMEOUT)
@@ -473,6 +474,7 @@ class Runtime:
             self._round.device_backend = "nccl" if a.get("device_backend") == "nccl" else "gloo"
             self.local_rank, self.local_size = int(a["local_rank"]), int(a["local_size"])
             self.cross_rank, self.cross_size = int(a["cross_rank"]), int(a["cross_size"])
+            self.homogeneous = bool(a.get("homogeneous", True))
             self.must_sync = bool(a.get("must_sync", True))
             self.restore = bool(a.get("restore", False))
             self.rendezvous_count += 1

@@ -281,6 +281,20 @@ def test_bad_arguments_raise_the_command_lines_message(kwargs, argv, capsys):
     assert reason in str(info.value), (cli, str(info.value))
 
 
+def homogeneous_asked_by_rank_0_alone():
+    import elasticrun.torch as hvd
+
+    return hvd.is_homogeneous() if hvd.rank() == 0 else None  # the other ranks never ask
+
+
+def test_is_homogeneous_is_no_collective(tag):
+    """As Horovod's: a value each worker holds, so one rank may ask alone (a collective here
+    failed the job, or waited for ranks that never came)."""
+    assert elasticrun.run(homogeneous_asked_by_rank_0_alone, np=3, hosts="localhost:2,127.0.0.1:1") == [
+        False, None, None]
+    assert elasticrun.run(homogeneous_asked_by_rank_0_alone, np=2, hosts="localhost:1,127.0.0.1:1") == [True, None]
+
+
 def test_without_a_host_source_it_runs_here(tag):
     """As horovod.run: no hosts= (nor hostfile=, discovery...) means localhost:np."""
     assert elasticrun.run(sleepy_rank, args=(0,), np=2) == [0, 1]

@@ -80,7 +80,7 @@ def test_as_dict_and_key():
     info = assign([("a", 1), ("b", 2)], None)[2]
     assert info.key == ("b", 1)
     assert info.as_dict() == {"host": "b", "slot": 1, "rank": 2, "size": 3, "local_rank": 1,
-                              "local_size": 2, "cross_rank": 0, "cross_size": 1}
+                              "local_size": 2, "cross_rank": 0, "cross_size": 1, "homogeneous": False}
 
 
 hosts_lists = st.lists(st.integers(1, 6), max_size=8).map(lambda slots: [(f"h{i}", s) for i, s in enumerate(slots)])
@@ -148,3 +148,10 @@ def test_a_workers_local_rank_is_its_slot_also_in_a_round_that_lacks_the_lower_s
     assert later[1].local_rank == 1 and later[0].local_rank == 0 and later[1].local_size == 2
     b1 = next(i for i in assign_keys([("a", 1), ("a", 0), ("b", 1)]) if i.host == "b")
     assert (b1.local_rank, b1.local_size, b1.cross_rank, b1.cross_size) == (1, 2, 1, 2)
+
+
+def test_a_round_is_homogeneous_when_every_host_has_as_many_places():
+    assert all(i.homogeneous for i in assign([("a", 2), ("b", 2)], None))
+    assert not any(i.homogeneous for i in assign([("a", 2), ("b", 1)], None))
+    assert not any(i.homogeneous for i in assign([("a", 2), ("b", 2)], 3))  # max_np cuts b to 1 place
+    assert all(i.homogeneous for i in assign([("a", 3)], None))
