@@ -117,6 +117,14 @@ class State:
             self.mark_committed()
             raise
 
+    @property
+    def _host_messages(self) -> _HostMessages:
+        """Horovod's ``State._host_messages`` (a queue its driver's notifications fill and
+        ``check_host_updates()`` drains), which some Horovod scripts poll to wait for a host
+        change: ``while state._host_messages.empty(): time.sleep(0.1)``. Here a view of the
+        updates this worker has heard of and not yet acted on (a reset acts on them)."""
+        return _HostMessages()
+
     def mark_committed(self) -> None:
         """Hook: the live state is the commit just saved (an interrupt is on its way). A state
         that keeps committed copies may note it to spare the sync after the reset."""
@@ -129,6 +137,20 @@ class State:
 
     def sync(self) -> None:
         raise NotImplementedError
+
+
+class _HostMessages:
+    """What Horovod scripts read of ``State._host_messages``: whether a host update is waiting."""
+
+    def qsize(self) -> int:
+        """1 while this worker has heard of a host update that no reset has acted on yet, else 0."""
+        if not runtime.is_initialized():
+            return 0
+        updates = runtime.get().host_updates
+        return int(updates.local_flags()[0])
+
+    def empty(self) -> bool:
+        return self.qsize() == 0
 
 
 class ObjectState(State):

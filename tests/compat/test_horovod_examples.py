@@ -108,3 +108,20 @@ def test_elastic_integration_main_survives_a_failing_worker(job, tmp_path: Path,
     lines = elastic_log(log)
     assert [(x["epoch"], x["size"]) for x in lines] == [(0, 2), (1, 1), (2, 1)]
     assert lines[-1]["rendezvous"] == 2 and lines[-1]["batch"] == 4
+
+
+def test_elastic_integration_main_waits_for_the_drivers_word_of_a_host_change(job, tmp_path: Path) -> None:
+    """Horovod's program polls ``state._host_messages`` at an epoch's end until the driver's
+    notification of the host its schedule expects comes (a private attribute of Horovod's
+    State, which its own tests use): here discovery lists a second host once epoch 0 is logged."""
+    log = tmp_path / "log.jsonl"
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\necho localhost:1\nif [ -s {log} ]; then echo 127.0.0.2:1; fi\n")
+    discover.chmod(0o700)
+    schedule = [[0, ["localhost:1"]], [None, ["localhost:1", "127.0.0.2:1"]]]
+    r = run(job, port("elastic_torch_main.py", tmp_path), "--epochs", "2", "--batches-per-epoch", "3",
+            "--logfile", str(log), "--discovery-schedule", json.dumps(schedule), "--discovery-wait", "60",
+            launcher=["-np", "1", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(discover)])
+    assert "host changes: ['localhost:1'] -> ['localhost:1', '127.0.0.2:1']" in r.stdout, r.output[-3000:]
+    lines = elastic_log(log)
+    assert [(x["epoch"], x["size"], x["rendezvous"]) for x in lines] == [(0, 1, 1), (1, 2, 2)]

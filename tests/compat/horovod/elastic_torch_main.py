@@ -22,6 +22,10 @@ parser.add_argument("--batches-per-commit", type=int, default=1)
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--epoch-wait", type=float, default=0)
 parser.add_argument("--logfile", default="/tmp/logfile.txt")
+parser.add_argument("--discovery-schedule", default="[]",
+                    help="JSON list of [epoch, hosts]: the hosts discovery lists from that epoch on (null: last)")
+parser.add_argument("--discovery-wait", type=int, default=3,
+                    help="seconds rank 0 waits for the driver's word of an expected host change (<= 0: no wait)")
 parser.add_argument("--exit-schedule", default="{}",
                     help="JSON mapping '[epoch, batch]' to the list of start ranks that exit there")
 parser.add_argument("--exit-mode", default="exception", help="exception | kill")
@@ -42,6 +46,9 @@ optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_par
 hostname = os.environ.get("HOROVOD_HOSTNAME")
 start_rank = int(os.environ.get("HOROVOD_RANK", 0))
 exit_schedule = json.loads(args.exit_schedule) if args.exit_schedule else {}
+discovery_schedule = json.loads(args.discovery_schedule)
+epoch_to_hosts = {epoch: hosts for epoch, hosts in discovery_schedule if epoch is not None}
+default_hosts = discovery_schedule[-1][1] if discovery_schedule else []
 
 
 def check_exit(epoch, batch):
@@ -77,6 +84,16 @@ def train(state):
                 state.commit()
         if hvd.rank() == 0:
             log_state(state)
+            current_hosts = epoch_to_hosts.get(state.epoch, default_hosts)
+            next_hosts = epoch_to_hosts.get(state.epoch + 1, default_hosts)
+            if args.discovery_wait > 0 and current_hosts != next_hosts:
+                # As Horovod's: poll the state's queue of the driver's host notifications.
+                print(f"host changes: {current_hosts} -> {next_hosts}")
+                start = int(time.time())
+                while state._host_messages.empty():
+                    if int(time.time()) - start > args.discovery_wait:
+                        raise TimeoutError("Timed out waiting for notifications from driver.")
+                    time.sleep(0.1)
         if args.epoch_wait > 0:
             time.sleep(args.epoch_wait)
         state.epoch += 1
