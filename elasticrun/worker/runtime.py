@@ -664,6 +664,21 @@ _runtime: Runtime | None = None
 _init_lock = threading.Lock()
 
 
+def configure_logging(level: str) -> None:
+    """Send elasticrun's own log records to stderr at ``level``, and leave every other logger to
+    the script: a ``logging.basicConfig()`` the script calls after ``hvd.init()`` must still
+    take effect (a handler of ours on the root logger made it a no-op, and the script's lines
+    vanished), and ``--verbose`` is no order to print every library's DEBUG lines."""
+    logger = logging.getLogger("elasticrun")
+    logger.setLevel(level.upper())
+    if not any(getattr(h, "elasticrun_console", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+        handler.elasticrun_console = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+    logger.propagate = False  # not twice once the script configures the root logger
+
+
 def init() -> Runtime:
     """Join the job (idempotent): connect to the driver and form the first round's group.
 
@@ -677,7 +692,7 @@ def init() -> Runtime:
         if _runtime is None:
             level = os.environ.get(env.LOG_LEVEL)
             if level:
-                logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+                configure_logging(level)
             _start_timeline_from_environment()
             deathnotice.arm_from_environment()  # before anything can fail: the launcher hears at once
             rt = Runtime()

@@ -199,6 +199,30 @@ def test_the_stall_check_flags_warn_then_end_a_stalled_collective(job):
                      r"check's shutdown time", r.stderr), r.stderr
 
 
+LOGGING = """
+import logging
+import elasticrun.torch as hvd
+
+hvd.init()
+logging.basicConfig(level=logging.INFO, format="mine %(name)s %(levelname)s %(message)s")
+logging.getLogger("train").info("epoch 1 of rank %d", hvd.rank())
+logging.getLogger("somelibrary").debug("a library's debug line")
+"""
+
+
+@pytest.mark.parametrize("flags", [[], ["--verbose"]], ids=["default", "verbose"])
+def test_the_scripts_logging_configured_after_init_is_its_own(job, flags):
+    """hvd.init() configures elasticrun's loggers only: a basicConfig() after it takes effect
+    (a handler on the root logger made it a no-op, and the script's INFO lines vanished), and
+    --verbose shows elasticrun's DEBUG lines, not every library's."""
+    script = job.tmp / "logs.py"
+    script.write_text(LOGGING)
+    r = job.run([*flags, "-np", "1", "-H", "localhost:1"], [sys.executable, str(script)])
+    assert r.returncode == 0, r.output
+    assert "[0]<stderr>:mine train INFO epoch 1 of rank 0" in r.stderr, r.stderr
+    assert "a library's debug line" not in r.stderr, r.stderr
+
+
 def test_horovod_timeline_variable_with_a_file_per_rank(job):
     """HOROVOD_TIMELINE set by the user, as for Horovod; {rank} in it: every rank's own file."""
     script = job.tmp / "train.py"
