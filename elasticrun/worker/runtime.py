@@ -674,7 +674,7 @@ def configure_logging(level: str) -> None:
     if not any(getattr(h, "elasticrun_console", False) for h in logger.handlers):
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
-        handler.elasticrun_console = True  # type: ignore[attr-defined]
+        handler.elasticrun_console = True  # type: ignore[attr-defined]  # a mark to find our own handler again
         logger.addHandler(handler)
     logger.propagate = False  # not twice once the script configures the root logger
 
