@@ -91,6 +91,10 @@ class WorkerState(enum.Enum):
 #: saying so; a worker stopping at --sigterm-grace or a second SIGTERM exits so itself).
 SIGTERM_EXITS = frozenset({-signal.SIGTERM, 128 + signal.SIGTERM})
 
+#: How a worker's report names the error a collective raises when a peer fails (the worker's
+#: exception class: the driver does not import the worker's modules).
+_INTERNAL_ERROR = "HorovodInternalError"
+
 _GONE = (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.LEFT)
 
 #: The lifecycle above as data: the states each state may move to. Every change of a worker's
@@ -297,6 +301,14 @@ class Refresh:
     """Let hosts whose cooldown ended back in; answers the HostChange."""
 
     now: float
+
+
+def _consequence(why: Reason | None) -> bool:
+    """Whether a worker's failure is another's consequence: its script let a
+    HorovodInternalError escape (a collective failed because a peer died, or its round was
+    aborted for another's failure), not an error or an exit of its own."""
+    return (why is not None and why.cause is Cause.SCRIPT_ERROR
+            and str(why.fields.get("error", "")).startswith(_INTERNAL_ERROR))
 
 
 @dataclass(frozen=True)
@@ -1172,9 +1184,11 @@ class Registry:
                 yield from self._say_held()
                 # The failures that ended it: the latest round's (those of earlier rounds were
                 # recovered from, and only crowd the line).
+                # Causes before consequences: a rank whose collective failed because a peer died
+                # often reports before the peer's own exit reaches the driver.
                 latest = max(w.round for w in failed)
-                last = [w for w in failed if w.round == latest]
-                yield Finish(False, Reason(Cause.ALL_FAILED, {"failed": [(w.label, w.why) for w in last[-8:]]}))
+                last = sorted((w for w in failed if w.round == latest), key=lambda w: _consequence(w.why))
+                yield Finish(False, Reason(Cause.ALL_FAILED, {"failed": [(w.label, w.why) for w in last[:8]]}))
                 return
             if "collapse" not in self._said:
                 # Losing everything at once says nothing about any one host: let them all back.

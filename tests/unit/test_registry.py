@@ -582,6 +582,18 @@ class TestFailures:
         finish = of(job.exit("w0", -9, at=3), Finish)
         assert len(finish) == 1 and why(finish[0]) == "all workers failed (a[0] exited with code -9)"
 
+    def test_all_workers_failed_names_the_cause_before_its_consequences(self):
+        """Rank 1's script exits 3; rank 0's collective fails for it, and its report comes first
+        (the peer's connection closes before its exit is seen): the cause still leads the line."""
+        job = Job(np=2, min_np=2)
+        job.start({"a": 1, "b": 1})
+        job.failing("w0", "HorovodInternalError: allreduce failed: Connection closed by peer", at=1)
+        job.exit("w0", 1, at=1)
+        finish = of(job.exit("w1", 3, at=2), Finish)
+        assert len(finish) == 1 and why(finish[0]) == (
+            "all workers failed (b[0] exited with code 3; a[0] failed: HorovodInternalError: allreduce failed: "
+            "Connection closed by peer)")
+
     def test_member_failure_after_notify_still_aborts(self):
         job = Job(np=2, min_np=1)
         job.start({"a": 1, "b": 1})
