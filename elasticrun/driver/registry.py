@@ -317,6 +317,7 @@ class JudgeStragglers:
 
     round: int
     members: Mapping[str, str]
+    now: float = 0.0  # a verdict changes back only after holding a while (stragglers.HOLD)
 
 
 @dataclass(frozen=True)
@@ -667,7 +668,7 @@ class Registry:
         elif isinstance(step, Refresh):
             return self.hosts.refresh(step.now)
         elif isinstance(step, JudgeStragglers):
-            return self.stragglers.evaluate(step.round, dict(step.members))
+            return self.stragglers.evaluate(step.round, dict(step.members), step.now)
         elif isinstance(step, NewRound):
             for wid in step.holders:  # they all start from the same state
                 if not self.workers[wid].holds:
@@ -1135,7 +1136,7 @@ class Registry:
         every member of the round holds the state, and ``_plan`` keeps one as rank 0."""
         members = {w.id: w.host for w in (self.workers[wid] for wid in self.members.values())
                    if w.state is WorkerState.RUNNING}
-        newly, recovered = yield JudgeStragglers(self.round, members)
+        newly, recovered = yield JudgeStragglers(self.round, members, now)
         for h in recovered:
             yield Event(Kind.STRAGGLER, {"host": h, "action": "recovered"})
         usable = dict(self.hosts.available())

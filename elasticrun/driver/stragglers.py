@@ -28,8 +28,13 @@ the slower host only when it is clearly slower; whether evicting it *pays* is a 
 question (:func:`eviction_pays`): with 2 hosts of one slot, dropping one halves the samples
 per step, so it pays only when the straggler more than doubles the step time.
 
-A named host stays named (it is said once) until a full window shows it is no longer slow;
-its figures (:meth:`StragglerDetector.named`) are those of the latest evaluation.
+A named host stays named (it is said once) until it has not been slow for ``hold`` (30 s) in
+a row; its figures (:meth:`StragglerDetector.named`) are those of the latest evaluation. A
+host named before (in the last ``repeat``, 10 minutes) is named again only after it has been
+slow for ``hold`` in a row. The first naming waits for nothing but the window, so a real
+straggler is named within its first 20 slow steps; the holds keep a host whose pace swings
+with the load of a shared machine from being named and cleared every few seconds (each line
+contradicting the one before, and each naming a possible eviction).
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ from elasticrun.common.settings import STRAGGLER_WINDOW
 RATIO = 1.5
 #: ... and at least this much more per step (seconds).
 MIN_EXCESS = 0.005
+#: A named host is cleared, and a host cleared within REPEAT is named again, only once the new
+#: verdict has held this long (seconds).
+HOLD = 30.0
+REPEAT = 600.0
 
 
 @dataclass(frozen=True)
@@ -127,10 +136,17 @@ class StragglerDetector:
     due; :meth:`evaluate` decides, in O(H log H) for H hosts.
     """
 
-    def __init__(self, window: int = STRAGGLER_WINDOW, ratio: float = RATIO, min_excess: float = MIN_EXCESS):
+    def __init__(self, window: int = STRAGGLER_WINDOW, ratio: float = RATIO, min_excess: float = MIN_EXCESS,
+                 hold: float = HOLD, repeat: float = REPEAT):
         self.window = window
         self.ratio = ratio
         self.min_excess = min_excess
+        self.hold = hold
+        self.repeat = repeat
+        # host -> since when the evidence has disagreed with its verdict, where a change waits for
+        # ``hold``; host -> when it was last cleared.
+        self._pending: dict[str, float] = {}
+        self._cleared: dict[str, float] = {}
         self._paces: dict[str, tuple[str, Pace]] = {}  # worker -> (host, its latest pace)
         self._named: dict[str, Straggler] = {}
         # Per host, the compute above which it would be a straggler, as of the last evaluation
@@ -158,10 +174,11 @@ class StragglerDetector:
         """Each compared host's pace (its slowest worker's median compute), as of the last evaluation."""
         return dict(self._host_paces)
 
-    def evaluate(self, round_: int, members: Mapping[str, str]) -> tuple[list[Straggler], list[str]]:
-        """The verdicts for round ``round_`` of ``members`` (worker -> host): the hosts newly
-        named stragglers, and those that no longer are. Paces of other rounds, or of workers
-        no longer members, are dropped."""
+    def evaluate(self, round_: int, members: Mapping[str, str],
+                 now: float = 0.0) -> tuple[list[Straggler], list[str]]:
+        """The verdicts for round ``round_`` of ``members`` (worker -> host) at time ``now``:
+        the hosts newly named stragglers, and those that no longer are. Paces of other rounds,
+        or of workers no longer members, are dropped."""
         if self._named:
             hosts = set(members.values())
             for h in [h for h in self._named if h not in hosts]:
@@ -178,7 +195,10 @@ class StragglerDetector:
                 pace[host], step[host] = p.compute, p.step
         self._threshold = {h: math.inf for h in pace}
         self._host_paces = pace
+        for h in [h for h in self._pending if h not in pace]:
+            del self._pending[h]  # no full window to judge it by: a hold starts again
         if len(pace) < 2:
+            self._pending.clear()
             return [], []
         ordered = sorted(pace.items(), key=lambda hp: hp[1])
         values = [v for _, v in ordered]
@@ -190,14 +210,21 @@ class StragglerDetector:
             # Only the slower half can drag "the rest": of hosts 1, 10, 10 the odd one is fast.
             self._threshold[host] = max(self.ratio * reference, reference + self.min_excess, middle)
             slow = compute > self._threshold[host]
+            named = host in self._named
+            if slow != named and (named or now - self._cleared.get(host, -math.inf) < self.repeat):
+                since = self._pending.setdefault(host, now)
+                if now - since < self.hold:
+                    continue  # the verdict holds a while yet
+            self._pending.pop(host, None)
             if slow:
                 s = Straggler(host, compute, reference, step[host], self.window, len(values) - 1)
-                if host not in self._named:
+                if not named:
                     newly.append(s)
                 # The latest figures, also for a host named before: whether evicting it pays is
                 # judged on them (a host named at 1.6x that now computes 10x longer must go).
                 self._named[host] = s
-            elif not slow and host in self._named:
+            elif named:
                 del self._named[host]
+                self._cleared[host] = now
                 recovered.append(host)
         return newly, recovered

@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 from elasticrun.common.settings import STRAGGLER_WINDOW
 from elasticrun.driver import words
 from elasticrun.driver.stragglers import (
+    HOLD,
     MIN_EXCESS,
     RATIO,
+    REPEAT,
     Pace,
     StragglerDetector,
     eviction_pays,
@@ -31,12 +33,12 @@ def pace(compute: float, step: float | None = None, round_: int = 0, steps: int 
     return Pace(round_, steps, step, step - compute, compute)
 
 
-def feed(det: StragglerDetector, computes: dict[str, float], round_: int = 0, steps: int = W):
-    """One worker per host ``h`` (worker ``h/0``) reports; then one evaluation."""
+def feed(det: StragglerDetector, computes: dict[str, float], round_: int = 0, steps: int = W, at: float = 0.0):
+    """One worker per host ``h`` (worker ``h/0``) reports; then one evaluation at time ``at``."""
     slowest = max(computes.values())
     for host, c in computes.items():
         det.report(f"{host}/0", host, pace(c, slowest + 0.001, round_, steps))
-    return det.evaluate(round_, {f"{h}/0": h for h in computes})
+    return det.evaluate(round_, {f"{h}/0": h for h in computes}, at)
 
 
 # --- the worker's measurements --------------------------------------------------------------
@@ -144,11 +146,39 @@ def test_the_fast_odd_one_out_makes_no_stragglers_of_the_rest():
     assert feed(StragglerDetector(), {"a": 0.001, "b": 0.010, "c": 0.010}) == ([], [])
 
 
-def test_a_host_that_speeds_up_is_no_longer_named():
+def test_a_host_that_speeds_up_is_no_longer_named_once_that_has_held():
     det = StragglerDetector()
-    feed(det, {"a": 0.01, "b": 0.01, "c": 0.05})
-    assert feed(det, {"a": 0.01, "b": 0.01, "c": 0.012}) == ([], ["c"])
+    feed(det, {"a": 0.01, "b": 0.01, "c": 0.05}, at=0)
+    assert feed(det, {"a": 0.01, "b": 0.01, "c": 0.012}, at=1) == ([], [])  # not slow since 1 s
+    assert feed(det, {"a": 0.01, "b": 0.01, "c": 0.012}, at=1 + HOLD - 0.1) == ([], [])
+    assert set(det.named()) == {"c"}
+    assert feed(det, {"a": 0.01, "b": 0.01, "c": 0.012}, at=1 + HOLD) == ([], ["c"])
     assert det.named() == {}
+
+
+def test_a_pace_that_swings_with_the_load_is_not_named_and_cleared_every_few_seconds():
+    """The first naming needs only a window of slow steps (a real straggler is named at once);
+    after that, each change of verdict must hold HOLD s in a row, and a swing back resets it."""
+    det = StragglerDetector()
+    slow, fast = {"a": 0.01, "b": 0.01, "c": 0.05}, {"a": 0.01, "b": 0.01, "c": 0.011}
+    said: list[tuple[float, str]] = []
+    for i in range(200):  # 100 s: c's pace swings every 1.5 s, evaluated every 0.5 s
+        t = i * 0.5
+        newly, recovered = feed(det, slow if int(t / 1.5) % 2 == 0 else fast, at=t)
+        said += [(t, f"named {s.host}") for s in newly] + [(t, f"cleared {h}") for h in recovered]
+    assert said == [(0.0, "named c")]  # named at once, then never cleared: it never ran fast for HOLD s
+    for t in range(200, 200 + int(HOLD) + 1):  # it runs fast for good
+        feed(det, fast, at=float(t))
+    assert det.named() == {}
+    swings = []
+    for i in range(int(REPEAT // 2)):  # cleared recently: named again only after HOLD s of slow steps
+        t = 232 + i
+        newly, _ = feed(det, slow if i % 4 < 2 else fast, at=float(t))
+        swings += [s.host for s in newly]
+    assert swings == []
+    t0 = 232 + REPEAT // 2
+    assert feed(det, slow, at=t0) == ([], []) and feed(det, slow, at=t0 + HOLD - 1) == ([], [])
+    assert [s.host for s in feed(det, slow, at=t0 + HOLD)[0]] == ["c"]
 
 
 def test_a_host_is_as_slow_as_its_slowest_worker():
