@@ -48,6 +48,7 @@ NOTICE_BYTES = 4096
 NOTICE_MUTEX_AT = 0
 NOTICE_SEM_AT = 128
 NOTICE_PID_AT = 192
+NOTICE_STOP_AT = 256  # set by the watcher before it stops the worker for the driver's sake
 
 
 @lru_cache(maxsize=1)
@@ -106,3 +107,11 @@ def arm_from_environment() -> bool:
     ctypes.c_int.from_address(base + NOTICE_PID_AT).value = os.getpid()
     lib.sem_post(ctypes.c_void_p(base + NOTICE_SEM_AT))
     return True
+
+
+def stopped_by_watcher() -> bool:
+    """Whether the process watching this worker (the SSH watchdog) has said that it stops the
+    worker because the driver's connection is gone: its SIGTERM is then no warning that the
+    machine goes, and the worker must not report it as one. False without an armed notice."""
+    base = _armed
+    return base is not None and ctypes.c_char.from_address(base + NOTICE_STOP_AT).value == b"\x01"

@@ -781,6 +781,11 @@ def _say(text: str) -> None:
 ANSWER_TIMEOUT = 1.0
 
 
+#: How long a worker that got SIGTERM waits for its SSH watchdog's word that the signal is the
+#: watchdog's own (the driver's connection lost), before it reports that its machine goes.
+_WATCHER_WORD = 0.1
+
+
 def _install_sigterm(rt: Runtime) -> None:
     """SIGTERM is the cloud's (or Kubernetes', or Slurm's) warning that this machine goes: the
     worker tells the driver it is leaving, which moves its host out at the next step (no
@@ -799,10 +804,30 @@ def _install_sigterm(rt: Runtime) -> None:
         if not rt._leaving_heard.wait(ANSWER_TIMEOUT):
             stop_now("the driver did not answer SIGTERM's 'leaving'")
 
+    watcher_stop = ("the SSH watchdog over this worker lost its connection to the driver and stops it (not "
+                    "this machine going): the driver counts the worker as failed")
+
+    def leave(control: Any) -> None:  # on its own thread: a moment's wait for the watchdog's word
+        deadline = time.monotonic() + _WATCHER_WORD
+        while time.monotonic() < deadline:
+            if deathnotice.stopped_by_watcher():
+                stop_now(watcher_stop)
+            time.sleep(0.005)
+        control.post("leaving", {"worker": rt.worker_id, "why": "SIGTERM"})
+        _say(f"elasticrun: {where}: SIGTERM: leaving the job at the next step (at most {grace:g} s, "
+             f"--sigterm-grace)\n")
+        deadline_timer = threading.Timer(grace, stop_now, (f"--sigterm-grace {grace:g} s ran out",))
+        answer = threading.Thread(target=unheard, name="elasticrun-sigterm")
+        for t in (deadline_timer, answer):
+            t.daemon = True
+            t.start()
+
     def handler(signum: int, frame: Any) -> None:
         forks.worker_got_sigterm()  # first: the processes it forked wait for this to tell their SIGTERM's source
         if rt._driver_stopping or rt._control is None:
             stop_now("the job is ending")
+        elif deathnotice.stopped_by_watcher():
+            stop_now(watcher_stop)
         elif rt._leaving is not None:
             # Within forks.WINDOW of the first, it is the same news sent twice: a machine's
             # shutdown signals every process, and the watchdog (or warm-start template) over
@@ -811,15 +836,12 @@ def _install_sigterm(rt: Runtime) -> None:
             if time.monotonic() - rt._leaving >= forks.WINDOW:
                 stop_now("a second SIGTERM")
         else:
+            # A SIGTERM is a warning that the machine goes, unless the SSH watchdog over this
+            # worker sends it because its channel to the driver closed (an SSH session lost):
+            # it says so in the death notice first, but the warm-start template, which stops
+            # its workers too when its own channel closes, may signal a moment before.
             rt._leaving = time.monotonic()
-            rt._control.post("leaving", {"worker": rt.worker_id, "why": "SIGTERM"})
-            _say(f"elasticrun: {where}: SIGTERM: leaving the job at the next step (at most {grace:g} s, "
-                 f"--sigterm-grace)\n")
-            deadline = threading.Timer(grace, stop_now, (f"--sigterm-grace {grace:g} s ran out",))
-            answer = threading.Thread(target=unheard, name="elasticrun-sigterm")
-            for t in (deadline, answer):
-                t.daemon = True
-                t.start()
+            threading.Thread(target=leave, args=(rt._control,), name="elasticrun-sigterm-leave", daemon=True).start()
 
     signal.signal(signal.SIGTERM, handler)
     forks.arm(handler)

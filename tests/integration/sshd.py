@@ -196,6 +196,30 @@ class SSHServer:
         """Processes started under sshd (session handlers and anything they started)."""
         return descendants(self.proc.pid) if self.proc is not None else []
 
+    def connections_to(self, address: str) -> list[int]:
+        """sshd's session processes serving a connection to ``address`` (one "host"): killing
+        them drops that host's SSH sessions, as a network blip or a restarted sshd would, while
+        sshd still listens there."""
+        octets = [int(x) for x in address.split(".")]
+        local = "%08X:%04X" % (octets[3] << 24 | octets[2] << 16 | octets[1] << 8 | octets[0], self.port)
+        inodes = set()
+        with open("/proc/net/tcp", encoding="ascii") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[1] == local and fields[3] == "01":  # ESTABLISHED
+                    inodes.add(f"socket:[{fields[9]}]")
+        found = []
+        for pid in self.sessions():
+            if not cmdline(pid).startswith("sshd"):
+                continue
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+                if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
+                    found.append(pid)
+            except OSError:
+                continue
+        return found
+
     def workload(self) -> list[int]:
         """Processes under sshd other than sshd's own session processes."""
         return [p for p in self.sessions() if not cmdline(p).startswith("sshd")]

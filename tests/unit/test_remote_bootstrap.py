@@ -445,9 +445,10 @@ def test_a_worker_never_outlives_a_watchdog_killed_with_sigkill(tmp_path):
 def test_the_notice_layout_is_the_workers():
     from elasticrun.common import deathnotice
 
-    assert (rb.DEATH_FD, rb.NOTICE_BYTES, rb.NOTICE_MUTEX_AT, rb.NOTICE_SEM_AT, rb.NOTICE_PID_AT) == (
+    assert (rb.DEATH_FD, rb.NOTICE_BYTES, rb.NOTICE_MUTEX_AT, rb.NOTICE_SEM_AT, rb.NOTICE_PID_AT,
+            rb.NOTICE_STOP_AT) == (
         envvars.DEATH_FD, deathnotice.NOTICE_BYTES, deathnotice.NOTICE_MUTEX_AT, deathnotice.NOTICE_SEM_AT,
-        deathnotice.NOTICE_PID_AT)
+        deathnotice.NOTICE_PID_AT, deathnotice.NOTICE_STOP_AT)
 
 
 ARM_AND = ("import os, sys; from elasticrun.common import deathnotice; "
@@ -466,6 +467,73 @@ def test_the_watchdog_reports_a_dying_worker_before_its_exit(then, dying, code):
     said = [r["dying"] for r in reports if "dying" in r]
     assert said == dying
     assert reports[-1] == {"exit": code}  # and the watchdog's own report after it, as before
+
+
+@pytest.mark.skipif(rb.notice_libc() is None, reason="needs Linux and glibc >= 2.30")
+@pytest.mark.parametrize("how, watchers_own", [("driver gone", True), ("watchdog signalled", False)])
+def test_the_watchdog_says_when_its_sigterm_is_its_own(how, watchers_own, tmp_path):
+    """An SSH session lost closes the watchdog's channel: it stops the worker, and says first, in
+    the notice, that this SIGTERM is its own (the worker must not report its machine going).
+    A watchdog signalled itself (the machine going signals every process) says nothing."""
+    ready = tmp_path / "ready"
+    worker = (ARM_AND + "import signal, time; "
+              "signal.signal(signal.SIGTERM, lambda *a: (print('own', deathnotice.stopped_by_watcher()), "
+              "sys.stdout.flush(), os._exit(7))); "
+              f"open({str(ready)!r}, 'w').close(); time.sleep(60)")
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = _start([sys.executable, "-c", worker], env, notice=True)
+    deadline = time.monotonic() + 20
+    while not ready.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+        time.sleep(0.02)
+    if how == "driver gone":
+        proc.stdin.close()  # what the SSH connection dropping looks like
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
+    out, err = _finish(proc)
+    reports, lines = _reports(out)
+    assert lines == ["True None", f"own {watchers_own}"], (lines, err)
+    assert reports[-1] == {"exit": 7}
+
+
+SIGTERMED_WORKER = """
+import ctypes, os, signal, sys, threading, time, types
+from elasticrun.common import deathnotice
+from elasticrun.worker import runtime
+page = ctypes.create_string_buffer(deathnotice.NOTICE_BYTES)  # stands for the notice the worker armed
+deathnotice._armed = ctypes.addressof(page)
+if sys.argv[1] == "watchdog":
+    page[deathnotice.NOTICE_STOP_AT] = b"\\x01"
+
+
+class Control:
+    def post(self, kind, body):
+        print("posted", kind, body["why"], flush=True)
+
+
+rt = types.SimpleNamespace(hostname="h", slot=0, worker_id="w1", _driver_stopping=False, _control=Control(),
+                           _leaving=None, _leaving_heard=threading.Event())
+rt._leaving_heard.set()  # the driver answers the leave
+runtime._install_sigterm(rt)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(2)
+print("still here", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sender", ["watchdog", "machine"])
+def test_a_worker_reports_leaving_only_for_a_sigterm_that_is_not_its_watchdogs(sender):
+    """The worker's SIGTERM handler (runtime._install_sigterm): a SIGTERM its SSH watchdog said
+    is its own (the driver's connection lost) stops it at once, unreported; any other is the
+    machine going: it tells the driver it leaves at its next step, and trains on meanwhile."""
+    r = subprocess.run([sys.executable, "-c", SIGTERMED_WORKER, sender], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    if sender == "watchdog":
+        assert r.returncode == 128 + signal.SIGTERM and r.stdout == "", (r.stdout, r.stderr)
+        assert "the SSH watchdog over this worker lost its connection to the driver and stops it" in r.stderr
+    else:
+        assert r.returncode == 0 and r.stdout == "posted leaving SIGTERM\nstill here\n", (r.stdout, r.stderr)
+        assert "SIGTERM: leaving the job at the next step" in r.stderr
 
 
 def test_without_a_notice_asked_for_the_worker_has_none():

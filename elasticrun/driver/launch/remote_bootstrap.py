@@ -86,6 +86,9 @@ NOTICE_BYTES = 4096
 NOTICE_MUTEX_AT = 0  # pthread_mutex_t: 40 bytes (x86-64), 48 (aarch64); 128 reserved
 NOTICE_SEM_AT = 128  # sem_t: 32 bytes; 64 reserved
 NOTICE_PID_AT = 192  # the pid of the process that armed it (int)
+#: One byte the watcher sets before it stops the worker because the driver's connection is gone
+#: (its channel closed): the SIGTERM that follows is no warning that the machine goes.
+NOTICE_STOP_AT = 256
 _CLOCK_MONOTONIC = 1
 #: Longest single wait of a notice; every wait also ends when ``done()`` turns true.
 NOTICE_SLICE_SECONDS = 5.0
@@ -201,6 +204,15 @@ class DeathNotice(object):
             if m is not None:
                 m.close()
                 self._map = None
+
+    def mark_stop(self) -> None:
+        """Say, before this watcher's SIGTERM, that it stops the worker because the driver's
+        connection is gone: the worker then does not report the signal as its machine going
+        (a host "leaving" is kept out until discovery lists it anew; a lost connection is a
+        failure, blacklisted by the job's policy)."""
+        with self._lock:
+            if self._base is not None:
+                ctypes.c_char.from_address(self._base + NOTICE_STOP_AT).value = b"\x01"
 
     def wake(self) -> None:
         """End a wait for the worker to arm (harmless once the wait is over)."""
@@ -658,6 +670,8 @@ def watch(pid: int, grace: float, stop: threading.Event, driver_fd: int = 0,
     driver_gone = threading.Event()
     until_stopped(stop, wait_child, "bootstrap-wait", driver_fd, driver_gone)
     if not status:  # asked to stop, or the driver is gone: SIGTERM the group, SIGKILL after grace
+        if driver_gone.is_set() and not (signalled is not None and signalled.is_set()) and notice is not None:
+            notice.mark_stop()
         killpg(pid, signal.SIGTERM)
         wait_after_sigterm(lambda: bool(status), grace, leave, signalled, driver_gone)
     killpg(pid, signal.SIGKILL)  # whatever is left of the group: the worker's own children too
@@ -761,6 +775,8 @@ def watch_warm(pid: int, conn: socket.socket, rest: bytes, grace: float, stop: t
     driver_gone = threading.Event()
     until_stopped(stop, wait_template, "bootstrap-template", driver_fd, driver_gone)
     if not gone.is_set():  # asked to stop, or the driver is gone
+        if driver_gone.is_set() and not (signalled is not None and signalled.is_set()) and notice is not None:
+            notice.mark_stop()
         killpg(pid, signal.SIGTERM)
         wait_after_sigterm(gone.is_set, grace, leave, signalled, driver_gone)
     killpg(pid, signal.SIGKILL)  # whatever is left of the group
