@@ -7,7 +7,7 @@ model, committing every --commit-every steps. Midway between two commits, the wo
 127.0.0.2 is
 
   (a) SIGKILLed (no warning: the survivors roll back to the last commit),
-  (b) SIGTERMed (a reclaim notice: it leaves at the next step),
+  (b) SIGTERMed (a reclaim notice: it leaves at the next commit),
   (c) announced 5 s ahead: discovery lists its host `draining`, and it is SIGKILLed 5 s later.
 
 Rank 0 counts the optimizer steps it completed and the job's committed steps at the end: the

@@ -23,7 +23,7 @@ slot every time one of its workers started. Two delays of Ray's make that count 
 
 Nodes that Ray is draining (the autoscaler's scale-down, a spot preemption notice given
 through Ray's drain API, ``ray drain-node``) are listed as ``draining``: their workers leave at
-their next step, without a rollback, and nothing new starts there. A node that dies is no
+their next commit, without a rollback, and nothing new starts there. A node that dies is no
 longer listed; its workers' actors die with it, which the launcher reports as failed exits.
 """
 

@@ -146,7 +146,7 @@ class WorkerRecord:
     # heartbeats come; ``bye_at`` is when it said it.
     bye: str | None = None
     bye_at: float = 0.0
-    leaving: bool = False  # it said it got SIGTERM: it leaves at its next step; its host is going
+    leaving: bool = False  # it said it got SIGTERM: it leaves at its next commit; its host is going
     # (host, slot): a plain attribute, not a property; every decision reads it for each worker.
     key: tuple[str, int] = field(init=False, repr=False, compare=False)
 
@@ -280,7 +280,7 @@ class Blacklist:
 @dataclass(frozen=True)
 class Drain:
     """A host is going (one of its workers got SIGTERM): nothing starts there until discovery
-    lists it anew, and its workers leave at their next step. ``hold``: a worker that said so
+    lists it anew, and its workers leave at their next commit. ``hold``: a worker that said so
     still runs there (see ``HostManager.drain``)."""
 
     host: str
@@ -475,7 +475,7 @@ class Registry:
 
     def leaving(self, worker_id: str, why: str, now: float) -> None:
         """A worker was told it will be stopped (SIGTERM: a reclaim, a pod deletion, scancel).
-        Its host goes like a discovery removal: its workers leave at their next step, without
+        Its host goes like a discovery removal: its workers leave at their next commit, without
         a rollback, and nothing starts there until discovery lists it anew."""
         w = self.workers.get(worker_id)
         if w is None or w.state in _GONE:
@@ -1130,7 +1130,7 @@ class Registry:
 
     def _stragglers(self, now: float) -> Decision:
         """Name the hosts that drag the round (``stragglers.py`` says which); with
-        --evict-stragglers, move them out like a discovery removal (the next step, no rollback:
+        --evict-stragglers, move them out like a discovery removal (the next commit, no rollback:
         ``_during_round`` notifies it) and blacklist them with the cooldown, unless that leaves
         fewer than --min-np workers or fewer samples per second. Holders need nothing more:
         every member of the round holds the state, and ``_plan`` keeps one as rank 0."""

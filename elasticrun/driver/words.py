@@ -94,7 +94,7 @@ def _straggler_event(f: Mapping[str, Any]) -> str:
     if action == "recovered":
         return f"host {f['host']} is no longer a straggler"
     if action == "evicted":
-        return (f"{straggler(f)}; evicting it (--evict-stragglers): its workers leave at their next step, "
+        return (f"{straggler(f)}; evicting it (--evict-stragglers): its workers leave at their next commit, "
                 f"without a rollback")
     if action == "kept":
         return f"{straggler(f)}; {reason(f['kept'])}"
@@ -141,7 +141,7 @@ _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
     Kind.DISCOVERY_EMPTY: lambda f: ("discovery listed no hosts (empty output, or only invalid lines); keeping the "
                                      "last known hosts"),
     Kind.HOST_DRAINING: lambda f: (f"host {f['host']} is about to go (discovery lists it draining): its workers "
-                                   f"leave at their next step"),
+                                   f"leave at their next commit"),
     Kind.HOST_WHITELISTED: _whitelisted,
     Kind.HOST_ADDED: lambda f: f"host {f['host']} added ({f['slots']} slots)",
     Kind.HOST_REMOVED: lambda f: f"host {f['host']} removed",

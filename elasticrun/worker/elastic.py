@@ -236,7 +236,7 @@ def run(func: F) -> F:
             # the reset callbacks (which derive it again after every reset) run first.
             if (rt.rank, rt.size) != launched_for:
                 state.on_reset()
-        rt.active_state = state  # host updates agreed in a step interrupt there (Runtime.step_done)
+        rt.active_state = state  # what the job trains: its commit count for the driver (Runtime.commit_seq)
         try:
             return _run(func, state, rt, args, kwargs)
         finally:

@@ -2,7 +2,7 @@
 
 A machine's shutdown (systemd), Slurm's preemption or ``kill -- -PGID`` sends SIGTERM to every
 process of the job at once: the worker and each process it forked. The worker answers its
-SIGTERM with a graceful leave at its next step (``runtime._install_sigterm``). Its DataLoader's
+SIGTERM with a graceful leave at its next commit (``runtime._install_sigterm``). Its DataLoader's
 workers, with SIGTERM's default action, died at once, and the worker's next batch then failed
 (``DataLoader worker (pid N) is killed by signal: Terminated``): a failure, a rollback to the last
 commit and a blacklisted host instead of the leave. Forked children also inherit the worker's

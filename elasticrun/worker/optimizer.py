@@ -488,8 +488,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         Called by the script (Horovod's pattern for clipping or AMP: ``synchronize()``, then
         ``with skip_synchronize(): step()``), this is the step's end as far as elasticrun is
-        concerned: its pace is recorded and a host update or leave agreed in this allreduce is
-        taken here (:meth:`_dist_step_done`), as when ``step()`` synchronizes."""
+        concerned: its pace is recorded (:meth:`_dist_step_done`), as when ``step()``
+        synchronizes. A host update agreed in this allreduce waits for the next commit."""
         started = time.perf_counter()
         self._dist_synchronize()
         if self._dist_op != Adasum:  # (Adasum's step() ends the step, after its own exchange)
@@ -497,10 +497,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _dist_step_done(self, started: float) -> None:
         r = rounds.current()
-        if r.step_done is not None:  # may raise HostsUpdatedInterrupt: this step is not applied
-            self._synchronized = False
+        if r.step_done is not None:
             r.step_done(time.perf_counter() - started)  # the wait tells a straggler apart
-            self._synchronized = True
 
     def _dist_synchronize(self) -> None:
         try:
@@ -591,7 +589,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     reduced[i] = self._dist_compression.decompress(t, ctx)
             for p, s in zip(params, start):
                 p.copy_(s)
-        if r.step_done is not None:  # may raise HostsUpdatedInterrupt: this step is not applied
+        if r.step_done is not None:
             r.step_done(0.0)
         with torch.no_grad():
             for i, p in enumerate(params):

@@ -182,7 +182,7 @@ class Runtime:
         self.steps = 0  # optimizer steps applied in this job (restored with a durable copy)
         self.pace = StepPace()  # this round's recent step and allreduce-wait times, for the heartbeats
         self.restore = False  # the driver's word for this round: load the newest durable copy first
-        self.active_state: Any = None  # the state elastic.run is training (for interrupts at a step)
+        self.active_state: Any = None  # the state elastic.run is training (its commit count)
         self.device: Any = None  # this rank's GPU, once a NCCL group was formed on it (it never changes)
         self._gpus: list[str] | None = None  # GPUs NCCL could use here (asked once, at the first rendezvous)
         self._durable: HandOff | None = None  # with --checkpoint-dir: this rank's part in durable copies
@@ -284,17 +284,16 @@ class Runtime:
     def step_done(self, wait: float = 0.0) -> None:
         """The DistributedOptimizer reduced a step's gradients (with the agreed flags), after
         waiting ``wait`` s for them, and is about to apply them. The step's time and wait go
-        to :attr:`pace`. A host update agreed in that allreduce is taken here, on every
-        rank at once, instead of at the next check point: the state is committed as it was
-        after the previous step (whose batch the script has recorded) and the interrupt
-        raised, so this step is neither applied nor recorded, and is trained after the reset.
-        A worker told to leave (SIGTERM) is then out at its next step, not only its next commit.
+        to :attr:`pace`. A host update agreed in that allreduce is *not* acted on here: as in
+        Horovod, the interrupt comes at the script's next ``commit()`` or
+        ``check_host_updates()``, which then needs no collective of its own. The script says
+        where its state is whole: a step interrupted inside ``step()`` lost the batch a script
+        recorded before ``step()`` (Horovod's ImageNet example does), committed the buffers its
+        forward pass had updated (BatchNorm's statistics), and left its gradients to a loop
+        that zeroes them after ``step()``.
         """
         self.pace.record(time.perf_counter(), wait)
         r = self._round
-        state = self.active_state
-        if state is not None and self.host_updates.agreed_pending(r.number):
-            state.check_host_updates()  # commits, then raises HostsUpdatedInterrupt
         self.steps += 1
         if r.awaiting_first_step:  # a world of one reduces nothing: its first step is this one
             r.step_completed("optimizer step")
@@ -788,7 +787,7 @@ _WATCHER_WORD = 0.1
 
 def _install_sigterm(rt: Runtime) -> None:
     """SIGTERM is the cloud's (or Kubernetes', or Slurm's) warning that this machine goes: the
-    worker tells the driver it is leaving, which moves its host out at the next step (no
+    worker tells the driver it is leaving, which moves its host out at the next commit (no
     rollback), and exits 0 when dismissed. It is stopped at once after --sigterm-grace, at a
     second SIGTERM, or when the SIGTERM is the driver's own (the job is ending)."""
     if threading.current_thread() is not threading.main_thread():
@@ -814,7 +813,7 @@ def _install_sigterm(rt: Runtime) -> None:
                 stop_now(watcher_stop)
             time.sleep(0.005)
         control.post("leaving", {"worker": rt.worker_id, "why": "SIGTERM"})
-        _say(f"elasticrun: {where}: SIGTERM: leaving the job at the next step (at most {grace:g} s, "
+        _say(f"elasticrun: {where}: SIGTERM: leaving the job at its next commit (at most {grace:g} s, "
              f"--sigterm-grace)\n")
         deadline_timer = threading.Timer(grace, stop_now, (f"--sigterm-grace {grace:g} s ran out",))
         answer = threading.Thread(target=unheard, name="elasticrun-sigterm")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -138,3 +139,94 @@ def test_removal_is_not_held_back_by_a_host_still_starting(job):
     assert "round 2: 2 worker(s) on 2 host(s)" in r.stderr, r.stderr
     assert sizes_seen(job.tmp / "samples") == {1, 2}
     assert_exactly_once(job.tmp / "samples")
+
+
+# Horovod's ImageNet example's loop order: the batch is recorded before optimizer.step(), zero_grad
+# comes first, BatchNorm updates its statistics in the forward pass. A ledger in the model (every
+# rank's samples, allgathered, counted after each applied step) and the applied steps are
+# committed and rolled back with it: it says what the model really trained.
+IMAGENET_LOOP = """
+import os, sys, time
+import torch
+import torch.nn.functional as F
+import elasticrun.torch as hvd
+
+hvd.init()
+N, EPOCHS, BATCH = 96, 2, 4
+torch.manual_seed(0)
+data, target = torch.randn(N, 8), torch.randint(0, 2, (N,))
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.out = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)
+        self.register_buffer("seen", torch.zeros(EPOCHS, N))
+        self.register_buffer("applied", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        return self.out(self.bn(self.fc(x)))
+
+
+model = Net()
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                     named_parameters=model.named_parameters())
+dataset = torch.utils.data.TensorDataset(data, target, torch.arange(N))
+sampler = hvd.elastic.ElasticSampler(dataset, shuffle=False)
+loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+state = hvd.elastic.TorchState(model, optimizer, train_sampler=sampler, epoch=0, batch=0)
+flag = sys.argv[1]
+
+
+@hvd.elastic.run
+def train(state):
+    while state.epoch < EPOCHS:
+        for idx, (x, y, i) in enumerate(loader):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            state.train_sampler.record_batch(idx, BATCH)  # before step(), as Horovod's ImageNet example
+            optimizer.step()
+            everyone = hvd.allgather(i)
+            with torch.no_grad():
+                model.seen[state.epoch, everyone] += 1
+                model.applied += 1
+            state.batch += 1
+            if state.epoch == 0 and idx == 3 and hvd.rank() == 0:
+                open(flag, "w").close()  # discovery lists a third host from now on
+            time.sleep(0.03)
+            if state.batch % 3 == 0:
+                state.commit()
+        state.epoch += 1  # end_epoch(), as Horovod's example
+        state.batch = 0
+        state.train_sampler.set_epoch(state.epoch)
+        state.commit()
+
+
+train(state)
+if hvd.rank() == 0:
+    seen = model.seen
+    print("ledger never", int((seen == 0).sum()), "twice+", int((seen > 1).sum()), "size", hvd.size(), flush=True)
+    print("bn", int(model.bn.num_batches_tracked), "applied", int(model.applied), flush=True)
+"""
+
+
+def test_horovods_imagenet_loop_order_trains_every_sample_once_across_a_resize(job):
+    """The batch is recorded before ``step()``: a host change must be acted on at a commit, not
+    inside ``step()`` (which once committed that batch as trained without applying it: lost)."""
+    script = job.tmp / "imagenet_loop.py"
+    script.write_text(IMAGENET_LOOP)
+    flag = job.tmp / "grow"
+    discover = job.tmp / "discover.sh"
+    discover.write_text(f"#!/bin/sh\necho localhost:2\nif [ -e {flag} ]; then echo 127.0.0.2:1; fi\n")
+    discover.chmod(0o700)
+    r = job.run(["-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", str(discover),
+                 "--discovery-interval", "0.2"], [sys.executable, str(script), str(flag)])
+    assert r.returncode == 0, r.output
+    assert "membership changing from 2 to 3" in r.stderr, r.stderr
+    # Each sample of each epoch trained: none never, and twice only as the sampler's padding of a
+    # resize mid-epoch (to a multiple of the new size: at most 2 samples once).
+    ledger = re.search(r"\[0\]<stdout>:ledger never (\d+) twice\+ (\d+) size 3", r.stdout)
+    assert ledger and ledger[1] == "0" and int(ledger[2]) <= 2, r.stdout
+    bn = next(line for line in r.stdout.splitlines() if line.startswith("[0]<stdout>:bn "))
+    _, tracked, _, applied = bn.split(":", 1)[1].split()
+    assert tracked == applied, bn  # BatchNorm counted no batch whose step was never applied

@@ -1,6 +1,6 @@
 """Issue 16 on real jobs: one worker sleeps in every step (a straggler: thermal throttling, a
 noisy neighbour, a bad NIC) and drags every allreduce. The driver names its host within 20
-steps; with --evict-stragglers the host is moved out at the next step, without a rollback,
+steps; with --evict-stragglers the host is moved out at the next commit, without a rollback,
 and the job's pace recovers. Exactly-once is proven from the committed sample logs
 (tests/integration/scripts/sample_train.py), and the job leaves nothing behind (the ``job``
 fixture checks).
@@ -70,7 +70,7 @@ def steps_until_named(log: list[dict], ev: list[dict]) -> tuple[dict, int]:
 def test_a_straggler_is_evicted_and_the_pace_recovers(job):
     r, log, ev = run(job, 2, "--evict-stragglers", "--blacklist-cooldown-range", "300", "600")
     assert "host 127.0.0.2 is a straggler: " in r.stderr and "(median of the others) over the last 20 steps; " \
-        "evicting it (--evict-stragglers): its workers leave at their next step, without a rollback" in r.stderr, \
+        "evicting it (--evict-stragglers): its workers leave at their next commit, without a rollback" in r.stderr, \
         r.stderr
     assert "host 127.0.0.2 blacklisted for " in r.stderr and " s (a straggler)" in r.stderr
     assert "aborted" not in r.stderr and "exited with code" not in r.stderr, r.stderr  # no rollback, no failure

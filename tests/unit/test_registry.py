@@ -1852,12 +1852,12 @@ class TestStragglers:
         job.start({"a": 1, "b": 1, "c": 1, "d": 1})
         acts = job.paces(slow={"c"}, at=5)
         [said] = events(acts, "straggler")
-        assert text(said).endswith("; evicting it (--evict-stragglers): its workers leave at their next step, "
+        assert text(said).endswith("; evicting it (--evict-stragglers): its workers leave at their next commit, "
                                      "without a rollback") and said.fields["action"] == "evicted"
         [black] = events(acts, "host_blacklisted")
         assert text(black).startswith("host c blacklisted for ") and text(black).endswith(" s (a straggler)")
         assert of(acts, Notify) == [Notify(added=False, removed=True)] and not of(acts, AbortRound)
-        acts = job.rdv_all(["w0", "w1", "w2", "w3"], at=6)  # the interrupt at the next step
+        acts = job.rdv_all(["w0", "w1", "w2", "w3"], at=6)  # the interrupt at the next commit
         assert [d.worker_id for d in of(acts, Dismiss)] == ["w2"]
         assigns = of(acts, Assign)
         assert ranks(assigns) == {("a", 0): ("w0", 0), ("b", 0): ("w1", 1), ("d", 0): ("w3", 2)}

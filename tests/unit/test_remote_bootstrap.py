@@ -533,7 +533,7 @@ def test_a_worker_reports_leaving_only_for_a_sigterm_that_is_not_its_watchdogs(s
         assert "the SSH watchdog over this worker lost its connection to the driver and stops it" in r.stderr
     else:
         assert r.returncode == 0 and r.stdout == "posted leaving SIGTERM\nstill here\n", (r.stdout, r.stderr)
-        assert "SIGTERM: leaving the job at the next step" in r.stderr
+        assert "SIGTERM: leaving the job at its next commit" in r.stderr
 
 
 def test_without_a_notice_asked_for_the_worker_has_none():

@@ -298,7 +298,7 @@ def test_png_of_a_real_demo_log_is_produced(tmp_path):
 # --- stragglers (issue 16) ------------------------------------------------------------------
 def with_a_straggler() -> list[dict]:
     msg = ("host b is a straggler: 160 ms of compute per step against 11 ms (median of the others) over the last "
-           "20 steps; evicting it (--evict-stragglers): its workers leave at their next step, without a rollback")
+           "20 steps; evicting it (--evict-stragglers): its workers leave at their next commit, without a rollback")
     return sorted(hand_written() + [
         _d(1001.8, "straggler", round=0, host="b", action="evicted", message=msg, compute_ms=160.0,
            reference_ms=11.0, step_ms=172.0, steps=20),

@@ -222,7 +222,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
     p.add_argument("--evict-stragglers", action="store_true",
                    help="a host whose workers compute persistently slower than the other hosts' (over 1.5x "
                         "their median for most of the last 20 steps) is always named; with this it is also moved "
-                        "out at the next step, without a rollback, and blacklisted like a failed host (so "
+                        "out at the next commit, without a rollback, and blacklisted like a failed host (so "
                         "--blacklist-cooldown-range lets it back later); never below --min-np")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    help="a worker joining the running job receives the whole state in the sync that admits it, "
