@@ -328,7 +328,26 @@ def sync_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, proce
     tensors = [torch.empty(s.shape, dtype=s.dtype, device=devices.kind_device(s.kind))
                for s in sorted(specs, key=lambda s: s.number)]
     _broadcast_tensors(tensors, root_rank, "broadcast_optimizer_state", receivers)
-    optimizer.load_state_dict(_fill(skeleton, tensors))
+    load_keeping_groups(optimizer, _fill(skeleton, tensors))
+
+
+def load_keeping_groups(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state_dict)``, keeping its ``param_groups`` dicts and its
+    ``state`` mapping: torch's replaces them with new ones, and an LR scheduler made before
+    the optimizer was wrapped (or anything else holding a group) went on setting the learning
+    rate in dicts the optimizer no longer used, on every rank but the root (Horovod's
+    broadcast writes options and state in place, so scripts count on it)."""
+    groups, state = optimizer.param_groups, optimizer.state
+    kept = list(groups)
+    optimizer.load_state_dict(state_dict)
+    for mine, loaded in zip(kept, optimizer.param_groups):
+        mine.update({k: v for k, v in loaded.items() if k != "params"})
+    loaded_state = dict(optimizer.state)
+    groups[:] = kept
+    optimizer.param_groups = groups
+    state.clear()
+    state.update(loaded_state)
+    optimizer.state = state
 
 
 def _collect_specs(obj: Any, out: list[_TensorSpec]) -> None:

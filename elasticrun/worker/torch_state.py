@@ -18,6 +18,7 @@ import torch
 import torch.distributed
 
 from elasticrun.worker import collectives, durable, prefetch, rounds
+from elasticrun.worker.broadcast import load_keeping_groups
 from elasticrun.worker.copier import DeviceCopy
 from elasticrun.worker.elastic import ObjectState
 from elasticrun.worker.process_sets import ProcessSet, global_process_set
@@ -277,7 +278,10 @@ class TorchState(ObjectState):
             if isinstance(h, ModelStateHandler):
                 durable.check_fits(name, h.value.state_dict(), handlers[name])
             try:
-                h.value.load_state_dict(handlers[name])
+                if isinstance(h.value, torch.optim.Optimizer):  # its groups stay the ones a scheduler holds
+                    load_keeping_groups(h.value, handlers[name])
+                else:
+                    h.value.load_state_dict(handlers[name])
             except (KeyError, ValueError, RuntimeError, TypeError) as exc:
                 raise durable.DurableMismatch(f"{name}: {str(exc).splitlines()[0][:300]}") from None
         self._load_durable_objects(saved)

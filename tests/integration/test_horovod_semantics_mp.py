@@ -211,3 +211,31 @@ def fresh_optimizer(rank: int, size: int, workdir: Path) -> dict[str, Any]:
 def test_broadcast_optimizer_state_of_a_fresh_optimizer_makes_zero_gradients(tmp_path):
     for w in gloo_world.run_world(HERE, "fresh_optimizer", 2, tmp_path, timeout=120):
         assert w["grads"] == [0.0, 0.0, 0.0, None]  # as Horovod: zeros for trainable ones only
+
+
+def scheduler_made_before_wrapping(rank: int, size: int, workdir: Path) -> dict[str, Any]:
+    import elasticrun.torch as hvd
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)  # before wrapping
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    groups, state = opt.param_groups[0], opt.state
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        scheduler.step()
+    return {"lr": opt.param_groups[0]["lr"], "same group": opt.param_groups[0] is groups,
+            "same state": opt.state is state}
+
+
+def test_broadcast_optimizer_state_keeps_the_groups_a_scheduler_made_before_wrapping_holds(tmp_path):
+    """As Horovod's (which writes options and state in place): the receivers' param_groups
+    stay the dicts the scheduler sets the learning rate in. torch's load_state_dict replaced
+    them, and every rank but the root trained at a constant learning rate."""
+    for w in gloo_world.run_world(HERE, "scheduler_made_before_wrapping", 2, tmp_path, timeout=120):
+        assert w == {"lr": 0.1 * 0.5 ** 3, "same group": True, "same state": True}
