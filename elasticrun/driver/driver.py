@@ -907,10 +907,11 @@ class ElasticDriver:
 
     def _ask_for_copy(self, now: float, force: bool = False) -> int | None:
         """Every --checkpoint-interval while a round trains, ask the workers for a durable copy:
-        at their next commit they agree to hand it off (see worker/durable.py)."""
+        at their next commit they agree to hand it off (see worker/durable.py). While every
+        holder of the state is leaving with nobody to hand it to, one after another."""
         c = self._copies
         training = self.registry.round >= 0 and not self.registry.aborted
-        request = c.ask(now, training, force) if c is not None else None
+        request = c.ask(now, training, force, urgent=self.registry.handover_pending) if c is not None else None
         if request is not None:
             self._publish("durable_request", {"id": request})
         return request
@@ -1026,9 +1027,11 @@ class ElasticDriver:
         how it goes, so that a quiet job is not a silent one."""
         self._status_due = now + self.settings.status_interval
         r = self.registry
-        if r.round < 0 or r.finished is not None:
-            return
+        if r.round < 0 or r.finished is not None or r.aborted:
+            return  # no round trains: the waits say what they wait for, every 30 s
         members = r.final_round()
+        if not any(w.state is reg.WorkerState.RUNNING for w in members):
+            return  # (every member gone: a line with their count would contradict "every worker is gone")
         hosts = len({w.host for w in members})
         steps = self._progress_seen.steps
         pace = ""

@@ -739,6 +739,12 @@ class Registry:
         or building their model before their first sync): the status line counts them."""
         return 0 if self.round < 0 else sum(1 for w in self.workers.values() if w.state is WorkerState.LAUNCHING)
 
+    @property
+    def handover_pending(self) -> bool:
+        """Every worker holding the state is leaving and nobody can take it over yet (said this
+        round): the driver keeps a durable copy as fresh as it can until they go."""
+        return "handover" in self._said
+
     def holders(self) -> list[WorkerRecord]:
         """Live workers known to hold the newest committed state."""
         if not self._holding:
@@ -1222,6 +1228,23 @@ class Registry:
             yield Finish(False, Reason(Cause.RESET_LIMIT, {"limit": limit, "resets": self.reset_count}))
             return
         need = self.config.np if self.round < 0 else self.config.min_np
+        draining = self.hosts.draining()
+        if self.round >= 0 and handing_over and len(holders) >= need and all(
+                w.state is WorkerState.WAITING and w.host in draining and not self.hosts.is_blacklisted(w.host)
+                for w in holders):
+            plan = self._plan(target, (WorkerState.WAITING,), holders)
+            if len(plan) < need:
+                # Every holder's host is going (a reclaim of the whole pool: each said "leaving"
+                # in turn, and the first one's removal already stopped them) and nobody is ready to
+                # take the state over: they keep training, as said, not wait idle until their
+                # --sigterm-grace runs out. Durable copies go on (the one asked for now is taken
+                # at their next commit); the hand-over comes when newcomers are ready.
+                said = "handover" in self._said
+                yield from self._stop_waiting()
+                yield from self._form_round([(w.key, w) for w in sorted(holders, key=self._seniority)])
+                if said:  # the same news in the round they keep training in: said (and a copy asked) once
+                    yield Mark("said", "handover")
+                return
         reachable = len(target) + (1 if handing_over and target else 0)
         if (self.round < 0 and self.config.min_np <= reachable < need and self.config.fixed_hosts
                 and self.hosts.is_permanent()):

@@ -7,7 +7,14 @@ import dataclasses
 
 import pytest
 
-from elasticrun.driver.durable.decisions import PROGRESS_EVERY, CopySchedule, FinalCopy, Progress, final_copy_verdict
+from elasticrun.driver.durable.decisions import (
+    PROGRESS_EVERY,
+    URGENT_RETRY,
+    CopySchedule,
+    FinalCopy,
+    Progress,
+    final_copy_verdict,
+)
 
 
 def test_a_copy_is_asked_for_only_while_a_round_trains():
@@ -18,6 +25,21 @@ def test_a_copy_is_asked_for_only_while_a_round_trains():
     assert s.ask(30.0, training=True, force=True) == 2  # a stop's last copy
     assert s.ask(89.9, training=True) is None and s.ask(90.0, training=True) == 3
     assert s.ask(500.0, training=False, force=True) is None  # nothing trains: nothing could answer
+
+
+def test_while_every_holder_is_leaving_copies_follow_one_another():
+    """Nobody can take the state over before the leavers' --sigterm-grace ends: each copy is
+    asked for as soon as the last is written (or URGENT_RETRY after it, if it never is), so
+    that what they leave on disk is at most one copy's time old, not --checkpoint-interval."""
+    s = CopySchedule(60.0)
+    assert s.ask(0.0, training=True) == 1
+    assert s.ask(1.0, training=True, urgent=True) is None  # the last one is not written yet
+    s.written(1)
+    assert s.ask(1.5, training=True, urgent=True) == 2  # written: the next at once
+    assert s.ask(1.6, training=True, urgent=True) is None
+    assert s.ask(1.5 + URGENT_RETRY, training=True, urgent=True) == 3  # never whole: asked again
+    assert s.ask(30.0, training=True) is None  # the leavers gone: the interval again
+    assert s.ask(4.0, training=False, urgent=True) is None  # nothing trains: nothing could answer
 
 
 def test_progress_keeps_the_furthest_point_and_when_its_commit_was_first_heard():

@@ -1384,8 +1384,12 @@ class RegistryMachine(RuleBasedStateMachine):
             assert assigns[0].worker_id in alive_holders, (
                 f"round {assigns[0].round} formed with rank 0 on {assigns[0].worker_id}, not on a holder "
                 f"of the state ({sorted(alive_holders)})")
-            # Only a holder handing the state over may be on a host that is not usable now.
-            assert all(a.worker_id in alive_holders for a in outside) and len(outside) <= 1
+            # Only a holder handing the state over may be on a host that is not usable now, or
+            # holders that all are on hosts going (draining, leaving) with nobody to hand over to:
+            # they keep training in a round of their own.
+            assert all(a.worker_id in alive_holders for a in outside)
+            draining = self.job.hosts.draining()
+            assert len(outside) <= 1 or (len(outside) == size and all(a.info.host in draining for a in assigns))
         else:
             assert not outside
             self.holders |= new_ids  # a round without holders: they all start from the script's state
@@ -1579,6 +1583,28 @@ class TestGoingAway:
         assert not of(job.discover({"a": 1, "b": 1}, at=3), Launch)  # still listed: still going
         job.discover({"a": 1}, at=4)
         assert [l.info.key for l in of(job.discover({"a": 1, "b": 1}, at=5), Launch)] == [("b", 0)]
+
+    def test_holders_all_leaving_one_after_the_other_keep_training_in_a_round_of_their_own(self):
+        """A whole pool reclaimed: b says "leaving" first (a removal: notified), then a. With
+        nobody to hand the state to, they said "they keep training", but they were parked in
+        the rendezvous the first removal sent them to, idle until their --sigterm-grace ran out.
+        They get a round of their own; the hand-over line is said (and a copy asked) once."""
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1})
+        job.reg.leaving("w1", "SIGTERM", 1.0)
+        assert of(job.tick(1), Notify) == [Notify(added=False, removed=True)]
+        job.reg.leaving("w0", "SIGTERM", 1.1)
+        acts = job.tick(1.1)
+        assert len(events(acts, "handover_pending")) == 1 and job.reg.handover_pending
+        acts = job.rdv_all(["w1", "w0"], at=2)  # both at their next commit: the interrupt
+        assert not of(acts, Dismiss)
+        assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0), ("b", 0): ("w1", 1)}
+        assert job.reg.round == 1 and job.reg.handover_pending
+        acts = job.tick(3)
+        assert not events(acts, "handover_pending") and not of(acts, Notify)  # said once; no reset loop
+        job.discover({"a": 1, "b": 1, "c": 1}, at=4)  # new capacity: the hand-over goes on as before
+        acts = job.rdv("w2", at=5)
+        assert of(acts, Notify) and job.reg.round == 1
 
     def test_a_leaving_host_stays_out_when_its_notice_drops_out_of_the_next_listing(self):
         """Discovery said `draining`, then the worker got SIGTERM; the next listing lacks the word

@@ -14,6 +14,11 @@ __all__ = ["CopySchedule", "FinalCopy", "PROGRESS_EVERY", "Progress", "final_cop
 PROGRESS_EVERY = 2.0
 
 
+#: While every holder of the state is leaving: a copy not whole this long after it was asked for
+#: is asked for again (seconds).
+URGENT_RETRY = 2.0
+
+
 class CopySchedule:
     """When to ask the workers for a durable copy (pure; the driver's clock is passed in).
 
@@ -32,11 +37,18 @@ class CopySchedule:
     def due(self, now: float) -> bool:
         return self._last_at is None or now - self._last_at >= self.interval
 
-    def ask(self, now: float, training: bool, force: bool = False) -> int | None:
+    def ask(self, now: float, training: bool, force: bool = False, urgent: bool = False) -> int | None:
         """The id of a request to publish now, or None: only while a round trains (not before
         the first, nor while one is aborted and re-formed), when due or ``force``d (a stop's
-        last copy)."""
-        if not training or not (force or self.due(now)):
+        last copy). ``urgent`` (every holder of the state is leaving, and none can hand it over):
+        due as soon as the last request is written, or URGENT_RETRY after it, so that the copy
+        they leave behind is at most one copy's time old whenever their --sigterm-grace ends."""
+        if not training:
+            return None
+        if urgent and self._last_at is not None and (
+                self.last_id in self.completed or now - self._last_at >= URGENT_RETRY):
+            return self.request(now)
+        if not (force or self.due(now)):
             return None
         return self.request(now)
 
