@@ -921,12 +921,20 @@ class ElasticDriver:
         if steps is None or commit is None:
             return
         if self._progress_seen.report(steps, commit, time.monotonic(), time.time(), self._checkpoints is not None):
-            assert self._checkpoints is not None
-            try:
-                self._checkpoints.save_progress(steps, commit)
-            except OSError as exc:  # a diagnostic: it only shortens "N steps back" after a resume
-                self._limited.warn("diagnostic writes", f"cannot write {self._checkpoints.path}/progress.json: "
-                                   f"{exc.strerror or exc}; training goes on", "progress file")
+            self._save_progress()
+
+    def _save_progress(self) -> None:
+        """The furthest progress heard, on disk (at most every PROGRESS_EVERY s while training,
+        and once more as the driver stops, so that a resume's "N steps back" counts the last
+        seconds too)."""
+        if self._checkpoints is None or not self._progress_seen.steps:
+            return
+        p = self._progress_seen
+        try:
+            self._checkpoints.save_progress(p.steps, p.commit, p.at)
+        except OSError as exc:  # a diagnostic: it only shortens "N steps back" after a resume
+            self._limited.warn("diagnostic writes", f"cannot write {self._checkpoints.path}/progress.json: "
+                               f"{exc.strerror or exc}; training goes on", "progress file")
 
     def _say_resumed(self, round_: int) -> None:
         durable = self._durable.newest if self._durable is not None else None
@@ -1094,6 +1102,7 @@ class ElasticDriver:
                 self._execute(self.registry.decide(time.monotonic()))
 
     def _shutdown(self) -> None:
+        self._save_progress()
         self._stop_discovery.set()
         self.source.close()
         try:  # workers take a SIGTERM for a reclaim warning unless told it is the job ending

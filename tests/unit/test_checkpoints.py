@@ -171,6 +171,8 @@ def test_nothing_in_the_directory_is_reached_through_a_link(cdir, tmp_path):
     os.symlink(victim, os.path.join(cdir.path, ".progress.json.tmp"))
     cdir.save_progress(7, 3)
     assert victim.read_text() == "precious" and cdir.load_progress()[:2] == (7, 3)
+    cdir.save_progress(9, 4, at=1234.5)  # when the steps were heard of, not when the file was written
+    assert cdir.load_progress() == (9, 4, 1234.5)
     os.symlink(tmp_path, os.path.join(cdir.path, "ckpt-000009"))
     assert "ckpt-000009" in dict(cdir.scan().unusable)
     os.symlink(victim, os.path.join(cdir.path, "progress.json.x"))

@@ -575,10 +575,11 @@ class CheckpointDir:
                 pass
         return removed
 
-    def save_progress(self, steps: int, commit: int) -> None:
-        """How far the workers have got (for "N steps back" when a later run resumes): small,
-        replaced atomically, never fsynced (a lost update only shortens that number). A
-        temporary file is created exclusively, never through a link. OSError to the caller."""
+    def save_progress(self, steps: int, commit: int, at: float | None = None) -> None:
+        """How far the workers have got, and when (wall time; now if not given), for "N steps
+        back" when a later run resumes: small, replaced atomically, never fsynced (a lost update
+        only shortens that number). A temporary file is created exclusively, never through a
+        link. OSError to the caller."""
         tmp = f".{PROGRESS_FILE}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=self.fd)
@@ -586,7 +587,8 @@ class CheckpointDir:
             os.unlink(tmp, dir_fd=self.fd)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=self.fd)
         try:
-            _write_all(fd, json.dumps({"steps": steps, "commit": commit, "at": time.time()}).encode())
+            _write_all(fd, json.dumps({"steps": steps, "commit": commit,
+                                       "at": time.time() if at is None else at}).encode())
         finally:
             os.close(fd)
         os.replace(tmp, PROGRESS_FILE, src_dir_fd=self.fd, dst_dir_fd=self.fd)
