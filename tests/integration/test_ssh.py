@@ -126,6 +126,28 @@ def test_lost_connection_kills_the_remote_tree(sshd_clean):
     launcher.stop_all(1)
 
 
+def test_stopping_gives_up_a_handshake_that_hangs_at_once(sshd_clean):
+    """A host that accepts TCP and never speaks SSH holds a launch for --start-timeout; a job
+    that ends meanwhile (its other workers finished) must not wait that out."""
+    server = sshd_clean
+    silent = socket.socket()
+    silent.bind(("127.0.0.6", server.port))
+    silent.listen(8)
+    try:
+        launcher, _, exits = _launcher(server, connect_timeout=30.0)
+        launcher.launch("w1", ["sleep", "300"], _env(), host="127.0.0.6")
+        silent.settimeout(10)
+        conn, _ = silent.accept()  # connected: the handshake begins, and gets no answer
+        started = time.monotonic()
+        launcher.stop_all(2.0)
+        assert exits.wait("w1", timeout=5)["w1"] != 0
+        assert time.monotonic() - started < 5, "stop_all waited for the hung handshake"
+        launcher.drain(2.0)
+        conn.close()
+    finally:
+        silent.close()
+
+
 def test_more_workers_than_max_sessions_and_stop_all(sshd_clean):
     """sshd allows 4 sessions per connection here: a 5th worker gets a second connection."""
     server = sshd_clean

@@ -205,6 +205,11 @@ class HostConnections:
         self._lock = threading.Lock()
         self._failure: tuple[float, LaunchError] | None = None
         self.closed = False
+        # The socket of a connection being made (its handshake may hang for --start-timeout:
+        # a host that accepts TCP and never answers): close() shuts it, so a stopping job does
+        # not wait for that.
+        self._connecting: socket.socket | None = None
+        self._no_new = False  # abort_connecting(): no connection is made any more
 
     @property
     def target(self) -> str:
@@ -244,9 +249,7 @@ class HostConnections:
                 raise LaunchError(f"connected to {self.target} but could not open a session: {exc}") from None
 
     def _connect(self, deadline: float) -> "paramiko.SSHClient":
-        import paramiko
-
-        if self.closed:
+        if self.closed or self._no_new:
             raise LaunchError("the job is stopping")
         timeout = deadline - time.monotonic()
         if timeout <= 0:
@@ -261,6 +264,18 @@ class HostConnections:
         except OSError as exc:
             raise LaunchError(f"cannot connect to {self.target}: {exc.strerror or exc}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # 65 -> 20-25 ms per connect
+        self._connecting = sock
+        try:
+            if self.closed or self._no_new:  # (read after the write above: see abort_connecting)
+                sock.close()
+                raise LaunchError("the job is stopping")
+            return self._handshake(sock, deadline)
+        finally:
+            self._connecting = None
+
+    def _handshake(self, sock: socket.socket, deadline: float) -> "paramiko.SSHClient":
+        import paramiko
+
         client = paramiko.SSHClient()
         known = self.opts.known_hosts_path
         if os.path.exists(known):
@@ -292,6 +307,8 @@ class HostConnections:
         except (paramiko.SSHException, EOFError, OSError) as exc:
             client.close()
             text = str(exc) or type(exc).__name__
+            if self.closed or self._no_new:
+                raise LaunchError("the job is stopping") from None
             if time.monotonic() >= deadline - 0.05 or isinstance(exc, socket.timeout) or "banner" in text:
                 raise LaunchError(f"{self.target} accepted the connection but did not complete the SSH handshake "
                                   f"within {self.opts.connect_timeout:g} s (--start-timeout): {text}") from None
@@ -314,8 +331,22 @@ class HostConnections:
         finally:
             chan.close()
 
+    def abort_connecting(self) -> None:
+        """Make no new connection, and give up the one being made (its handshake may hang for
+        --start-timeout): the job is stopping. The connector sets ``_connecting`` and then
+        reads the flag; this sets the flag and then reads ``_connecting``: one of the two sees
+        the other."""
+        self._no_new = True
+        sock = self._connecting
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # the handshake's read returns at once
+            except OSError:
+                pass
+
     def close(self) -> None:
         self.closed = True
+        self.abort_connecting()
         for client in self.clients:
             client.close()
 
@@ -383,6 +414,8 @@ class SSHLauncher:
             conns = self._hosts.get(host)
             if conns is None:
                 conns = self._hosts[host] = HostConnections(host, self.opts)
+                if self._stopping:  # a launch thread that comes after stop_all: it connects nowhere
+                    conns.abort_connecting()
             return conns
 
     # --- launching ------------------------------------------------------------------------
@@ -654,10 +687,16 @@ class SSHLauncher:
         return r.pgid if r else None
 
     def stop_all(self, grace: float) -> None:
-        """SIGTERM every remote group, SIGKILL after ``grace``, then close every connection."""
+        """SIGTERM every remote group, SIGKILL after ``grace``, then close every connection.
+        Connections still being made are given up at once: nothing runs there yet, and a
+        handshake that hangs must not hold the job's end for --start-timeout."""
         self._stopping = True
         with self._lock:
             live = [r for r in self._remotes.values() if not r.finished.is_set()]
+            started = {r.host for r in live if r.pgid is not None}  # their signals may need a connection
+            hosts = [c for h, c in self._hosts.items() if h not in started]
+        for conns in hosts:
+            conns.abort_connecting()
         for r in live:
             if r.pgid is None:
                 r.cancel = 15
