@@ -29,6 +29,7 @@ import zmq
 
 from elasticrun.common.auth import WorkerKeys, secure_client
 from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, ProtocolError, copy_name, new_sender_id
+from elasticrun.common.ratelimit import LimitedLog, LogLimiter
 
 log = logging.getLogger("elasticrun.worker")
 
@@ -350,6 +351,9 @@ class DurableSender:
         self._busy = False
         self._closed = False
         self.sent = 0  # copies sent whole (tests, logs)
+        # A shard refused (a full disk, a copy the driver gave up) is said once, then counted
+        # once a minute: the driver says why, once, and copies may follow one another.
+        self._refused = LimitedLog(log, limiter=LogLimiter(first=1, interval=60.0))
         self._thread = threading.Thread(target=self._run, name="elasticrun-durable-send", daemon=True)
         self._thread.start()
 
@@ -404,6 +408,7 @@ class DurableSender:
             self._cv.notify()
         self._thread.join(5.0)
         self._channel.close()
+        self._refused.flush(force=True)
 
     def _run(self) -> None:
         while True:
@@ -418,10 +423,13 @@ class DurableSender:
                 self._send(c)
                 self.sent += 1
             except Exception as exc:  # the driver refused it, or is gone: the job goes on
-                log.warning("durable copy (%s): rank %d could not send its shard: %s", copy_name(c.request), c.rank, exc)
+                self._refused.warn("durable-copy shards not sent", f"durable copy ({copy_name(c.request)}): rank "
+                                   f"{c.rank} could not send its shard (the driver's log says why; training goes "
+                                   f"on): {exc}", type(exc).__name__)
             finally:
                 with self._cv:
                     self._busy = False
+            self._refused.flush()
 
     def _send(self, c: _Copy) -> None:
         if c.ready is not None:

@@ -3,6 +3,7 @@ onto disk, then fetched back for a restore; and the byte layout they share."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -13,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elasticrun.common.auth import JobKeys, ZapAuthenticator
-from elasticrun.common.protocol import copy_id
+from elasticrun.common.protocol import copy_id, copy_name
 from elasticrun.driver.durable import checkpoints as ck
 from elasticrun.driver.durable.service import DurableService
 from elasticrun.worker import durable
@@ -159,3 +160,34 @@ def test_every_request_is_answered_and_none_ends_the_service(service):
         s.close()
     info, meta, data = durable.fetch(ctx, endpoint, keys.worker, "job")
     assert info["commit"] == 3 and meta == b"m"
+
+
+def test_refused_shards_are_said_once_then_counted(service, monkeypatch, caplog):
+    """A full disk refuses every copy; with copies one after another (every holder leaving)
+    each rank said two lines per attempt. Now the first refusal is said, the rest counted."""
+    ctx, keys, endpoint, svc, written, warned, done = service
+    t = [torch.ones(10)]
+    entries = durable.layout([("x", t[0])])
+    s = durable.DurableSender(ctx, endpoint, keys.worker, "job")
+
+    def refused(c):
+        raise ValueError(f"{copy_name(c.request)} is not being written")
+
+    monkeypatch.setattr(s, "_send", refused)
+    try:
+        with caplog.at_level(logging.WARNING, logger="elasticrun"):
+            for i in range(1, 21):
+                deadline = time.monotonic() + 5
+                while not s.hand_off(copy_id(0, i), 1, 2, commit=i, steps=i, tensors=t, entries=entries,
+                                     meta=lambda: b""):
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+            deadline = time.monotonic() + 5
+            while s.busy and time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        s.close()
+    said = [m for m in caplog.messages if "could not send its shard" in m or "durable-copy shards not sent" in m]
+    # The first in full; the other 19 counted: a summary at once, then one a minute (and at the close).
+    assert len(said) <= 3 and "the driver's log says why" in said[0], said
+    assert sum(int(m.split()[0]) for m in said[1:]) == 19, said
