@@ -130,6 +130,11 @@ def assign_buckets(tensors: Sequence[tuple[Hashable, int]], cap: int, first_cap:
     return layout
 
 
+#: The DistributedOptimizers alive in this process (see ``_dist_launch``: with more than one,
+#: each bucket's reduction is checked to be the same bucket on every rank).
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
 @dataclass(eq=False)
 class _Bucket:
     """Gradients reduced together through one flat buffer (one dtype, one device)."""
@@ -205,6 +210,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = int(backward_passes_per_step)
         self._dist_bucket_cap = max(1, int(bucket_cap_mb * (1 << 20)))
         self._dist_names = self._dist_check_names(named_parameters)
+        _LIVE.add(self)
         self._dist_buckets: list[_Bucket] = []
         self._dist_slots: dict[torch.Tensor, tuple[_Bucket, int]] = {}
         self._dist_hooks: dict[torch.Tensor, Any] = {}
@@ -455,6 +461,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 for i, value in enumerate(flags.encode()):  # scalar fills: no host-to-device copy to wait on
                     b.buffer[b.numel + i] = value
             tensor, b.ctx = self._dist_compression.compress(b.buffer)  # prescaled (see _dist_scale)
+            if len(_LIVE) > 1:
+                # Two optimizers (a GAN, a multi-task model) launch their buckets as their
+                # gradients come, and a graph that differs between ranks (one rank trains head
+                # a, another head b) orders them differently: gloo pairs collectives by order,
+                # so a's bucket on one rank was summed with b's on another, silently. Horovod
+                # pairs them by name; here the ranks check they reduce the same bucket (a tiny
+                # allgather, only in a process with more than one DistributedOptimizer), and
+                # otherwise every rank raises CollectiveMismatch naming both.
+                collectives.agree(r, {"collective": "DistributedOptimizer bucket", "bucket": b.name,
+                                      "numel": b.numel, "dtype": str(b.dtype)},
+                                  "DistributedOptimizer (one of several)", self._dist_ps)
             b.handle = collectives.allreduce_async_(tensor, name=b.name, op=Sum, trusted=True,
                                                     process_set=self._dist_ps or global_process_set)
 

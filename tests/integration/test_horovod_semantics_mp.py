@@ -239,3 +239,37 @@ def test_broadcast_optimizer_state_keeps_the_groups_a_scheduler_made_before_wrap
     them, and every rank but the root trained at a constant learning rate."""
     for w in gloo_world.run_world(HERE, "scheduler_made_before_wrapping", 2, tmp_path, timeout=120):
         assert w == {"lr": 0.1 * 0.5 ** 3, "same group": True, "same state": True}
+
+
+def two_optimizers(rank: int, size: int, workdir: Path) -> dict[str, Any]:
+    import elasticrun.torch as hvd
+
+    torch.manual_seed(0)
+    heads = {"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)}
+    opts = {k: hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                        named_parameters=[(f"{k}.{n}", p) for n, p in m.named_parameters()])
+            for k, m in heads.items()}
+    x = torch.randn(4, 4)
+    out: dict[str, Any] = {}
+    for step, per_rank in enumerate([False, True]):
+        for o in opts.values():
+            o.zero_grad()
+        head = heads["ab"[rank % 2]] if per_rank else heads["a"]
+        try:
+            (head(x) ** 2).sum().backward()
+            for o in opts.values():
+                o.step()
+            out[step] = "stepped"
+        except Exception as exc:
+            out[step] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_two_optimizers_used_differently_by_the_ranks_fail_loudly_not_silently(tmp_path):
+    """Each DistributedOptimizer launches its buckets as its gradients come; with a graph that
+    differs between ranks, a's bucket on rank 0 met b's on rank 1 and the two were summed,
+    silently. Horovod pairs reductions by name; here every rank raises, naming both buckets."""
+    for w in gloo_world.run_world(HERE, "two_optimizers", 2, tmp_path, timeout=120):
+        assert w[0] == "stepped"  # the same head on every rank: as before
+        assert w[1].startswith("CollectiveMismatch: DistributedOptimizer bucket") and "a.bias .. a.weight" in w[1] \
+            and "b.bias .. b.weight" in w[1], w[1]
