@@ -317,7 +317,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Start the sparse reduction of ``p``'s gradient (an empty one where this rank has none)."""
         g = p.grad
         if g is None or not g.is_sparse:
-            g = torch.sparse_coo_tensor(torch.empty((p.dim(), 0), dtype=torch.int64, device=p.device),
+            g = torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.int64, device=p.device),
                                         torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device),
                                         tuple(p.shape))
         op = Sum if self._dist_op == Sum else Average
@@ -377,8 +377,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "Gradients were computed more than backward_passes_per_step times before call to "
                     "step(). Increase backward_passes_per_step to accumulate gradients locally.")
             self._dist_sparse_passes[p] = passes
-            if passes == self.backward_passes_per_step and r.size > 1 and self._dist_member(r):
-                self._dist_sparse_reduce(p, r)
+            # Reduced at synchronize(), after the dense buckets, in one order on every rank: a
+            # rank whose step did not use the parameter (a per-rank branch) has no hook to start
+            # it from, and a reduction started here on one rank met another's dense bucket
+            # (gloo aborted both processes: "Is there a distributed collective mismatch").
         except BaseException:
             self._dist_clear(discard=True)
             raise

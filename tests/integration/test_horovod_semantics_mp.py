@@ -273,3 +273,30 @@ def test_two_optimizers_used_differently_by_the_ranks_fail_loudly_not_silently(t
         assert w[0] == "stepped"  # the same head on every rank: as before
         assert w[1].startswith("CollectiveMismatch: DistributedOptimizer bucket") and "a.bias .. a.weight" in w[1] \
             and "b.bias .. b.weight" in w[1], w[1]
+
+
+def sparse_used_by_some_ranks(rank: int, size: int, workdir: Path) -> dict[str, Any]:
+    import elasticrun.torch as hvd
+
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([*emb.parameters(), *head.parameters()], lr=0.1),
+                                   named_parameters=[("emb.weight", emb.weight), *head.named_parameters()])
+    hvd.broadcast_parameters({"emb": emb.weight, "w": head.weight, "b": head.bias}, root_rank=0)
+    ids = torch.tensor([1, 2, 3])
+    for step in range(3):
+        opt.zero_grad()
+        uses = not (rank == 1 and step == 1)  # a per-rank branch skips the embedding once
+        x = emb(ids) if uses else torch.ones(3, 4)
+        head(x).sum().backward()
+        opt.step()
+    return {"emb": emb.weight.detach().clone(), "head": head.weight.detach().clone()}
+
+
+def test_a_sparse_gradient_one_rank_did_not_compute_this_step_is_reduced_as_zeros(tmp_path):
+    """Both ranks know the embedding's gradients are sparse; in one step rank 1 does not use it.
+    Its reduction was started from the gradient's hook on rank 0 and at synchronize() on rank 1,
+    out of order with the dense bucket: gloo aborted both processes. Now every rank reduces the
+    sparse gradients after the dense buckets, and the replicas stay equal."""
+    a, b = gloo_world.run_world(HERE, "sparse_used_by_some_ranks", 2, tmp_path, timeout=120)
+    assert torch.equal(a["emb"], b["emb"]) and torch.equal(a["head"], b["head"])
