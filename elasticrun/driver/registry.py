@@ -741,9 +741,13 @@ class Registry:
 
     @property
     def handover_pending(self) -> bool:
-        """Every worker holding the state is leaving and nobody can take it over yet (said this
-        round): the driver keeps a durable copy as fresh as it can until they go."""
-        return "handover" in self._said
+        """Every worker holding the state is on a host that is going (leaving, draining) and
+        nobody can take it over yet (said this round): the driver keeps a durable copy as fresh
+        as it can until they go. (Holders only blacklisted may train on for long: not those.)"""
+        if "handover" not in self._said:
+            return False
+        draining = self.hosts.draining()
+        return all(w.host in draining for w in self.holders())
 
     def holders(self) -> list[WorkerRecord]:
         """Live workers known to hold the newest committed state."""
