@@ -80,12 +80,6 @@ class HostUpdates:
         rank's flag set makes the reduced flag set)."""
         self._agreed = (round_, pending, added)
 
-    def agreed_pending(self, round_: int) -> bool:
-        """Whether flags agreed in a gradient allreduce of this round say "interrupt" (not
-        consumed: :meth:`take_agreed` does that at the check point that acts on them)."""
-        agreed = self._agreed
-        return agreed is not None and agreed[0] == round_ and agreed[1]
-
     def take_agreed(self, round_: int) -> tuple[bool, bool] | None:
         """At a check point of round ``round_``: the flags agreed in a gradient allreduce of
         this round since the last check point, as (interrupt, added), or None if there were

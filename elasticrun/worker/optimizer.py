@@ -367,7 +367,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _dist_on_sparse_grad(self, p: torch.Tensor) -> None:
         try:
-            r = self._dist_begin()
+            self._dist_begin()  # (a step of this round: state from another one is dropped)
             if p not in self._dist_sparse:  # its first sparse gradient: sparse from now on
                 self._dist_sparse[p] = None
                 self._dist_sparse_found = True
@@ -538,9 +538,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = True
 
     def _dist_finish_sparse(self, r: Round) -> None:
-        """The sparse reductions: started for gradients whose hook did not fire (none on this
-        rank, fewer passes), then waited for; each gradient becomes the (uncoalesced) sum or
-        average of every rank's, a sparse tensor as SparseAdam wants it."""
+        """The sparse reductions: started here for every sparse parameter, in one order on
+        every rank (an empty gradient where this rank has none), then waited for; each
+        gradient becomes the (uncoalesced) sum or average of every rank's, a sparse tensor as
+        SparseAdam wants it."""
         if not self._dist_sparse or r.size == 1 or not self._dist_member(r):
             return
         for p in self._dist_sparse:

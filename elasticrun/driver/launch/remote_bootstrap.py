@@ -644,6 +644,15 @@ def let_the_notice_speak(pid: int, notice: "Optional[DeathNotice]", heard: Optio
     heard.join(NOTICE_FIRST_SECONDS)
 
 
+def own_stop(notice: "Optional[DeathNotice]", driver_gone: threading.Event,
+             signalled: Optional[threading.Event]) -> None:
+    """Before this watchdog's SIGTERM: if it stops the worker because the driver's channel
+    closed (and not because the watchdog was signalled itself, as a machine going signals
+    every process), say so in the notice (:meth:`DeathNotice.mark_stop`)."""
+    if notice is not None and driver_gone.is_set() and not (signalled is not None and signalled.is_set()):
+        notice.mark_stop()
+
+
 def watch(pid: int, grace: float, stop: threading.Event, driver_fd: int = 0,
           notice: "Optional[DeathNotice]" = None, report: Optional[Callable[..., None]] = None,
           leave: float = 0.0, signalled: Optional[threading.Event] = None) -> Optional[int]:
@@ -670,8 +679,7 @@ def watch(pid: int, grace: float, stop: threading.Event, driver_fd: int = 0,
     driver_gone = threading.Event()
     until_stopped(stop, wait_child, "bootstrap-wait", driver_fd, driver_gone)
     if not status:  # asked to stop, or the driver is gone: SIGTERM the group, SIGKILL after grace
-        if driver_gone.is_set() and not (signalled is not None and signalled.is_set()) and notice is not None:
-            notice.mark_stop()
+        own_stop(notice, driver_gone, signalled)
         killpg(pid, signal.SIGTERM)
         wait_after_sigterm(lambda: bool(status), grace, leave, signalled, driver_gone)
     killpg(pid, signal.SIGKILL)  # whatever is left of the group: the worker's own children too
@@ -775,8 +783,7 @@ def watch_warm(pid: int, conn: socket.socket, rest: bytes, grace: float, stop: t
     driver_gone = threading.Event()
     until_stopped(stop, wait_template, "bootstrap-template", driver_fd, driver_gone)
     if not gone.is_set():  # asked to stop, or the driver is gone
-        if driver_gone.is_set() and not (signalled is not None and signalled.is_set()) and notice is not None:
-            notice.mark_stop()
+        own_stop(notice, driver_gone, signalled)
         killpg(pid, signal.SIGTERM)
         wait_after_sigterm(gone.is_set, grace, leave, signalled, driver_gone)
     killpg(pid, signal.SIGKILL)  # whatever is left of the group
