@@ -11,6 +11,7 @@ a pump that died would leave the worker blocked on a full pipe.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -20,6 +21,8 @@ from typing import IO, Callable, Protocol
 from elasticrun.common.diagnostics import DiagnosticFile
 from elasticrun.common.lines import lines
 from elasticrun.common.ratelimit import LimitedLog
+
+log = logging.getLogger("elasticrun")
 
 
 class Output(Protocol):
@@ -38,7 +41,8 @@ class OutputSink:
         self._console = {"stdout": stdout or sys.stdout, "stderr": stderr or sys.stderr}
         self._files: dict[tuple[int, str], DiagnosticFile] = {}
         self._limited = limited
-        self._console_gone: set[str] = set()
+        # A driver started with a stream closed (``>&-``) has None there: a console gone from the start.
+        self._console_gone: set[str] = {k for k, v in self._console.items() if v is None}
         self._lock = threading.Lock()
 
     def write(self, worker_id: str, stream: str, line: str) -> None:
@@ -51,7 +55,7 @@ class OutputSink:
                 try:
                     console.write(f"{stamp}[{rank}]<{stream}>:{text}")
                     console.flush()
-                except (OSError, ValueError):  # closed by whoever reads it: the files still get it
+                except (OSError, ValueError, AttributeError):  # closed by whoever reads it: the files still get it
                     self._console_gone.add(stream)
             if self._dir is not None and rank >= 0:
                 self._file(rank, stream).write(text)
@@ -77,9 +81,16 @@ def pump(pipe: IO[bytes], worker_id: str, stream: str, sink: Output) -> threadin
     :data:`~elasticrun.common.lines.LINE_LIMIT` bytes in pieces."""
 
     def run() -> None:
+        said = False
         with pipe:
             for line in lines(pipe):
-                sink.write(worker_id, stream, line)
+                try:
+                    sink.write(worker_id, stream, line)
+                except Exception:  # never stop reading: the worker would block on a full pipe, or die of EPIPE
+                    if not said:
+                        said = True
+                        log.exception("%s's %s: a line could not be written (later failures go unsaid)",
+                                      worker_id, stream)
 
     thread = threading.Thread(target=run, name=f"elasticrun-output-{worker_id}-{stream}", daemon=True)
     thread.start()

@@ -182,6 +182,28 @@ def test_output_prefixes_and_per_rank_files(job):
     assert "finished rank=1" in (out_dir / "rank.1" / "stdout").read_text()
 
 
+def test_a_driver_started_with_stdout_closed_keeps_every_worker(job):
+    """``elasticrun ... >&-`` (a daemon's closed stdout): Python gives the driver no sys.stdout.
+    The pump of the first line a worker printed died of it, the worker's next print got EPIPE,
+    and each healthy host was blacklisted for it. Now the console is gone from the start, the
+    per-rank files get everything, and training goes on."""
+    wrapper = job.tmp / "closed_stdout.py"
+    wrapper.write_text("import os, sys\nos.close(1)\n"
+                       "os.execv(sys.executable, [sys.executable, '-m', 'elasticrun', *sys.argv[1:]])\n")
+    out_dir = job.tmp / "logs"
+    chatty = [sys.executable, "-c", "import time, elasticrun.torch as hvd; hvd.init()\n"
+              "for i in range(20): print('line', i, flush=True); time.sleep(0.01)\n"
+              "hvd.allreduce(__import__('torch').ones(1))"]
+    job.start(["-np", "2", "-H", TWO.format(s=1), "--output-filename", str(out_dir)], chatty,
+              driver=[str(wrapper)])
+    r = job.finish()
+    assert r.returncode == 0, r.output
+    assert "failed" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout == ""
+    for rank in (0, 1):
+        assert (out_dir / f"rank.{rank}" / "stdout").read_text().count("line ") == 20
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_every_worker(job, sig):
     job.start(["-np", "2", "-H", TWO.format(s=1)], job.train_cmd(epochs=1000, batches=5, sleep=0.05))

@@ -324,7 +324,24 @@ def _check_output_paths(o: Mapping[str, Any], fail: Fail) -> None:
         fail(str(exc))
 
 
+def hold_standard_fds() -> None:
+    """Put /dev/null on a standard descriptor the driver was started without (``>&-``, a
+    daemon's closed stdout). Python leaves ``sys.stdout`` None then, which the output sink
+    takes as a console that is gone; but the descriptor's number would go to the next file
+    or socket the driver opens, and whatever writes to fd 1 (a child that inherits it, a
+    C library's message) would write into that file or socket instead."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+
+
 def main(argv: list[str] | None = None) -> int:
+    hold_standard_fds()
     argv = sys.argv[1:] if argv is None else argv
     if check.wants_check(argv):
         return check.main(argv)
@@ -338,5 +355,6 @@ def main(argv: list[str] | None = None) -> int:
             source, launcher = job_parts(settings, stack)
             return ElasticDriver(settings, source, launcher).run()
     except JobFailed as exc:
-        sys.stderr.write(f"elasticrun: {exc}\n")
+        if sys.stderr is not None:  # started with stderr closed: nobody to tell
+            sys.stderr.write(f"elasticrun: {exc}\n")
         return exc.exit_code
