@@ -143,3 +143,23 @@ def test_a_binary_hostfile_is_one_line(tmp_path, check):
     assert r.returncode == 2, r
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "line 1:" in lines[0] and "is not a valid host name" in lines[0], r.stderr
+
+
+def test_ssh_files_others_could_change_or_read_are_refused(tmp_path):
+    """The known-hosts file decides which servers get the job's keys and environment, and the
+    private key is a secret: both are held to the rules of the files the job obeys (ssh's)."""
+    ssh = ["-np", "1", "-H", "localhost", "--launcher", "ssh"]
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    known.chmod(0o666)
+    r = elasticrun(*ssh, "--ssh-known-hosts", str(known), "python", "x.py")
+    assert r.returncode == 2, r
+    assert r.stderr == (f"elasticrun: error: --ssh-known-hosts {known}: anyone may change it (mode 0666): "
+                        f"chmod o-w {known} (see elasticrun --help)\n")
+    key = tmp_path / "id"
+    key.write_text("not a key\n")
+    key.chmod(0o644)
+    r = elasticrun(*ssh, "-i", str(key), "python", "x.py")
+    assert r.returncode == 2, r
+    assert r.stderr == (f"elasticrun: error: -i {key}: permissions 0644 are too open for a private key: "
+                        f"chmod 600 {key} (see elasticrun --help)\n")

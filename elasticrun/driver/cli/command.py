@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, NoReturn
 
 from elasticrun.common.errors import JobFailed
 from elasticrun.common.hosts import MAX_SLOTS_PER_HOST, HostSpecError, parse_hostfile, parse_hosts_arg
-from elasticrun.common.paths import check_writable_dir, check_writable_file
+from elasticrun.common.paths import check_writable_dir, check_writable_file, obeyed_file_problem
 from elasticrun.common.settings import DEFAULT_STALL_WARNING, JobSettings
 from elasticrun.discovery.sources import FixedHosts, ScriptDiscovery, discovery_command
 from elasticrun.driver import network
@@ -39,6 +39,15 @@ from elasticrun.driver.cli.parser import (
 Fail = Callable[[str], NoReturn]
 
 
+def key_too_open(path: str) -> str:
+    """ssh's rule for a private key of yours ("" if it holds): nobody else may read or write
+    it. A key others can read is no longer a secret; ssh refuses it, and so does the job."""
+    st = os.stat(path)
+    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        return f"permissions {st.st_mode & 0o777:04o} are too open for a private key: chmod 600 {path}"
+    return ""
+
+
 def _remote_settings(o: Mapping[str, Any], fail: Fail) -> dict:
     extra_env: dict[str, str] = {}
     for item in o["env"]:
@@ -56,6 +65,9 @@ def _remote_settings(o: Mapping[str, Any], fail: Fail) -> dict:
             fail(f"-i {identity}: no such readable file")
         if not os.path.isfile(identity):  # a directory; a FIFO would block the SSH connection's read
             fail(f"-i {identity}: not a regular file")
+        why = obeyed_file_problem(identity) or key_too_open(identity)
+        if why:
+            fail(f"-i {identity}: {why}")
         identity = os.path.abspath(identity)
     known = o["ssh_known_hosts"]
     if known is not None:
@@ -63,6 +75,11 @@ def _remote_settings(o: Mapping[str, Any], fail: Fail) -> dict:
             fail(f"--ssh-known-hosts {known}: no such readable file")
         if not os.path.isfile(known):
             fail(f"--ssh-known-hosts {known}: not a regular file")
+        # It decides which servers get the job's keys and environment: someone else's choice
+        # of it is as good as no host-key check.
+        why = obeyed_file_problem(known)
+        if why:
+            fail(f"--ssh-known-hosts {known}: {why}")
         known = os.path.abspath(known)
     address, nic = o["driver_address"], o["network_interface"]
     if nic is not None:  # the driver listens on the first; gloo gets them all (GLOO_SOCKET_IFNAME)
