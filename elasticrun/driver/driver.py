@@ -25,6 +25,7 @@ from elasticrun.common.auth import CurveUnavailable, JobKeys, ZapAuthenticator, 
 from elasticrun.common.errors import JobFailed
 from elasticrun.common.events import FIELDS, WORKER_KINDS, Cause, EventLog, Kind, Reason
 from elasticrun.common.hosts import HostList
+from elasticrun.common.limits import lift_open_files
 from elasticrun.common.protocol import MAX_FRAME_BYTES, Codec, Message, ProtocolError, new_sender_id
 from elasticrun.common.ratelimit import LimitedLog
 from elasticrun.common.settings import JobSettings
@@ -117,22 +118,12 @@ FDS_PER_WORKER = 6
 
 
 def _raise_open_file_limit(workers: int) -> None:
-    """Lift the soft limit on open files to the hard one: many systems default to 1024, which a
-    driver of a few hundred workers exhausts (connections then fail where nothing says why).
-    Says so once if even the hard limit is short of what ``workers`` need."""
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    """Lift the soft limit on open files to the hard one (:func:`~elasticrun.common.limits.lift_open_files`),
+    whatever the job's size: a neighbour's idle connections take descriptors too. Says so once
+    if even the hard limit is short of what ``workers`` need."""
+    soft = lift_open_files()
     need = FDS_PER_WORKER * workers + 256
-    if soft < need and soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else need, hard))
-            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        except (ValueError, OSError):
-            pass
-    if soft != resource.RLIM_INFINITY and soft < need:
+    if soft is not None and soft < need:
         log.warning("the open-file limit (%d) is short of the ~%d that %d workers need: raise it (`ulimit -n %d`) "
                     "before starting elasticrun", soft, need, workers, need)
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import zmq
 
 from elasticrun.common.events import Kind
-from elasticrun.common import deathnotice, env, liveness, settings
+from elasticrun.common import deathnotice, env, limits, liveness, settings
 from elasticrun.common.protocol import Message, copy_id
 from elasticrun.worker import collectives, devices, durable, forks, prefetch, rounds, trace
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
@@ -694,6 +694,7 @@ def init() -> Runtime:
                 configure_logging(level)
             _start_timeline_from_environment()
             deathnotice.arm_from_environment()  # before anything can fail: the launcher hears at once
+            limits.lift_open_files()  # before gloo's listener: see common/limits.py
             rt = Runtime()
             if not rt.standalone:
                 warm_up()

@@ -40,3 +40,22 @@ def test_nothing_is_said_when_the_limit_suffices():
         driver._raise_open_file_limit(2)
     """)
     assert r.returncode == 0 and "open-file limit" not in r.stderr, r.stderr
+
+
+def test_a_small_job_lifts_it_too_and_so_does_every_worker():
+    """A neighbour's idle connections take descriptors whatever the job's size: a worker whose
+    gloo listener runs out of them is aborted by gloo (see common/limits.py)."""
+    r = _run("""
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        from elasticrun.driver import driver
+        driver._raise_open_file_limit(2)
+        print("driver", resource.getrlimit(resource.RLIMIT_NOFILE)[0] == (hard if hard != resource.RLIM_INFINITY else 1 << 20))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        import elasticrun.torch as hvd
+        hvd.init()  # standalone: a job of one
+        print("worker", resource.getrlimit(resource.RLIMIT_NOFILE)[0] == (hard if hard != resource.RLIM_INFINITY else 1 << 20))
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["driver", "True", "worker", "True"], r.stdout
