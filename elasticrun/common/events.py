@@ -51,6 +51,7 @@ class Kind(str, enum.Enum):
     WORKERS_LOST = "workers_lost"            # every worker lost to the infrastructure; resuming from disk
     NP_NEVER = "np_never"                    # a fixed host list can no longer give -np: round 0 starts with fewer
     PLAIN_COMMAND = "plain_command"          # no worker called hvd.init(): plain processes, horovodrun's way
+    ELASTIC_AFTER_ALL = "elastic_after_all"  # ... and then one did: the job is elastic again
     RESUMED = "resumed"                      # a round starts from the newest durable copy
     DURABLE_WRITTEN = "durable_written"      # a durable copy of a commit is whole on disk
     ROUND_ABORTED = "round_aborted"
@@ -162,6 +163,7 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.WORKERS_LOST: ("round", "message", "limit", "min_np", "commit"),
     Kind.NP_NEVER: ("round", "message", "np", "reachable", "min_np"),
     Kind.PLAIN_COMMAND: ("round", "message", "limit"),
+    Kind.ELASTIC_AFTER_ALL: ("round", "message", "label", "seconds"),
     Kind.RESUMED: ("round", "message", "checkpoint", "commit", "saved_at", "steps_back"),
     Kind.DURABLE_WRITTEN: ("round", "number", "commit", "bytes", "seconds"),
     Kind.ROUND_ABORTED: ("round", "reason", "cause"),

@@ -459,7 +459,7 @@ class Registry:
             self._outbox.append(Dismiss(worker_id, Reason(Cause.JOB_FINISHED if self.finished or self._succeeded()
                                                           else Cause.NO_PLACE_ANY_MORE)))
             return
-        self._contact(now)
+        self._contact(w, now)
         if error and w.state is WorkerState.RUNNING and w.round == self.round and not self.aborted:
             # Its peers may be blocked in a collective with it (e.g. it gave up on its own
             # collective timeout): without an abort they would wait out theirs.
@@ -848,17 +848,19 @@ class Registry:
         c = self.config
         return c.fixed_hosts and c.min_np == c.np and c.max_np == c.np
 
-    def _contact(self, now: float) -> None:
-        """A worker reached the driver: the job is elastic. If it had been taken for a job of
+    def _contact(self, w: WorkerRecord, now: float) -> None:
+        """Worker ``w`` reached the driver: the job is elastic. If it had been taken for a job of
         plain processes (every worker slower to start than --start-timeout), it is elastic
-        again, and the others get a new --start-timeout to reach the driver too."""
+        again (and says so: the console said otherwise), and the others get a new
+        --start-timeout to reach the driver too."""
         self._first_contact()
-        if self.plain and self.round < 0 and not any(w.exited for w in self.workers.values()):
+        if self.plain and self.round < 0 and not any(o.exited for o in self.workers.values()):
             self.plain = False
+            self._outbox.append(Event(Kind.ELASTIC_AFTER_ALL, {"label": w.label, "seconds": now - w.started_at}))
             self._rescan()
-            for w in self.workers.values():
-                if w.state is WorkerState.LAUNCHING:
-                    w.started_at = now
+            for o in self.workers.values():
+                if o.state is WorkerState.LAUNCHING:
+                    o.started_at = now
 
     def _first_contact(self) -> None:
         if not self._contacted:

@@ -153,6 +153,8 @@ _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
     Kind.WORKER_FAILED: lambda f: f"{f['label']} (rank {f['rank']}) {reason(f['why'])}",
     Kind.PLAIN_COMMAND: lambda f: (f"no worker called hvd.init() within --start-timeout {f['limit']:g} s: running "
                                    f"them as plain processes (each runs to its end; the job fails if one fails)"),
+    Kind.ELASTIC_AFTER_ALL: lambda f: (f"{f['label']} called hvd.init() after all ({f['seconds']:.0f} s after its "
+                                       f"start): the job is elastic again (a failed worker is recovered from)"),
     Kind.HANDOVER_PENDING: lambda f: (f"the workers holding the job's state are on host(s) {_going(f)}: "
                                       f"they keep training until new workers are ready to take the state over"),
     Kind.REMOVAL_HELD: lambda f: (f"host(s) {_going(f)}, but without them fewer than --min-np {f['min_np']} "

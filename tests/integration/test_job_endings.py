@@ -53,6 +53,20 @@ def test_a_plain_command_may_outlive_the_start_timeout(job):
     assert "running them as plain processes" in r.stderr and "all 2 process(es) exited 0" in r.stderr, r.stderr
 
 
+def test_a_slow_import_taken_for_a_plain_command_is_said_to_be_elastic_after_all(job):
+    """The console said "running them as plain processes (... the job fails if one fails)";
+    when a worker reaches the driver after all, the job recovers from failures again, and the
+    console takes the first line back instead of contradicting it silently."""
+    script = job.tmp / "slow.py"
+    script.write_text("import time\ntime.sleep(2.5)\nimport torch\nimport elasticrun.torch as hvd\nhvd.init()\n"
+                      "hvd.allreduce(torch.ones(1))\n")
+    r = job.run(["-np", "2", "-H", "localhost:2", "--start-timeout", "1"], [sys.executable, str(script)])
+    assert r.returncode == 0, r.output
+    plain = r.stderr.index("running them as plain processes")
+    after = r.stderr.index("called hvd.init() after all (")
+    assert plain < after and "the job is elastic again" in r.stderr[after:], r.stderr
+
+
 def test_a_rank_that_fails_after_another_finished_fails_the_job(job):
     script = job.tmp / "late.py"
     script.write_text("import sys, time\nimport torch\nimport elasticrun.torch as hvd\nhvd.init()\n"

@@ -2122,8 +2122,10 @@ class TestPlainCommands:
         w0, w1 = self.launch(job, {"a": 2})
         job.tick(6)
         assert job.reg.plain
-        job.rdv(w0, at=7)  # a slow import, after all
+        acts = job.rdv(w0, at=7)  # a slow import, after all
         assert not job.reg.plain
+        [said] = events(acts, "elastic_after_all")  # the console said otherwise: it takes that back
+        assert said.fields["seconds"] == 7
         acts = job.rdv(w1, at=8)
         assert len(of(acts, Assign)) == 2
 
