@@ -196,6 +196,7 @@ class ElasticDriver:
         # identity), learnt from its heartbeats. One connection fewer per worker than a PUB
         # socket: a third less CURVE handshake work when thousands connect at once.
         self._listeners: dict[str, bytes] = {}
+        self._unroutable_said: set[str] = set()  # hosts whose workers could not be given an address
         self._router: Any = None
         self._store = KVStore()
         self.reply_to: Callable[[list[bytes]], None] = lambda frames: None  # until run() binds its socket
@@ -551,11 +552,11 @@ class ElasticDriver:
             self._failed_copies.append((began, str(line)))
             self._limited.warn("durable copies", str(line), "failed")
         elif kind == "exit":
-            worker_id, code = payload
+            worker_id, code, *detail = payload  # detail: the driver's own word for a worker that never started
             self._journal.write(Kind.WORKER_EXITED, worker=worker_id, code=code, **self._where(worker_id))
             self._pending_rdzv.pop(worker_id, None)
             self._listeners.pop(worker_id, None)
-            self.registry.exited(worker_id, code, now)
+            self.registry.exited(worker_id, code, now, *detail)
 
     # --- requests from workers -------------------------------------------------------------
     def handle_frame(self, identity: bytes, frame: bytes) -> None:
@@ -797,9 +798,11 @@ class ElasticDriver:
         except OSError as exc:
             fix = ("make the name resolve here (DNS or /etc/hosts), or list the host by its address"
                    if isinstance(exc, UnresolvedHost) else "set --driver-address or --network-interface")
-            log.error("%s: cannot tell which address of this machine its workers could reach (%s); %s",
-                      info.host, exc.strerror or exc, fix)
-            self._post("exit", (act.worker_id, 255))
+            if info.host not in self._unroutable_said:  # once per host, not once per slot
+                self._unroutable_said.add(info.host)
+                log.error("%s: cannot tell which address of this machine its workers could reach (%s); %s",
+                          info.host, exc.strerror or exc, fix)
+            self._post("exit", (act.worker_id, 255, "never started: no address of this machine to give it"))
             return
         worker_env = worker_environment(s, info, job_id=self.job_id, worker_id=act.worker_id,
                                         control_addr=control_addr,
@@ -810,7 +813,7 @@ class ElasticDriver:
             self._launcher.launch(act.worker_id, s.command, worker_env, host=info.host, keys=self._worker_keys)
         except OSError as exc:
             log.error("could not start %r on %s: %s", s.command[0], info.host, exc.strerror or exc)
-            self._post("exit", (act.worker_id, 127))
+            self._post("exit", (act.worker_id, 127, f"never started: {exc.strerror or exc}"))
 
     # --- durable copies (--checkpoint-dir) -------------------------------------------------------
     _checkpoints: checkpoints.CheckpointDir | None = None
@@ -1089,7 +1092,7 @@ class ElasticDriver:
                 continue
             if kind == "exit":
                 # After the end, decisions are only replies and log lines: still carry them out.
-                self.registry.exited(payload[0], payload[1], time.monotonic())
+                self.registry.exited(*payload[:2], time.monotonic(), *payload[2:])
                 self._execute(self.registry.decide(time.monotonic()))
 
     def _shutdown(self) -> None:

@@ -203,7 +203,9 @@ def _keep_slower(f: Mapping[str, Any]) -> str:
 
 
 _REASONS: dict[Cause, Callable[[Mapping[str, Any]], str]] = {
-    Cause.EXITED: lambda f: f"exited with code {f['code']}" + (f": {f['detail']}" if f.get("detail") else ""),
+    # (A detail "never started: ..." is the driver's: no process ran, so no code is shown.)
+    Cause.EXITED: lambda f: (str(f["detail"]) if str(f.get("detail", "")).startswith("never started")
+                             else f"exited with code {f['code']}" + (f": {f['detail']}" if f.get("detail") else "")),
     Cause.SCRIPT_ERROR: lambda f: f"failed: {f['error']}",
     Cause.NEVER_CONTACTED: lambda f: f"did not contact the driver within --start-timeout {f['limit']:g} s",
     Cause.STUCK_EXITING: lambda f: (f"ended its script but its process did not exit within {f['grace']:g} s "

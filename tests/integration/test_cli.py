@@ -163,3 +163,16 @@ def test_ssh_files_others_could_change_or_read_are_refused(tmp_path):
     assert r.returncode == 2, r
     assert r.stderr == (f"elasticrun: error: -i {key}: permissions 0644 are too open for a private key: "
                         f"chmod 600 {key} (see elasticrun --help)\n")
+
+
+def test_workers_that_never_started_are_said_so_once_per_host(tmp_path):
+    """A host whose name does not resolve: the reason once (not once per slot), and no made-up
+    exit code for processes that never ran."""
+    r = elasticrun("-np", "2", "-H", "nosuchhost.invalid:2", "python", "x.py")
+    assert r.returncode == 1, r
+    assert r.stderr.count("cannot tell which address of this machine its workers could reach") == 1, r.stderr
+    assert "code 255" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == (
+        "elasticrun: The job failed after " + r.stderr.splitlines()[-1].split("after ")[1].split(" s:")[0]
+        + " s: all workers failed (nosuchhost.invalid[0] never started: no address of this machine to give it; "
+        "nosuchhost.invalid[1] never started: no address of this machine to give it).")
