@@ -504,6 +504,10 @@ class CopyRequests:
     def agreed(self, round_: int, wanted: bool, busy: bool) -> None:
         self._agreed = (round_, wanted, busy)
 
+    def forget_agreed(self) -> None:
+        """As :meth:`HostUpdates.forget_agreed` (after ``join()``): a request not served is still pending."""
+        self._agreed = None
+
     def take_agreed(self, round_: int) -> tuple[bool, bool] | None:
         """(wanted, busy) agreed in a gradient allreduce of this round since the last commit."""
         agreed, self._agreed = self._agreed, None

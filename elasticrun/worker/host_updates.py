@@ -80,6 +80,13 @@ class HostUpdates:
         rank's flag set makes the reduced flag set)."""
         self._agreed = (round_, pending, added)
 
+    def forget_agreed(self) -> None:
+        """Drop flags agreed in a gradient allreduce without acting on them: after ``join()``,
+        where the ranks ran different steps, some ranks hold flags and others none, and a
+        check point must take the same path on every rank (its own collective, which sees
+        every update the dropped flags saw)."""
+        self._agreed = None
+
     def take_agreed(self, round_: int) -> tuple[bool, bool] | None:
         """At a check point of round ``round_``: the flags agreed in a gradient allreduce of
         this round since the last check point, as (interrupt, added), or None if there were

@@ -35,7 +35,7 @@ from elasticrun.worker import descriptors as ops
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
 from elasticrun.worker.rounds import Round
 
-__all__ = ["join"]
+__all__ = ["join", "take_diverged"]
 
 # (Any: torch's stubs type these RedOpType and AllreduceOptions.reduceOp a ReduceOp; both work.)
 _OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
@@ -187,9 +187,40 @@ def join(device: int = -1) -> int:
         while True:
             desc, on = _next(r, r.calls)
             if isinstance(desc, ops.End):
+                _after_join(r)
                 return desc.rank
             _mirror(r, desc, on)
     finally:
         r.joined = False
         r.join_active = False
         r.join_gen = gen + 1
+
+
+#: Set by every ``join()`` that ends; cleared by the next ``TorchState.sync()`` (``take_diverged``).
+_diverged = False
+
+
+def _after_join(r: Round) -> None:
+    """Every rank of the round passes here at the same point, having run different steps:
+    a joined rank applied none of the steps it sat out (as in Horovod), so the replicas now
+    differ, and it agreed no host-update or copy flags in the gradient allreduces it mirrored.
+
+    * The flags the stepping ranks agreed are dropped on every rank, so the next commit's
+      check runs its own collective everywhere (with them on some ranks only, those ranks
+      skipped it and the others ran it: gloo paired it with another collective and aborted,
+      or the job hung for the collective timeout).
+    * The next sync sends the root's parameters and optimizer state to every rank instead of
+      trusting that ranks holding the same commit hold the same tensors (Horovod's sync
+      broadcasts them always); otherwise replicas that differed stayed apart for good."""
+    global _diverged
+    r.host_updates.forget_agreed()
+    if r.copy_requests is not None:
+        r.copy_requests.forget_agreed()
+    _diverged = True
+
+
+def take_diverged() -> bool:
+    """Whether a ``join()`` ended since the last call (the replicas may differ): for ``sync()``."""
+    global _diverged
+    diverged, _diverged = _diverged, False
+    return diverged

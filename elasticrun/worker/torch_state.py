@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed
 
-from elasticrun.worker import collectives, durable, prefetch, rounds
+from elasticrun.worker import collectives, durable, join, prefetch, rounds
 from elasticrun.worker.broadcast import load_keeping_groups
 from elasticrun.worker.copier import DeviceCopy
 from elasticrun.worker.elastic import ObjectState
@@ -300,7 +300,8 @@ class TorchState(ObjectState):
         held = self._commit_seq
         tensors = {name: h for name, h in self._handlers.items()
                    if isinstance(h, (ModelStateHandler, OptimizerStateHandler))}
-        holds = bool(self.__dict__.get("_synced")) and all(h.holds_commit() for h in tensors.values())
+        diverged = join.take_diverged()  # after a join() ranks holding the same commit may differ: none holds it
+        holds = bool(self.__dict__.get("_synced")) and all(h.holds_commit() for h in tensors.values()) and not diverged
         root, some_fetched, needs = self._newest_commit_root(fetched is not None, holds)
         keep: dict[str, frozenset[str]] = {}
         if some_fetched:
