@@ -1092,7 +1092,8 @@ class ElasticDriver:
                 continue
             if kind == "exit":
                 # After the end, decisions are only replies and log lines: still carry them out.
-                self.registry.exited(*payload[:2], time.monotonic(), *payload[2:])
+                worker_id, code, *detail = payload
+                self.registry.exited(worker_id, code, time.monotonic(), *detail)
                 self._execute(self.registry.decide(time.monotonic()))
 
     def _shutdown(self) -> None:

@@ -80,6 +80,7 @@ def test_cli_ssh_defaults():
 def test_cli_ssh_flags(tmp_path, monkeypatch):
     key = tmp_path / "id"
     key.write_text("x")
+    key.chmod(0o600)  # a private key of yours: ssh refuses one others can read
     monkeypatch.setenv("FROM_HERE", "v1")
     s = cli.parse_settings(["--launcher", "ssh", "-p", "2222", "-i", str(key), "--ssh-user", "bob",
                             "--ssh-accept-unknown-hosts", "--remote-cwd", "/data", "-x", "FROM_HERE",
