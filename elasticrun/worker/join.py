@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from elasticrun.worker import collectives, devices, rounds
+from elasticrun.worker import collectives, devices, optimizer, rounds
 from elasticrun.worker import descriptors as ops
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
 from elasticrun.worker.rounds import Round
@@ -209,6 +209,7 @@ def _after_join(r: Round) -> None:
       check runs its own collective everywhere (with them on some ranks only, those ranks
       skipped it and the others ran it: gloo paired it with another collective and aborted,
       or the job hung for the collective timeout).
+    * Every DistributedOptimizer checks its buckets against the other ranks' again.
     * The next sync sends the root's parameters and optimizer state to every rank instead of
       trusting that ranks holding the same commit hold the same tensors (Horovod's sync
       broadcasts them always); otherwise replicas that differed stayed apart for good."""
@@ -216,6 +217,11 @@ def _after_join(r: Round) -> None:
     r.host_updates.forget_agreed()
     if r.copy_requests is not None:
         r.copy_requests.forget_agreed()
+    # A joined rank took part in the others' once-per-round check of their optimizer's buckets
+    # without recording it (a rank that joined before its first step of the round): it would
+    # run that check alone at its next step while the others reduce gradients. Every rank
+    # checks again instead.
+    optimizer.forget_agreed_layouts()
     _diverged = True
 
 

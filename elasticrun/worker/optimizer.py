@@ -135,6 +135,14 @@ def assign_buckets(tensors: Sequence[tuple[Hashable, int]], cap: int, first_cap:
 _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+def forget_agreed_layouts() -> None:
+    """Every live DistributedOptimizer checks its buckets against the other ranks' again at
+    its next launch (after ``join()``, where some ranks made that check and others only
+    took part in it)."""
+    for opt in list(_LIVE):
+        opt._dist_agreed = None
+
+
 @dataclass(eq=False)
 class _Bucket:
     """Gradients reduced together through one flat buffer (one dtype, one device)."""

@@ -41,3 +41,27 @@ def test_a_sync_after_join_sends_the_roots_replica_to_every_rank(job):
     entries = [line for line in r.stdout.splitlines() if "entry rank=" in line]
     assert any("size=2 epoch=2" in line for line in entries), r.stdout  # a restore after join() was synced
     assert all(line.endswith("replicas=same") for line in entries), r.stdout
+
+
+def test_a_rank_that_joins_before_its_first_step_of_the_round_steps_with_the_others_after(job):
+    """Rank 0 has no batch in epoch 0 (an empty shard) and joins at once; rank 1 steps, and its
+    first launch checks the buckets against the other ranks' (rank 0 takes part from join()).
+    In epoch 1 rank 0 made that check alone while rank 1 reduced gradients: both waited out
+    --collective-timeout."""
+    script = job.tmp / "empty_shard.py"
+    script.write_text(
+        "import torch, torch.nn.functional as F\nimport elasticrun.torch as hvd\nhvd.init()\n"
+        "torch.manual_seed(0)\nmodel = torch.nn.Linear(8, 2)\n"
+        "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "
+        "named_parameters=model.named_parameters())\n"
+        "x, y = torch.randn(6, 8), torch.zeros(6, dtype=torch.long)\n"
+        "for epoch in range(2):\n"
+        "    for _ in range((0 if hvd.rank() == 0 else 3) if epoch == 0 else 2):\n"
+        "        opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()\n"
+        "    hvd.join()\n"
+        "print('finished', hvd.rank(), flush=True)\n")
+    r = job.run(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--collective-timeout", "20"],
+                [sys.executable, str(script)], timeout=90)
+    assert r.returncode == 0, r.output
+    assert "finished 0" in r.stdout and "finished 1" in r.stdout
+    assert r.seconds < 20, r.seconds  # not after a collective timeout
