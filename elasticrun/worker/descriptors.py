@@ -102,3 +102,12 @@ class End(Op):
 
     mirrored: ClassVar[bool] = False
     rank: int
+
+
+@dataclass(frozen=True)
+class Interrupted(Op):
+    """Not an operation: the ranks that had not joined left the round at a commit for a host
+    update (``HostsUpdatedInterrupt``); a joined rank raises it too, with the same ``skip_sync``."""
+
+    mirrored: ClassVar[bool] = False
+    skip_sync: bool

@@ -22,6 +22,7 @@ answered by joined ranks.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 from datetime import timedelta
@@ -32,10 +33,12 @@ import torch.distributed as dist
 
 from elasticrun.worker import collectives, devices, optimizer, rounds
 from elasticrun.worker import descriptors as ops
-from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
+from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError, HostsUpdatedInterrupt
 from elasticrun.worker.rounds import Round
 
-__all__ = ["join", "take_diverged"]
+__all__ = ["join", "take_diverged", "tell_joined"]
+
+log = logging.getLogger("elasticrun.worker")
 
 # (Any: torch's stubs type these RedOpType and AllreduceOptions.reduceOp a ReduceOp; both work.)
 _OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
@@ -189,6 +192,11 @@ def join(device: int = -1) -> int:
             if isinstance(desc, ops.End):
                 _after_join(r)
                 return desc.rank
+            if isinstance(desc, ops.Interrupted):  # the others left for the next round: so does this rank
+                global _diverged
+                _diverged = True  # it sat out their last steps: the next sync sends it the root's replica
+                r.host_updates.forget_agreed()
+                raise HostsUpdatedInterrupt(skip_sync=desc.skip_sync)
             _mirror(r, desc, on)
     finally:
         r.joined = False
@@ -223,6 +231,22 @@ def _after_join(r: Round) -> None:
     # checks again instead.
     optimizer.forget_agreed_layouts()
     _diverged = True
+
+
+def tell_joined(r: Round, skip_sync: bool) -> None:
+    """Before this rank raises ``HostsUpdatedInterrupt`` at a commit: a rank in ``join()``
+    waits for the descriptor of the next operation, which would never come (the others go to
+    the next round's rendezvous, and nothing aborts this round), until the collective
+    timeout. It gets one that says to interrupt too. Only where a peer is known to have joined
+    (``join_active``: this rank publishes their descriptors); every rank that does writes the
+    same key and value."""
+    if not r.join_active or r.joined or r.store is None:
+        return
+    try:
+        r.store.set(collectives.join_key(f"op{r.calls}"),
+                    pickle.dumps((ops.Interrupted(skip_sync), "cpu")))  # type: ignore[arg-type]  # stub: str; bytes work
+    except Exception as exc:  # the joined rank then waits out its timeout, as before
+        log.warning("could not tell the ranks in join() of the host update: %s", exc)
 
 
 def take_diverged() -> bool:

@@ -40,7 +40,7 @@ import zmq
 from elasticrun.common.events import Kind
 from elasticrun.common import deathnotice, env, limits, liveness, settings
 from elasticrun.common.protocol import Message, copy_id
-from elasticrun.worker import collectives, devices, durable, forks, prefetch, rounds, trace
+from elasticrun.worker import collectives, devices, durable, forks, join, prefetch, rounds, trace
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
 from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from elasticrun.worker.durable import CommittedState, CopyRequests, DurableSender, HandOff
@@ -599,6 +599,7 @@ class Runtime:
         interrupt, added = verdict
         if interrupt:
             self.emit(Kind.INTERRUPT, skip_sync=not added, **where)
+            join.tell_joined(r, skip_sync=not added)
             raise HostsUpdatedInterrupt(skip_sync=not added)
 
     def before_commit_copy(self) -> None:

@@ -65,3 +65,43 @@ def test_a_rank_that_joins_before_its_first_step_of_the_round_steps_with_the_oth
     assert r.returncode == 0, r.output
     assert "finished 0" in r.stdout and "finished 1" in r.stdout
     assert r.seconds < 20, r.seconds  # not after a collective timeout
+
+
+def test_a_rank_in_join_leaves_with_the_others_when_a_host_is_added(job):
+    """Uneven data with a commit every step: rank 0 runs out first and sits in join() while
+    rank 1 steps on; a host is added meanwhile. Rank 1's commit raises HostsUpdatedInterrupt
+    and goes to the next round's rendezvous; rank 0 waited in join() for an operation that
+    never came, until --collective-timeout, and then rolled back to its last commit."""
+    grow = job.tmp / "grow"
+    discover = job.tmp / "discover.sh"
+    discover.write_text(f"#!/bin/sh\nprintf 'localhost:1\\n127.0.0.1:1\\n'\n[ -f {grow} ] && echo 127.0.0.2:1\nexit 0\n")
+    discover.chmod(0o755)
+    script = job.tmp / "join_grow.py"
+    script.write_text(
+        "import os, time, torch, torch.nn.functional as F\nimport elasticrun.torch as hvd\nhvd.init()\n"
+        "torch.manual_seed(0)\nmodel = torch.nn.Linear(8, 2)\n"
+        "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "
+        "named_parameters=model.named_parameters())\n"
+        "x, y = torch.randn(6, 8), torch.zeros(6, dtype=torch.long)\n"
+        "state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0, batch=0)\n"
+        "@hvd.elastic.run\n"
+        "def train(state):\n"
+        "    while state.epoch < 2:\n"
+        "        while state.batch < 4 + 6 * hvd.rank():\n"
+        "            opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()\n"
+        "            state.batch += 1\n"
+        "            if state.epoch == 0 and hvd.size() == 2 and hvd.rank() == 1 and state.batch == 6:\n"
+        f"                open({str(grow)!r}, 'w').close()\n"
+        "                time.sleep(3)  # the driver hears of the new host\n"
+        "            state.commit()\n"
+        "        hvd.join()\n"
+        "        state.epoch += 1; state.batch = 0\n"
+        "        state.commit()\n"
+        "train(state)\n"
+        "print('finished', hvd.rank(), hvd.size(), flush=True)\n")
+    r = job.run(["-np", "2", "--min-np", "2", "--host-discovery-script", str(discover), "--discovery-interval", "1",
+                 "--collective-timeout", "40"], [sys.executable, str(script)], timeout=120)
+    assert r.returncode == 0, r.output
+    assert "round 1: 3 worker(s)" in r.stderr, r.stderr
+    assert "no operation from the other ranks" not in r.output and "restoring" not in r.output, r.output
+    assert r.seconds < 40, r.seconds  # not after a collective timeout
