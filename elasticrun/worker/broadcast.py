@@ -292,6 +292,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     sync_optimizer_state(optimizer, root_rank, process_set, process_set)
 
 
+_SPARSE_KEY = "elasticrun_sparse_positions"
+
+
+def optimizer_module() -> Any:
+    """worker/optimizer.py, imported late: it imports this module."""
+    from elasticrun.worker import optimizer
+
+    return optimizer
+
+
 def sync_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, process_set: ProcessSet,
                          receivers: ProcessSet | None) -> None:
     """:func:`broadcast_optimizer_state`, but the state's tensors go only to the members of
@@ -311,7 +321,11 @@ def sync_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, proce
         return
     tensors: list[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors)
+    # Which parameters a DistributedOptimizer reduces as sparse travels with the options: a
+    # newcomer has not seen a gradient yet (see optimizer.adopt_sparse).
+    skeleton[_SPARSE_KEY] = optimizer_module().sparse_positions(optimizer)
     skeleton = broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.skeleton", process_set)
+    optimizer_module().adopt_sparse(optimizer, skeleton.pop(_SPARSE_KEY, []))
     receiving = receivers is not None and r.rank in process_sets.members(receivers, r)
     if r.rank == root_rank:
         if receiving:
