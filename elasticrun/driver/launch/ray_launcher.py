@@ -126,7 +126,37 @@ def connect(address: str) -> bool:
     except ConnectionError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConnectionError(f"--ray-address {address}: cannot join a Ray cluster there: {first}") from None
+    _quiet_driver_messages(True)
     return True
+
+
+def _quiet_driver_messages(quiet: bool) -> None:
+    """Route the messages Ray's driver thread prints for the cluster (a raylet's "Raylet is
+    terminated ... Last 20 lines of the Raylet logs", "marked dead because the detector has
+    missed too many heartbeats") into Ray's log file with its other lines. That thread writes
+    to stderr through ``ray._private.worker.print_to_stdstream``, past the ``ray`` logger and
+    ``log_to_driver=False``: 43 such lines reached the console for one lost node. Only while
+    this session's own connection lasts (``quiet=False`` puts Ray's function back)."""
+    try:
+        from ray._private import worker as ray_worker
+    except ImportError:  # another Ray layout: its lines reach the console, as before
+        return
+    original = getattr(ray_worker, "_elasticrun_print_to_stdstream", None)
+    if not quiet:
+        if original is not None:
+            ray_worker.print_to_stdstream = original
+            del ray_worker._elasticrun_print_to_stdstream
+        return
+    if original is not None or not callable(getattr(ray_worker, "print_to_stdstream", None)):
+        return
+    ray_worker._elasticrun_print_to_stdstream = ray_worker.print_to_stdstream
+    ray_log = logging.getLogger("ray")
+
+    def to_log(data: Any, ignore_prefix: bool = False) -> None:
+        for line in data.get("lines", []) if isinstance(data, dict) else [data]:
+            ray_log.warning("(%s) %s", data.get("pid", "ray") if isinstance(data, dict) else "ray", line)
+
+    ray_worker.print_to_stdstream = to_log
 
 
 @dataclass
@@ -366,3 +396,4 @@ class RaySession:
             import ray
 
             ray.shutdown()
+            _quiet_driver_messages(False)

@@ -1,0 +1,42 @@
+"""Ray's driver thread prints the cluster's messages (a raylet's death with its state dump)
+to stderr past the ``ray`` logger: while elasticrun's own connection lasts they go to Ray's
+log file with its other lines, and Ray's function is put back after."""
+
+import logging
+
+import pytest
+
+pytest.importorskip("ray", reason="ray is not installed")
+
+from ray._private import worker as ray_worker  # noqa: E402
+
+from elasticrun.driver.launch import ray_launcher  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Caught(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_raylet_messages_go_to_rays_log_while_connected(capsys):
+    original = ray_worker.print_to_stdstream
+    caught = Caught()
+    logging.getLogger("ray").addHandler(caught)
+    try:
+        ray_launcher._quiet_driver_messages(True)
+        ray_worker.print_to_stdstream({"lines": ["Raylet is terminated."], "pid": "raylet", "is_err": False}, False)
+        out = capsys.readouterr()
+        assert out.out == "" and out.err == ""
+        assert caught.lines == ["(raylet) Raylet is terminated."]
+        ray_launcher._quiet_driver_messages(True)  # twice: still one layer
+        ray_launcher._quiet_driver_messages(False)
+        assert ray_worker.print_to_stdstream is original
+    finally:
+        ray_worker.print_to_stdstream = original
+        logging.getLogger("ray").removeHandler(caught)
