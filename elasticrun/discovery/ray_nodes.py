@@ -29,6 +29,7 @@ longer listed; its workers' actors die with it, which the launcher reports as fa
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from typing import Any, Callable, Mapping
 
 from elasticrun.common.hosts import MAX_HOSTS, MAX_SLOTS_PER_HOST, HostList
 from elasticrun.discovery.sources import DiscoveryError
+
+log = logging.getLogger("elasticrun")
 
 #: How long a worker must have been running before Ray's view of free resources surely shows
 #: what it holds (Ray reports a node's resources every 100 ms by default).
@@ -123,6 +126,15 @@ def host_list(nodes: list[RayNode], need: Mapping[str, float], held: Mapping[str
     return result
 
 
+def nowhere(nodes: list[RayNode], need: Mapping[str, float]) -> list[str]:
+    """The resources a worker needs that no alive node has as much of in all (``GPU 1`` on a
+    cluster without GPUs, a custom resource no node defines), each as ``NAME AMOUNT``: no slot
+    can appear until a node that has them joins."""
+    alive = [n for n in nodes if n.alive]
+    return [f"{name} {_amount(amount)}" for name, amount in need.items()
+            if not any(n.total.get(name, 0.0) >= amount for n in alive)]
+
+
 def nodes_from_ray(table: list[Mapping[str, Any]], free: Mapping[str, Mapping[str, float]],
                    draining: Mapping[str, int]) -> list[RayNode]:
     """Ray's answers as :class:`RayNode` s: ``table`` is ``ray.nodes()``, ``free`` Ray's
@@ -204,6 +216,7 @@ class RayDiscovery:
         self.address = address
         self.nodes: dict[str, RayNode] = {}  # the last answer, by node id
         self._closed = False
+        self._lacking_said: list[str] = []  # what nowhere() said last (said again only when it changes)
 
     def describe(self) -> str:
         return f"Ray cluster {self.address}"
@@ -223,6 +236,13 @@ class RayDiscovery:
         if len(nodes) > MAX_HOSTS:
             raise DiscoveryError(f"the Ray cluster has {len(nodes):,} nodes, more than the {MAX_HOSTS:,} allowed")
         self.nodes = {n.node_id: n for n in nodes}
+        lacking = nowhere(nodes, self.need) if nodes else []
+        if lacking != self._lacking_said:
+            self._lacking_said = lacking
+            if lacking:  # otherwise the wait only said "found no hosts", with no reason
+                log.warning("%s: no node has %s, which each worker needs (--ray-cpus-per-worker, "
+                            "--ray-gpus-per-worker, --ray-resources): no worker can start until such a node joins",
+                            self.describe(), " or ".join(lacking))
         return host_list(nodes, self.need, held)
 
     def ip_of(self, node_id: str) -> str | None:

@@ -4,7 +4,10 @@ GCS's draining nodes). No Ray needed."""
 
 from __future__ import annotations
 
-from elasticrun.discovery.ray_nodes import Held, RayNode, Requirement, host_list, nodes_from_ray, slots_on
+import logging
+
+from elasticrun.discovery.ray_nodes import (Held, RayDiscovery, RayNode, Requirement, host_list, nodes_from_ray,
+                                          nowhere, slots_on)
 
 
 def node(node_id: str = "a" * 56, free: dict | None = None, total: dict | None = None, **kw) -> RayNode:
@@ -57,3 +60,21 @@ def test_nodes_from_rays_own_answers():
                                                              (False, False, False)]
     assert nodes[1].free == {"CPU": 3.0} and nodes[1].deadline_ms == 1_700_000_000_000
     assert host_list(nodes, {"CPU": 1.0}).hosts == {"w" * 56: 3}
+
+
+def test_resources_no_node_has_are_named_once_not_waited_for_in_silence(caplog):
+    """GPUs asked of a CPU-only cluster, or a custom resource no node defines: the wait only
+    said "found no hosts yet"; the lacking resource is said once, and again only if it changes."""
+    cpu_only = [node("a" * 56), node("b" * 56, total={"CPU": 2.0, "trainer": 1.0})]
+    assert nowhere(cpu_only, Requirement(1, 1).as_resources()) == ["GPU 1"]
+    assert nowhere(cpu_only, Requirement(1, 0, {"trainer": 2}).as_resources()) == ["trainer 2"]
+    assert nowhere(cpu_only, Requirement(1, 0, {"trainer": 1}).as_resources()) == []  # busy is not lacking
+    assert nowhere([node(alive=False, total={"CPU": 4.0, "GPU": 1.0})], {"GPU": 1.0}) == ["GPU 1"]
+    answers = [cpu_only, cpu_only, cpu_only + [node("c" * 56, total={"CPU": 4.0, "GPU": 1.0})]]
+    d = RayDiscovery(Requirement(1, 1), held=dict, ask=lambda: answers.pop(0))
+    with caplog.at_level(logging.WARNING, logger="elasticrun"):
+        assert not d.discover().hosts and not d.discover().hosts
+        assert len(d.discover().hosts) == 1
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["Ray cluster auto: no node has GPU 1, which each worker needs (--ray-cpus-per-worker, "
+                    "--ray-gpus-per-worker, --ray-resources): no worker can start until such a node joins"], said
