@@ -24,9 +24,19 @@ class Caught(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+class CaughtFile(ray_launcher.PrivateLog, Caught):
+    """A PrivateLog (the file handler connect() adds) that keeps what it was given."""
+
+    def __init__(self) -> None:
+        Caught.__init__(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        Caught.emit(self, record)
+
+
 def test_raylet_messages_go_to_rays_log_while_connected(capsys):
     original = ray_worker.print_to_stdstream
-    caught = Caught()
+    caught = CaughtFile()
     logging.getLogger("ray").addHandler(caught)
     try:
         ray_launcher._quiet_driver_messages(True)

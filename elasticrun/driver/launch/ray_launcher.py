@@ -153,8 +153,13 @@ def _quiet_driver_messages(quiet: bool) -> None:
     ray_log = logging.getLogger("ray")
 
     def to_log(data: Any, ignore_prefix: bool = False) -> None:
+        # To the file only: Ray's own handler on its logger writes to stderr.
+        files = [h for h in ray_log.handlers if isinstance(h, PrivateLog)]
+        who = data.get("pid", "ray") if isinstance(data, dict) else "ray"
         for line in data.get("lines", []) if isinstance(data, dict) else [data]:
-            ray_log.warning("(%s) %s", data.get("pid", "ray") if isinstance(data, dict) else "ray", line)
+            record = ray_log.makeRecord("ray", logging.WARNING, __file__, 0, "(%s) %s", (who, line), None)
+            for handler in files:
+                handler.handle(record)
 
     ray_worker.print_to_stdstream = to_log
 
