@@ -130,6 +130,9 @@ def connect(address: str) -> bool:
     return True
 
 
+_ray_print: Any = None  # Ray's print_to_stdstream while _quiet_driver_messages has it replaced
+
+
 def _quiet_driver_messages(quiet: bool) -> None:
     """Route the messages Ray's driver thread prints for the cluster (a raylet's "Raylet is
     terminated ... Last 20 lines of the Raylet logs", "marked dead because the detector has
@@ -141,15 +144,15 @@ def _quiet_driver_messages(quiet: bool) -> None:
         from ray._private import worker as ray_worker
     except ImportError:  # another Ray layout: its lines reach the console, as before
         return
-    original = getattr(ray_worker, "_elasticrun_print_to_stdstream", None)
+    global _ray_print
     if not quiet:
-        if original is not None:
-            ray_worker.print_to_stdstream = original
-            del ray_worker._elasticrun_print_to_stdstream
+        if _ray_print is not None:
+            ray_worker.print_to_stdstream = _ray_print
+            _ray_print = None
         return
-    if original is not None or not callable(getattr(ray_worker, "print_to_stdstream", None)):
+    if _ray_print is not None or not callable(getattr(ray_worker, "print_to_stdstream", None)):
         return
-    ray_worker._elasticrun_print_to_stdstream = ray_worker.print_to_stdstream
+    _ray_print = ray_worker.print_to_stdstream
     ray_log = logging.getLogger("ray")
 
     def to_log(data: Any, ignore_prefix: bool = False) -> None:
