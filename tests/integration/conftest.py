@@ -78,6 +78,17 @@ def assert_each_sample_once(history: Iterable[dict], epochs: int, samples: int) 
         repeated = sorted(i for i, n in counts.items() if n > 1)
         assert not missing and not repeated, f"epoch {epoch}: missing {missing}, repeated {repeated}"
 
+def growing_discovery(directory: Path) -> tuple[Path, list[str]]:
+    """A discovery script listing localhost and 127.0.0.1 (one slot each), and 127.0.0.2 as
+    well once the returned marker file exists (a training script makes it to grow the job);
+    the job's flags that use it."""
+    grow = directory / "grow"
+    script = directory / "discover.sh"
+    script.write_text(f"#!/bin/sh\nprintf 'localhost:1\\n127.0.0.1:1\\n'\n[ -f {grow} ] && echo 127.0.0.2:1\nexit 0\n")
+    script.chmod(0o755)
+    return grow, ["-np", "2", "--min-np", "2", "--host-discovery-script", str(script), "--discovery-interval", "1"]
+
+
 def assert_nothing_left(tag: str, within: float = 10.0) -> None:
     deadline = time.monotonic() + within
     while True:

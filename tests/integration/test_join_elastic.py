@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, growing_discovery
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -72,10 +72,7 @@ def test_a_rank_in_join_leaves_with_the_others_when_a_host_is_added(job):
     rank 1 steps on; a host is added meanwhile. Rank 1's commit raises HostsUpdatedInterrupt
     and goes to the next round's rendezvous; rank 0 waited in join() for an operation that
     never came, until --collective-timeout, and then rolled back to its last commit."""
-    grow = job.tmp / "grow"
-    discover = job.tmp / "discover.sh"
-    discover.write_text(f"#!/bin/sh\nprintf 'localhost:1\\n127.0.0.1:1\\n'\n[ -f {grow} ] && echo 127.0.0.2:1\nexit 0\n")
-    discover.chmod(0o755)
+    grow, growing = growing_discovery(job.tmp)
     script = job.tmp / "join_grow.py"
     script.write_text(
         "import os, time, torch, torch.nn.functional as F\nimport elasticrun.torch as hvd\nhvd.init()\n"
@@ -99,8 +96,7 @@ def test_a_rank_in_join_leaves_with_the_others_when_a_host_is_added(job):
         "        state.commit()\n"
         "train(state)\n"
         "print('finished', hvd.rank(), hvd.size(), flush=True)\n")
-    r = job.run(["-np", "2", "--min-np", "2", "--host-discovery-script", str(discover), "--discovery-interval", "1",
-                 "--collective-timeout", "40"], [sys.executable, str(script)], timeout=120)
+    r = job.run([*growing, "--collective-timeout", "40"], [sys.executable, str(script)], timeout=120)
     assert r.returncode == 0, r.output
     assert "round 1: 3 worker(s)" in r.stderr, r.stderr
     assert "no operation from the other ranks" not in r.output and "restoring" not in r.output, r.output

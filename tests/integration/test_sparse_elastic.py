@@ -8,14 +8,13 @@ import sys
 
 import pytest
 
+from conftest import growing_discovery
+
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_a_newcomer_reduces_the_survivors_sparse_parameters_as_sparse(job):
-    grow = job.tmp / "grow"
-    discover = job.tmp / "discover.sh"
-    discover.write_text(f"#!/bin/sh\nprintf 'localhost:1\\n127.0.0.1:1\\n'\n[ -f {grow} ] && echo 127.0.0.2:1\nexit 0\n")
-    discover.chmod(0o755)
+    grow, growing = growing_discovery(job.tmp)
     script = job.tmp / "sparse_grow.py"
     script.write_text(
         "import time, torch\nimport elasticrun.torch as hvd\nhvd.init()\ntorch.manual_seed(0)\n"
@@ -37,8 +36,7 @@ def test_a_newcomer_reduces_the_survivors_sparse_parameters_as_sparse(job):
         "train(state)\n"
         "sums = hvd.allgather_object(emb.weight.detach().numpy().tobytes())\n"
         "print('end', hvd.rank(), hvd.size(), 'replicas', 'same' if len(set(sums)) == 1 else 'DIFFERENT', flush=True)\n")
-    r = job.run(["-np", "2", "--min-np", "2", "--host-discovery-script", str(discover), "--discovery-interval", "1",
-                 "--collective-timeout", "30"], [sys.executable, str(script)], timeout=150)
+    r = job.run([*growing, "--collective-timeout", "30"], [sys.executable, str(script)], timeout=150)
     assert r.returncode == 0, r.output
     assert "round 1: 3 worker(s)" in r.stderr, r.stderr
     assert sorted(line.split("]<stdout>:")[-1] for line in r.stdout.splitlines() if "end " in line) == [
