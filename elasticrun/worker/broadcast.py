@@ -11,7 +11,7 @@ horovod) and by the state handlers' ``sync``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import cloudpickle
@@ -295,11 +295,34 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
 _SPARSE_KEY = "elasticrun_sparse_positions"
 
 
-def optimizer_module() -> Any:
-    """worker/optimizer.py, imported late: it imports this module."""
-    from elasticrun.worker import optimizer
+def _sparse_positions(optimizer: torch.optim.Optimizer) -> list[int]:
+    """The positions (in ``param_groups`` order) of the parameters a DistributedOptimizer
+    reduces as sparse, in the order it reduces them; [] for any other optimizer. (Read by
+    attribute: worker/optimizer.py imports this module.)"""
+    sparse = getattr(optimizer, "_dist_sparse", None)
+    if not sparse:
+        return []
+    where = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    return [where[id(p)] for p in sparse if id(p) in where]
 
-    return optimizer
+
+def _adopt_sparse(optimizer: torch.optim.Optimizer, positions: Sequence[int]) -> None:
+    """Take the sync root's sparse parameters (:func:`_sparse_positions`), in its order.
+
+    A rank learns that a parameter is sparse from its first sparse gradient and takes it out
+    of its buckets. A newcomer's fresh optimizer has seen none, so its buckets still held the
+    survivors' sparse embedding: every rank raised CollectiveMismatch at the first step after
+    the job grew. The sync now hands the survivors' knowledge over, as it hands the state."""
+    if not hasattr(optimizer, "_dist_sparse") or getattr(optimizer, "_dist_sparse_as_dense", True):
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    theirs = [params[i] for i in positions if 0 <= i < len(params)]
+    mine = list(optimizer._dist_sparse)
+    ordered = theirs + [p for p in mine if all(p is not q for q in theirs)]
+    if [id(p) for p in ordered] == [id(p) for p in mine]:
+        return
+    optimizer._dist_sparse = {p: None for p in ordered}
+    optimizer._dist_build()  # type: ignore[attr-defined]  # (a DistributedOptimizer: it has _dist_sparse)
 
 
 def sync_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, process_set: ProcessSet,
@@ -322,10 +345,10 @@ def sync_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, proce
     tensors: list[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors)
     # Which parameters a DistributedOptimizer reduces as sparse travels with the options: a
-    # newcomer has not seen a gradient yet (see optimizer.adopt_sparse).
-    skeleton[_SPARSE_KEY] = optimizer_module().sparse_positions(optimizer)
+    # newcomer has not seen a gradient yet (see _adopt_sparse).
+    skeleton[_SPARSE_KEY] = _sparse_positions(optimizer)
     skeleton = broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.skeleton", process_set)
-    optimizer_module().adopt_sparse(optimizer, skeleton.pop(_SPARSE_KEY, []))
+    _adopt_sparse(optimizer, skeleton.pop(_SPARSE_KEY, []))
     receiving = receivers is not None and r.rank in process_sets.members(receivers, r)
     if r.rank == root_rank:
         if receiving:

@@ -135,35 +135,6 @@ def assign_buckets(tensors: Sequence[tuple[Hashable, int]], cap: int, first_cap:
 _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def sparse_positions(optimizer: torch.optim.Optimizer) -> list[int]:
-    """The positions (in ``param_groups`` order) of the parameters a DistributedOptimizer
-    reduces as sparse, in the order it reduces them; [] for any other optimizer."""
-    sparse = getattr(optimizer, "_dist_sparse", None)
-    if not sparse:
-        return []
-    where = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    return [where[id(p)] for p in sparse if id(p) in where]
-
-
-def adopt_sparse(optimizer: torch.optim.Optimizer, positions: Sequence[int]) -> None:
-    """Take the sync root's sparse parameters (:func:`sparse_positions`), in its order.
-
-    A rank learns that a parameter is sparse from its first sparse gradient and takes it out
-    of its buckets. A newcomer's fresh optimizer has seen none, so its buckets still held the
-    survivors' sparse embedding: every rank raised CollectiveMismatch at the first step after
-    the job grew. The sync now hands the survivors' knowledge over, as it hands the state."""
-    if not hasattr(optimizer, "_dist_sparse") or getattr(optimizer, "_dist_sparse_as_dense", True):
-        return
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    theirs = [params[i] for i in positions if 0 <= i < len(params)]
-    mine = list(optimizer._dist_sparse)
-    ordered = theirs + [p for p in mine if all(p is not q for q in theirs)]
-    if [id(p) for p in ordered] == [id(p) for p in mine]:
-        return
-    optimizer._dist_sparse = {p: None for p in ordered}
-    optimizer._dist_build()  # type: ignore[attr-defined]  # (a DistributedOptimizer: it has _dist_sparse)
-
-
 def forget_agreed_layouts() -> None:
     """Every live DistributedOptimizer checks its buckets against the other ranks' again at
     its next launch (after ``join()``, where some ranks made that check and others only
