@@ -802,7 +802,7 @@ class ElasticDriver:
                 self._unroutable_said.add(info.host)
                 log.error("%s: cannot tell which address of this machine its workers could reach (%s); %s",
                           info.host, exc.strerror or exc, fix)
-            self._post("exit", (act.worker_id, 255, "never started: no address of this machine to give it"))
+            self._post("exit", (act.worker_id, 255, words.never_started("no address of this machine to give it")))
             return
         worker_env = worker_environment(s, info, job_id=self.job_id, worker_id=act.worker_id,
                                         control_addr=control_addr,
@@ -813,7 +813,7 @@ class ElasticDriver:
             self._launcher.launch(act.worker_id, s.command, worker_env, host=info.host, keys=self._worker_keys)
         except OSError as exc:
             log.error("could not start %r on %s: %s", s.command[0], info.host, exc.strerror or exc)
-            self._post("exit", (act.worker_id, 127, f"never started: {exc.strerror or exc}"))
+            self._post("exit", (act.worker_id, 127, words.never_started(str(exc.strerror or exc))))
 
     # --- durable copies (--checkpoint-dir) -------------------------------------------------------
     _checkpoints: checkpoints.CheckpointDir | None = None

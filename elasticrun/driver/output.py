@@ -55,7 +55,7 @@ class OutputSink:
                 try:
                     console.write(f"{stamp}[{rank}]<{stream}>:{text}")
                     console.flush()
-                except (OSError, ValueError, AttributeError):  # closed by whoever reads it: the files still get it
+                except (OSError, ValueError):  # closed by whoever reads it: the files still get it
                     self._console_gone.add(stream)
             if self._dir is not None and rank >= 0:
                 self._file(rank, stream).write(text)

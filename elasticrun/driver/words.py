@@ -45,6 +45,13 @@ def plain(fields: Mapping[str, Any]) -> dict[str, Any]:
 #: write lines of ten thousand characters.
 MAX_NAMED = 8
 
+NEVER_STARTED = "never started: "
+
+
+def never_started(why: str) -> str:
+    """The exit detail of a worker the driver could not start (worded without an exit code)."""
+    return NEVER_STARTED + why
+
 
 def _some(names: list[str]) -> str:
     shown = ", ".join(names[:MAX_NAMED])
@@ -203,8 +210,8 @@ def _keep_slower(f: Mapping[str, Any]) -> str:
 
 
 _REASONS: dict[Cause, Callable[[Mapping[str, Any]], str]] = {
-    # (A detail "never started: ..." is the driver's: no process ran, so no code is shown.)
-    Cause.EXITED: lambda f: (str(f["detail"]) if str(f.get("detail", "")).startswith("never started")
+    # (A detail that is never_started()'s is the driver's: no process ran, so no code is shown.)
+    Cause.EXITED: lambda f: (str(f["detail"]) if str(f.get("detail", "")).startswith(NEVER_STARTED)
                              else f"exited with code {f['code']}" + (f": {f['detail']}" if f.get("detail") else "")),
     Cause.SCRIPT_ERROR: lambda f: f"failed: {f['error']}",
     Cause.NEVER_CONTACTED: lambda f: f"did not contact the driver within --start-timeout {f['limit']:g} s",

@@ -195,7 +195,6 @@ def join(device: int = -1) -> int:
             if isinstance(desc, ops.Interrupted):  # the others left for the next round: so does this rank
                 global _diverged
                 _diverged = True  # it sat out their last steps: the next sync sends it the root's replica
-                r.host_updates.forget_agreed()
                 raise HostsUpdatedInterrupt(skip_sync=desc.skip_sync)
             _mirror(r, desc, on)
     finally:
