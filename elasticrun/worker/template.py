@@ -161,12 +161,78 @@ def same_interpreter(a: str, b: str) -> bool:
             and os.path.realpath(a) == os.path.realpath(b))
 
 
+#: Directories of templates that are gone: what each start removes at most (bounded work).
+SWEEP_AT_MOST = 64
+#: An empty directory older than this is a template's that died before it could bind.
+EMPTY_STALE_SECONDS = 60.0
+
+
+def sweep_stale_dirs(base: str, prefix: str = "elasticrun-", now: float | None = None) -> int:
+    """Remove this user's template directories in ``base`` whose template is gone; how many.
+
+    A template removes its directory whenever it ends, and the driver removes the directory of
+    a template it had to kill; only a SIGKILL of both (a killed session or process group)
+    leaves one, and each such job would leave another in /tmp for good. Only a directory that
+    is this user's own, mode 0700, not a link, holding nothing but a ``template.sock`` over a
+    minute old with no one listening on it (ECONNREFUSED), or holding nothing for over a minute,
+    is removed: a live
+    template answers the connection (and drops it quietly), and no one else can change what is
+    inside a 0700 directory of ours."""
+    removed = 0
+    now = time.time() if now is None else now
+    try:
+        entries = [e for e in os.scandir(base) if e.name.startswith(prefix)]
+    except OSError:
+        return 0
+    for entry in entries:
+        if removed >= SWEEP_AT_MOST:
+            break
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if (entry.is_symlink() or not entry.is_dir(follow_symlinks=False) or st.st_uid != os.getuid()
+                    or st.st_mode & 0o777 != 0o700):
+                continue
+            inside = os.listdir(entry.path)
+            if inside == ["template.sock"]:
+                sock_path = os.path.join(entry.path, "template.sock")
+                # A socket bound but not yet listened on refuses too: only an old one is judged.
+                if now - os.lstat(sock_path).st_mtime < EMPTY_STALE_SECONDS or not socket_is_dead(sock_path):
+                    continue
+                os.unlink(sock_path)
+            elif inside or now - st.st_mtime < EMPTY_STALE_SECONDS:
+                continue
+            os.rmdir(entry.path)
+            removed += 1
+        except OSError:
+            continue  # gone meanwhile, or not ours to judge
+    return removed
+
+
+def socket_is_dead(path: str) -> bool:
+    """No process listens on the unix socket ``path`` (its owner is gone)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+        return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False  # not a socket, a full backlog, ...: not ours to remove
+    finally:
+        s.close()
+
+
 def make_private_dir(name: str) -> str:
-    """A new directory only this user can enter, named ``NAME-RANDOM``."""
+    """A new directory only this user can enter, named ``NAME-RANDOM``; the first usable base
+    is first swept of directories earlier templates left (:func:`sweep_stale_dirs`)."""
     candidates = [os.environ.get("XDG_RUNTIME_DIR"), os.environ.get("TMPDIR"), "/tmp"]
     for base in [b for b in candidates if b]:
         if len(base) > 60 or not os.path.isdir(base) or not os.access(base, os.W_OK | os.X_OK):
             continue  # unix socket paths are short (108 bytes)
+        swept = sweep_stale_dirs(base)
+        if swept:
+            say(f"removed {swept} director{'y' if swept == 1 else 'ies'} of templates that are gone in {base}")
         for _ in range(10):
             path = os.path.join(base, f"{name[:40]}-{secrets.token_hex(4)}")
             try:

@@ -382,3 +382,80 @@ def test_a_template_whose_preload_initialized_cuda_forks_nothing(tmp_path):
             _ask(t.info["socket"], [sys.executable, "t.py"], env, str(tmp_path))
     finally:
         t.stop(10)
+
+
+def _aged(path: Path, seconds: float = 120.0) -> None:
+    t = time.time() - seconds
+    os.utime(path, (t, t), follow_symlinks=False)
+
+
+def _dead_socket_dir(base: Path, name: str, age: float = 120.0) -> Path:
+    """A directory as a SIGKILLed template leaves it: 0700, its socket bound and no one listening."""
+    import socket as socketlib
+
+    d = base / name
+    d.mkdir(mode=0o700)
+    s = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    s.bind(str(d / "template.sock"))
+    s.close()
+    _aged(d / "template.sock", age)
+    return d
+
+
+def test_directories_of_templates_that_are_gone_are_swept_and_nothing_else(tmp_path):
+    import socket as socketlib
+
+    from elasticrun.worker import template
+
+    dead = _dead_socket_dir(tmp_path, "elasticrun-1-dead")
+    young = _dead_socket_dir(tmp_path, "elasticrun-2-young", age=1.0)  # may be bound, not yet listening
+    live = tmp_path / "elasticrun-3-live"
+    live.mkdir(mode=0o700)
+    listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    listener.bind(str(live / "template.sock"))
+    listener.listen(1)
+    _aged(live / "template.sock")
+    empty_old = tmp_path / "elasticrun-4-empty"
+    empty_old.mkdir(mode=0o700)
+    _aged(empty_old)
+    empty_new = tmp_path / "elasticrun-5-fresh"
+    empty_new.mkdir(mode=0o700)
+    other = _dead_socket_dir(tmp_path, "elasticrun-6-more")
+    (other / "notes").write_text("x")
+    wide = _dead_socket_dir(tmp_path, "elasticrun-7-wide")
+    wide.chmod(0o755)
+    target = _dead_socket_dir(tmp_path, "target-8")
+    (tmp_path / "elasticrun-9-link").symlink_to(target)
+    foreign = _dead_socket_dir(tmp_path, "someone-else")
+    try:
+        assert template.sweep_stale_dirs(str(tmp_path)) == 2
+        gone = {p.name for p in (dead, empty_old) if not p.exists()}
+        assert gone == {"elasticrun-1-dead", "elasticrun-4-empty"}
+        for kept in (young, live, empty_new, other, wide, target, foreign):
+            assert kept.exists(), kept
+        assert (target / "template.sock").exists() and (tmp_path / "elasticrun-9-link").is_symlink()
+        assert template.sweep_stale_dirs(str(tmp_path)) == 0
+    finally:
+        listener.close()
+
+
+def test_a_new_template_removes_what_a_sigkilled_one_left(tmp_path):
+    env = dict(os.environ, TEMPLATE_ONLY="1", TMPDIR=str(tmp_path))
+    env.pop("XDG_RUNTIME_DIR", None)
+    argv = [sys.executable, "-m", warm.TEMPLATE_MODULE, "--name", "elasticrun-test", "--bare", "--grace", "1"]
+    first = warm.LocalTemplate(argv, env)
+    first.wait_ready(30)
+    left = Path(first.info["socket"]).parent
+    os.kill(first.info["pid"], signal.SIGKILL)
+    first.proc.wait(10)
+    assert (left / "template.sock").exists()  # nothing could remove it
+    _aged(left / "template.sock")
+    second = warm.LocalTemplate(argv, env)
+    try:
+        second.wait_ready(30)
+        assert not left.exists()
+        assert Path(second.info["socket"]).exists()
+    finally:
+        second.stop(10)
+        first.info = None  # its directory is already gone; nothing for its stop to remove
+        first.stop(1)
