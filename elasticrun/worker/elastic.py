@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Iterable, TypeVar
 
 from elasticrun.common.events import Kind
-from elasticrun.worker import collectives, durable, runtime, trace
+from elasticrun.worker import collectives, durable, join, runtime, trace
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError, HostsUpdatedInterrupt
 
 log = logging.getLogger("elasticrun.worker")
@@ -309,7 +309,9 @@ def _run(func: Callable[..., Any], state: State, rt: Any, args: Any, kwargs: Any
             started = time.monotonic()
             skip_sync = exc.skip_sync
             error = None
-            restored = False
+            # A rank whose replica a join() left unlike the others' asks for a sync as a rank
+            # that rolled back does: after removals only, it went on with a replica of its own.
+            restored = join.diverged()
         resetting = True
         rt.rendezvous(error=error, restored=restored)
         # The driver decides for everyone whether to sync: newcomers must receive the

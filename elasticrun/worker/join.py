@@ -36,7 +36,7 @@ from elasticrun.worker import descriptors as ops
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError, HostsUpdatedInterrupt
 from elasticrun.worker.rounds import Round
 
-__all__ = ["join", "take_diverged", "tell_joined"]
+__all__ = ["diverged", "join", "take_diverged", "tell_joined"]
 
 log = logging.getLogger("elasticrun.worker")
 
@@ -205,6 +205,12 @@ def join(device: int = -1) -> int:
 
 #: Set by every ``join()`` that ends; cleared by the next ``TorchState.sync()`` (``take_diverged``).
 _diverged = False
+
+
+def diverged() -> bool:
+    """A ``join()`` left this rank's replica unlike the others' and no sync has mended it yet:
+    the next rendezvous asks the driver for a sync even after removals only."""
+    return _diverged
 
 
 def _after_join(r: Round) -> None:

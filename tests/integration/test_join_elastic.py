@@ -101,3 +101,49 @@ def test_a_rank_in_join_leaves_with_the_others_when_a_host_is_added(job):
     assert "round 1: 3 worker(s)" in r.stderr, r.stderr
     assert "no operation from the other ranks" not in r.output and "restoring" not in r.output, r.output
     assert r.seconds < 40, r.seconds  # not after a collective timeout
+
+
+def test_a_rank_in_join_when_a_host_is_removed_gets_the_others_replica(job):
+    """Rank 0 runs out first and sits in join() while the others step on; 127.0.0.2 is then
+    removed. The interrupt says "removals only" (skip_sync): the survivors keep their own
+    state. Rank 0 applied none of the steps it sat out, so it went on with a replica of its
+    own for the rest of the job, which said it succeeded."""
+    marker = job.tmp / "shrink"
+    discover = job.tmp / "discover.sh"
+    discover.write_text(f"#!/bin/sh\nprintf 'localhost:1\\n127.0.0.1:1\\n'\n[ -f {marker} ] || echo 127.0.0.2:1\n")
+    discover.chmod(0o755)
+    script = job.tmp / "join_shrink.py"
+    script.write_text(
+        "import hashlib, time, torch, torch.nn.functional as F\nimport elasticrun.torch as hvd\nhvd.init()\n"
+        "torch.manual_seed(0)\ntorch.set_num_threads(1)\nmodel = torch.nn.Linear(8, 2)\n"
+        "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "
+        "named_parameters=model.named_parameters())\n"
+        "x, y = torch.randn(6, 8), torch.zeros(6, dtype=torch.long)\n"
+        "state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0, batch=0)\n"
+        "def same():\n"
+        "    d = hashlib.sha256(b''.join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()\n"
+        "    return 'same' if len(set(hvd.allgather_object(d))) == 1 else 'DIFFERENT'\n"
+        "@hvd.elastic.run\n"
+        "def train(state):\n"
+        "    print(f'entry rank={hvd.rank()} size={hvd.size()} replicas={same()}', flush=True)\n"
+        "    while state.epoch < 2:\n"
+        "        while state.batch < 4 + 6 * hvd.rank():\n"
+        "            opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()\n"
+        "            state.batch += 1\n"
+        "            if state.epoch == 0 and hvd.size() == 3 and hvd.rank() == 2 and state.batch == 6:\n"
+        f"                open({str(marker)!r}, 'w').close()\n"
+        "                time.sleep(3)  # the driver hears that the host is gone\n"
+        "            state.commit()\n"
+        "        hvd.join()\n"
+        "        state.epoch += 1; state.batch = 0\n"
+        "        state.commit()\n"
+        "train(state)\n"
+        "print('finished', hvd.rank(), hvd.size(), flush=True)\n")
+    r = job.run(["-np", "3", "--min-np", "2", "--host-discovery-script", str(discover), "--discovery-interval", "1",
+                 "--collective-timeout", "40"], [sys.executable, str(script)], timeout=120)
+    assert r.returncode == 0, r.output
+    assert "round 1: 2 worker(s)" in r.stderr, r.stderr
+    entries = [line for line in r.stdout.splitlines() if "entry rank=" in line]
+    assert any("size=2" in line for line in entries), r.stdout  # the removal happened in the first epoch
+    assert all(line.endswith("replicas=same") for line in entries), r.stdout
+    assert r.seconds < 40, r.seconds  # not after a collective timeout
