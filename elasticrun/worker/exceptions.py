@@ -18,6 +18,13 @@ class CollectiveTimeout(HorovodInternalError):
     """
 
 
+class DeviceGroupError(RuntimeError):
+    """The round's NCCL group failed to form the same way several rounds in a row, none of
+    them aborted: a cause that a new round does not change (two ranks on one GPU, a device
+    ordinal that does not exist, a broken GPU). Not a :class:`HorovodInternalError`: restoring
+    and re-forming would only fail again, forever."""
+
+
 class HostsUpdatedInterrupt(RuntimeError):
     """Hosts were added or removed; raised on every rank at the same commit/check.
 

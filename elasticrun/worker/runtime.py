@@ -26,6 +26,7 @@ import collections
 import ctypes
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -42,7 +43,7 @@ from elasticrun.common import deathnotice, env, limits, liveness, settings
 from elasticrun.common.protocol import Message, copy_id
 from elasticrun.worker import collectives, devices, durable, forks, join, prefetch, rounds, trace
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
-from elasticrun.worker.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from elasticrun.worker.exceptions import DeviceGroupError, HorovodInternalError, HostsUpdatedInterrupt
 from elasticrun.worker.durable import CommittedState, CopyRequests, DurableSender, HandOff
 from elasticrun.worker.host_updates import HostUpdates
 from elasticrun.worker.pace import StepPace
@@ -149,6 +150,27 @@ def _seconds(name: str, default: float) -> float:
     return float(os.environ.get(name, default))
 
 
+#: A NCCL formation that fails the same way this many rounds in a row, never aborted, ends
+#: the worker (DeviceGroupError) instead of resetting the job forever.
+FORMATION_ATTEMPTS = 3
+
+
+def formation_failed(failures: list[str], error: str | None) -> list[str]:
+    """Record a failed NCCL formation in ``failures`` (in place; also returned): ``error``,
+    or None when its round was aborted (a peer died: a new round may well succeed). Only the
+    same failure again (numbers aside: ranks and devices), round after round, adds up; any
+    other starts the count anew."""
+    if error is None:
+        failures.clear()
+        return failures
+    # All of it, on one line: NCCL's cause comes last ("Last error: Duplicate GPU detected ...").
+    first = " ".join(line.strip() for line in error.splitlines() if line.strip())[:800] or "(no message)"
+    if failures and re.sub(r"\d+", "#", failures[-1]) != re.sub(r"\d+", "#", first):
+        failures.clear()
+    failures.append(first)
+    return failures
+
+
 class Runtime:
     """A worker's view of the elastic job. Use :func:`init` / :func:`get`."""
 
@@ -184,6 +206,7 @@ class Runtime:
         self.restore = False  # the driver's word for this round: load the newest durable copy first
         self.active_state: Any = None  # the state elastic.run is training (its commit count)
         self.device: Any = None  # this rank's GPU, once a NCCL group was formed on it (it never changes)
+        self.formation_failures: list[str] = []  # the last NCCL formations that failed, none aborted
         self._gpus: list[str] | None = None  # GPUs NCCL could use here (asked once, at the first rendezvous)
         self._durable: HandOff | None = None  # with --checkpoint-dir: this rank's part in durable copies
         self._keys: Any = None
@@ -416,8 +439,16 @@ class Runtime:
             if "pg" in locals():
                 devices.abort_soon(pg, "its formation failed")
             reason = r.abort_reason()
+            failures = formation_failed(self.formation_failures, None if reason else str(exc))
+            if len(failures) >= FORMATION_ATTEMPTS:
+                raise DeviceGroupError(
+                    f"could not form the NCCL group on {device} in {len(failures)} rounds in a row, each time: "
+                    f"{failures[-1]}. Each worker needs a GPU of its own: leave the choice to hvd.init() or call "
+                    f"torch.cuda.set_device(hvd.local_rank()) before using CUDA, and do not change "
+                    f"CUDA_VISIBLE_DEVICES in the script") from exc
             raise HorovodInternalError(f"could not form the NCCL group of round {r.number} on {device}"
                                        f"{f' (the round was aborted: {reason})' if reason else ''}: {exc}") from exc
+        self.formation_failures.clear()
         if r.abort_reason():  # aborted while it connected: the control thread may have missed it
             devices.abort_soon(pg, "its round was aborted")
             raise HorovodInternalError(f"round {r.number} was aborted: {r.abort_reason()}")

@@ -172,3 +172,49 @@ def test_an_aborted_round_gives_up_its_device_collective_and_aborts_the_group(tm
     assert "round 1 was aborted (injected: a peer died)" in out["error"], out
     assert out["seconds"] < 5, out
     assert out["aborted"] == ["round 1 aborted"], out
+
+
+def duplicate_gpu_world(rank: int, size: int, workdir: Path) -> dict[str, Any]:
+    """Every formation fails as NCCL fails for two ranks on one GPU (ranks in the message
+    differ from round to round); one success in between starts the count anew."""
+    import elasticrun.torch as hvd
+    from elasticrun.worker import devices, exceptions
+
+    seen = _stand_in()
+    formed = devices.new_nccl
+    fail = {"on": True}
+
+    def new_nccl(store: Any, rank_: int, size_: int, timeout: float) -> Any:
+        if fail["on"]:
+            raise RuntimeError(f"NCCL error: invalid usage\nLast error:\nDuplicate GPU detected : rank {rank_} and rank "
+                               f"{1 - rank_} both on CUDA device 1000")
+        return formed(store, rank_, size_, timeout)
+
+    devices.new_nccl = new_nccl
+    errors: list[str] = []
+    for n, pattern in enumerate(("fail", "fail", "ok", "fail", "fail", "fail")):
+        fail["on"] = pattern == "fail"
+        gloo_world.reform(rank, size, workdir / f"round{n}")
+        _nccl_round()
+        try:
+            hvd.allreduce(torch.ones(2, dtype=torch.float64))
+            errors.append("ok")
+        except exceptions.DeviceGroupError as exc:
+            errors.append(f"fatal: {exc}")
+        except hvd.HorovodInternalError as exc:
+            errors.append(f"retry: {exc}")
+    return {"errors": errors, "formed": len(seen["formed"])}
+
+
+def test_a_group_that_fails_to_form_the_same_way_three_rounds_in_a_row_ends_the_worker(tmp_path: Path) -> None:
+    """Two ranks on one GPU (a script that skips set_device, or changes CUDA_VISIBLE_DEVICES)
+    fail NCCL's formation in every round: each failure restored, re-formed the same round and
+    failed again, and the job reset forever without a word the user could act on."""
+    for out in gloo_world.run_world(HERE, "duplicate_gpu_world", 2, tmp_path, timeout=120):
+        kinds = [e.split(":")[0] for e in out["errors"]]
+        assert kinds == ["retry", "retry", "ok", "retry", "retry", "fatal"], out
+        assert "Duplicate GPU detected" in out["errors"][1], out
+        fatal = out["errors"][-1]
+        assert "in 3 rounds in a row" in fatal and "Duplicate GPU detected" in fatal, fatal
+        assert "torch.cuda.set_device(hvd.local_rank())" in fatal, fatal
+        assert out["formed"] == 1, out
