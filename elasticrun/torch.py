@@ -177,7 +177,7 @@ def nccl_built() -> int:
     if not dist.is_nccl_available():
         return 0
     try:
-        major, minor, patch = torch.cuda.nccl.version()
+        major, minor, patch = torch.cuda.nccl.version()[:3]  # (4 with a suffix: (2, 27, 3, 'a0'))
     except Exception:
         return 0
     return major * 10000 + minor * 100 + patch if (major, minor) >= (2, 9) else major * 1000 + minor * 100 + patch
