@@ -67,6 +67,8 @@ from elasticrun.common.warmstart import PythonCommand
 DEFAULT_PRELOAD = ("torch", "elasticrun.torch", "cloudpickle")
 #: Signals the template handles itself, put back as they were for each worker.
 HANDLED = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: torch's switch to count GPUs through NVML, which does not initialize CUDA (fork-safe).
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 #: A client has this long to send its whole request.
 REQUEST_SECONDS = 30.0
 #: After SIGKILL, how long to wait for a worker to be reaped when stopping.
@@ -861,11 +863,22 @@ def main(argv: list[str] | None = None) -> int:
     gc.disable()
     modules = [] if args.bare else list(DEFAULT_PRELOAD)
     modules += [m.strip() for item in args.preload for m in item.split(",") if m.strip()]
-    failed = preload(modules)
-    if not args.bare and "elasticrun.torch" not in failed:
-        from elasticrun.worker import runtime
+    # A preload module's ``torch.cuda.is_available()`` at import (``device = "cuda" if ...``)
+    # would initialize the CUDA driver (cuInit), which leaves every forked worker without a
+    # GPU while torch.cuda.is_initialized() stays False. torch asks NVML instead (fork-safe)
+    # while this is set; set only for the imports here, so no worker inherits it.
+    nvml_check = NVML_CHECK not in os.environ
+    if nvml_check:
+        os.environ[NVML_CHECK] = "1"
+    try:
+        failed = preload(modules)
+        if not args.bare and "elasticrun.torch" not in failed:
+            from elasticrun.worker import runtime
 
-        runtime.warm_up()
+            runtime.warm_up()
+    finally:
+        if nvml_check:
+            os.environ.pop(NVML_CHECK, None)
     blas = stop_blas_threads()
     directory = make_private_dir(args.name)
     path = os.path.join(directory, "template.sock")

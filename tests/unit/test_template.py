@@ -459,3 +459,28 @@ def test_a_new_template_removes_what_a_sigkilled_one_left(tmp_path):
         second.stop(10)
         first.info = None  # its directory is already gone; nothing for its stop to remove
         first.stop(1)
+
+
+def test_a_preload_that_asks_for_gpus_asks_nvml_and_no_worker_inherits_the_switch(tmp_path):
+    """``device = "cuda" if torch.cuda.is_available() else "cpu"`` in a --preload module ran
+    cudaGetDeviceCount (cuInit) in the template, which torch.cuda.is_initialized() does not
+    show: every forked worker then found no usable GPU. torch asks NVML while the switch is on."""
+    seen = tmp_path / "seen"
+    (tmp_path / "gpu_lib.py").write_text(
+        "import os, torch\n"
+        f"open({str(seen)!r}, 'w').write(os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK', 'unset'))\n"
+        "device = 'cuda' if torch.cuda.is_available() else 'cpu'\n")
+    (tmp_path / "t.py").write_text(
+        "import os, sys\nsys.exit(7 if 'PYTORCH_NVML_BASED_CUDA_CHECK' in os.environ else 0)\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), TMPDIR=str(tmp_path))
+    env.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+    t = warm.LocalTemplate([sys.executable, "-m", warm.TEMPLATE_MODULE, "--bare", "--preload", "gpu_lib",
+                            "--grace", "1"], env)
+    try:
+        t.wait_ready(30)
+        assert seen.read_text() == "1"
+        w = _ask(t.info["socket"], [sys.executable, "t.py"], env, str(tmp_path))
+        code, out, err = w.finish()
+        assert code == 0, (out, err)  # the worker's environment is the job's, without the switch
+    finally:
+        t.stop(10)
