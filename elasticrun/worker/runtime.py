@@ -427,6 +427,8 @@ class Runtime:
             raise ValueError(f"a CUDA tensor on {device}, but this rank's NCCL groups are on {self.device} (one GPU "
                              f"per worker: move the model to {self.device}, or call torch.cuda.set_device before "
                              f"hvd.init())")
+        if r.abort_reason():  # NCCL's init cannot be aborted once begun: none for a dead round
+            raise HorovodInternalError(f"round {r.number} was aborted: {r.abort_reason()}")
         ranks = members or tuple(range(r.size))
         store = dist.PrefixStore("elasticrun/nccl/" + (",".join(map(str, members)) if members else "all"), r.store)
         started = time.monotonic()
