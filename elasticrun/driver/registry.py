@@ -1315,7 +1315,9 @@ class Registry:
             return
         yield Mark("_wait_reminder", now + WAIT_REMINDER)
         left = self._wait_limit() - waited
-        ready = sum(1 for w in self.workers.values() if w.state is WorkerState.WAITING)
+        # Only those a round could take: a survivor on a blacklisted host waits too, for nothing.
+        where = {h for h, _ in usable}
+        ready = sum(1 for w in self.workers.values() if w.state is WorkerState.WAITING and w.key[0] in where)
         yield Event(Kind.WAITING_FOR_SLOTS, {"need": need, "ready": ready, "usable": usable, "left_s": left,
                                              "flag": flag, "out": self._held_out()},
                     level="warning" if self.round >= 0 or waited > 0 else "info")

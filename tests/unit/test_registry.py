@@ -890,6 +890,17 @@ class TestResetLimit:
 
 
 class TestElasticTimeout:
+    def test_survivors_on_a_blacklisted_host_are_not_counted_as_ready(self):
+        """One host, one of its three workers fails: the host is blacklisted, and its two
+        survivors wait for its cooldown. The line said 'waiting for 2 ready worker(s) (have 2'."""
+        job = Job(np=3, min_np=2, cooldown=(4.0, 4.0))
+        job.start({"a": 3}, at=0)
+        job.exit("w1", 1, at=10)
+        job.rdv("w0", at=11)
+        acts = job.rdv("w2", at=11)
+        said = events(acts, "waiting_for_slots")
+        assert said and "waiting for 2 ready worker(s) (have 0;" in text(said[0]), text(said[0])
+
     def test_times_out_below_min_np(self):
         job = Job(np=2, min_np=2, elastic_timeout=60.0, start_timeout=30.0)
         job.start({"a": 1, "b": 1}, at=0)
