@@ -140,7 +140,7 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.HOST_REMOVED: ("round", "message", "host"),
     Kind.HOST_RESIZED: ("round", "message", "host", "slots"),
     # seconds: how long (None: permanently); straggler: for dragging the job, not for a failure
-    Kind.HOST_BLACKLISTED: ("round", "message", "host", "seconds", "straggler"),
+    Kind.HOST_BLACKLISTED: ("round", "message", "host", "seconds", "straggler", "over"),
     # because: "cooldown" (it ended) or "collapse" (every worker was lost at once: no one host's fault)
     Kind.HOST_WHITELISTED: ("round", "message", "host", "because"),
     Kind.HOST_DRAINING: ("round", "message", "host"),

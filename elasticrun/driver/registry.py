@@ -350,6 +350,16 @@ def _just(*steps: Step) -> Decision:
     yield from steps
 
 
+def _as_of(event: Event, until: float | None, now: float) -> Event:
+    """A held blacklisting's line as said at ``now``: the time its cooldown has left, or, where
+    it is over already (its host said to be back), how long it was."""
+    if until is None:
+        return event
+    if until > now:
+        return Event(event.kind, dict(event.fields, seconds=until - now), event.level)
+    return Event(event.kind, dict(event.fields, over=True), event.level)
+
+
 @dataclass(frozen=True)
 class RegistryConfig:
     np: int
@@ -388,7 +398,7 @@ class Registry:
         # The blacklistings that failures in an aborted round caused, said once the round has
         # settled (every member reported or failed): if every worker turned out to be lost at
         # once, they are lifted instead, and the console never said otherwise.
-        self._held: list[Event] = []
+        self._held: list[tuple[Event, float | None]] = []  # (a blacklisting's line, when it ends)
         self._empty_said = False  # an empty discovery listing was reported (until a non-empty one)
         self.durable_commit: int | None = None  # the commit of the newest durable copy (--checkpoint-dir)
         # Who ended the job early: rank, steps and how many were training (Cause.ENDED_EARLY).
@@ -599,7 +609,7 @@ class Registry:
         if self.finished is not None and self._held:  # (a job ended by an event: nothing unsaid)
             held, self._held = self._held, []
             end = next((i for i, a in enumerate(acts) if isinstance(a, Finish)), len(acts))
-            acts[end:end] = held
+            acts[end:end] = [_as_of(event, until, now) for event, until in held]
         return acts
 
     def _decision(self, now: float, heard: float) -> Decision:
@@ -609,11 +619,11 @@ class Registry:
             yield Event(Kind.HOST_WHITELISTED, {"host": h, "because": "cooldown"})
         yield from self._timeouts(now, heard)
         if self.plain:
-            yield from self._say_held()
+            yield from self._say_held(now)
             yield from self._plain_end()
             return
         if self._succeeded():
-            yield from self._say_held()
+            yield from self._say_held(now)
             yield from self._finishing()
             return
         running = self._in[WorkerState.RUNNING] > 0
@@ -825,18 +835,19 @@ class Registry:
         event = Event(Kind.HOST_BLACKLISTED, {"host": host, "seconds": None if until is None else until - now,
                                               "straggler": straggler})
         if hold:
-            yield Mark("held", event)
+            yield Mark("held", (event, until))
         else:
             yield event
 
-    def _say_held(self, lifted: Collection[str] = ()) -> Decision:
-        """Say the blacklistings held while the round settled, but those of ``lifted`` hosts."""
+    def _say_held(self, now: float, lifted: Collection[str] = ()) -> Decision:
+        """Say the blacklistings held while the round settled, but those of ``lifted`` hosts,
+        each with the time it has left now (the cooldown began at the failure)."""
         if self._held:
             held = list(self._held)
             yield Mark("held_said", None)
-            for event in held:
+            for event, until in held:
                 if event.fields["host"] not in lifted:
-                    yield event
+                    yield _as_of(event, until, now)
 
     @staticmethod
     def _failures(failed: list[WorkerRecord]) -> list[tuple[int, str, Reason | None]]:
@@ -1194,7 +1205,7 @@ class Registry:
         failed = [] if live else [w for w in self.workers.values() if w.state is WorkerState.FAILED]
         if not live and failed:
             if not self._resumable(failed):
-                yield from self._say_held()
+                yield from self._say_held(now)
                 # The failures that ended it: the latest round's (those of earlier rounds were
                 # recovered from, and only crowd the line).
                 # Causes before consequences: a rank whose collective failed because a peer died
@@ -1207,12 +1218,12 @@ class Registry:
                 # Losing everything at once says nothing about any one host: let them all back.
                 # Their blacklistings are still held, unsaid, unless a host failed apart first.
                 hosts = sorted({w.host for w in failed if w.round == self.round})
-                unsaid = {e.fields["host"] for e in self._held}
+                unsaid = {e.fields["host"] for e, _ in self._held}
                 for h in hosts:
                     if self.hosts.is_blacklisted(h) and h not in unsaid:
                         yield Event(Kind.HOST_WHITELISTED, {"host": h, "because": "collapse"})
                     yield Pardon(h, now)
-                yield from self._say_held(lifted=hosts)
+                yield from self._say_held(now, lifted=hosts)
                 # The wait it is about to promise ("up to --elastic-timeout") starts now, not
                 # when the last survivors began to wait for others.
                 yield Mark("_wait_started", None)
@@ -1221,7 +1232,7 @@ class Registry:
             yield from self._say_once("collapse", Event(Kind.WORKERS_LOST, {
                 "limit": self.config.elastic_timeout, "min_np": self.config.min_np, "commit": self.durable_commit},
                 level="warning"))
-        yield from self._say_held()  # the round has settled: nobody is still in it
+        yield from self._say_held(now)  # the round has settled: nobody is still in it
         # After every worker was lost, the job waits for hosts up to --elastic-timeout, as it
         # said; the known hosts failing again (they were the machines that went) must not end
         # it sooner, while discovery may still list new ones.

@@ -85,6 +85,8 @@ def _ranks(n: int) -> str:
 
 def _blacklisted(f: Mapping[str, Any]) -> str:
     seconds = f.get("seconds")
+    if f.get("over"):  # said late (held while the round settled): its cooldown already ended
+        return f"host {f['host']} was blacklisted for {seconds:.1f} s (that cooldown is already over)"
     when = "permanently" if seconds is None else f"for {seconds:.1f} s"
     return f"host {f['host']} blacklisted {when}" + (" (a straggler)" if f.get("straggler") else "")
 

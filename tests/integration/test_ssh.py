@@ -288,8 +288,9 @@ def test_a_lost_ssh_session_is_a_failure_and_the_host_comes_back_after_its_coold
     assert r.returncode == 0, r.output
     assert "127.0.0.3: lost the SSH connection to worker" in r.stderr, r.stderr
     assert "host 127.0.0.3 leaving" not in r.stderr and "SIGTERM: leaving the job" not in r.stderr, r.stderr
-    assert "host 127.0.0.3 blacklisted for " in r.stderr and "127.0.0.3 is back after its blacklist cooldown" \
-        in r.stderr, r.stderr
+    # (said once the round settles: "was blacklisted ... already over" if that took the cooldown)
+    assert ("host 127.0.0.3 blacklisted for " in r.stderr or "host 127.0.0.3 was blacklisted for " in r.stderr) \
+        and "127.0.0.3 is back after its blacklist cooldown" in r.stderr, r.stderr
     assert [e["size"] for e in r.log][-1] == 2, r.log  # it trains again
 
 

@@ -1731,12 +1731,32 @@ class TestDurableCopies:
         job.start({"a": 1, "b": 1, "c": 1}, at=0)
         job.exit("w1", 1, at=1)  # b fails alone
         acts = job.rdv_all(["w0", "w2"], at=2)
-        assert [text(e) for e in events(acts, "host_blacklisted")] == ["host b blacklisted for 100.0 s"]
+        assert [text(e) for e in events(acts, "host_blacklisted")] == ["host b blacklisted for 99.0 s"]  # from 1
         job.reg.durable(9)
         acts = job.exit("w0", -9, at=3) + job.exit("w2", -9, at=3)
         assert not events(acts, "host_blacklisted") and not events(acts, "host_whitelisted")
         assert events(acts, "workers_lost")
         assert job.hosts.is_blacklisted("b") and not job.hosts.is_blacklisted("a")
+
+    def test_a_blacklisting_said_late_says_the_time_it_has_left_or_that_it_is_over(self):
+        """The line is held until the round settles (a stopped peer can take its heartbeat
+        timeout), but the cooldown runs from the failure: the line said the whole cooldown,
+        and the host was back before the time it had just printed."""
+        job = Job(np=3, min_np=1, elastic_timeout=60.0, cooldown=(4.0, 4.0))
+        job.start({"a": 1, "b": 1, "c": 1}, at=0)
+        job.exit("w1", 1, at=1)  # b fails
+        acts = job.rdv("w0", at=3)
+        assert not events(acts, "host_blacklisted")  # w2 has not settled yet
+        acts = job.rdv("w2", at=6)  # after b's cooldown
+        said = [text(e) for e in events(acts, "host_whitelisted") + events(acts, "host_blacklisted")]
+        assert said == ["host b is back after its blacklist cooldown",
+                        "host b was blacklisted for 4.0 s (that cooldown is already over)"], said
+        job2 = Job(np=3, min_np=1, elastic_timeout=60.0, cooldown=(4.0, 4.0))
+        job2.start({"a": 1, "b": 1, "c": 1}, at=0)
+        job2.exit("w1", 1, at=1)
+        job2.rdv("w0", at=2)
+        acts = job2.rdv("w2", at=2.5)
+        assert [text(e) for e in events(acts, "host_blacklisted")] == ["host b blacklisted for 2.5 s"]
 
     def test_a_host_named_blacklisted_is_let_back_when_the_rest_of_its_round_is_lost_later(self):
         """Hosts reclaimed seconds apart: the first is named blacklisted once the survivor has
@@ -1747,7 +1767,7 @@ class TestDurableCopies:
         job.reg.durable(9)
         job.exit("w0", -9, at=1)
         acts = job.rdv_all(["w1"], at=1.1)  # b settles: a's line is said; no round without a
-        assert [text(e) for e in events(acts, "host_blacklisted")] == ["host a blacklisted for 100.0 s"]
+        assert [text(e) for e in events(acts, "host_blacklisted")] == ["host a blacklisted for 99.9 s"]
         assert job.reg.round == 0
         acts = job.exit("w1", -9, at=4)
         assert [text(e) for e in events(acts, "host_whitelisted")] == [
