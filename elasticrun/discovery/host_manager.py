@@ -147,7 +147,12 @@ class HostManager:
         return self._is_blocked(host)
 
     def blacklisted(self) -> list[str]:
+        """Every host ever blacklisted (its entry outlives the cooldown, which doubles next time)."""
         return sorted(self._blacklist)
+
+    def blocked(self) -> list[str]:
+        """The blacklisted hosts still kept out (as of the last refresh)."""
+        return sorted(h for h in self._blacklist if self._is_blocked(h))
 
     def discovered(self) -> dict[str, int]:
         return dict(self._discovered)

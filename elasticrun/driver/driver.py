@@ -1081,7 +1081,9 @@ class ElasticDriver:
                 failed = sum(1 for w in r.workers.values() if w.exited and w.exit_code != 0)
                 log.info("summary: %d process(es) that never called hvd.init(), %d failed", len(r.workers), failed)
             else:
-                log.info("summary: %s", self._resets.summary(r.hosts.blacklisted()))
+                blocked = r.hosts.blocked()
+                log.info("summary: %s", self._resets.summary(
+                    blocked, [h for h in r.hosts.blacklisted() if h not in blocked]))
 
     def _wait_for_exits(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

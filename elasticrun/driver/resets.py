@@ -82,12 +82,15 @@ class ResetTracker:
         return {"line": line, "cause": o.cause, "trigger": o.kind, "round": round_, "from_size": o.from_size,
                 "to_size": o.to_size, "seconds": seconds}
 
-    def summary(self, blacklisted: list[str]) -> str:
+    def summary(self, blacklisted: list[str], back: list[str] | None = None) -> str:
+        """``blacklisted``: hosts still kept out at the end; ``back``: hosts that were, and came
+        back after their cooldown (named apart: the job used them again)."""
         resets = sum(self.by_kind.values())
         names = {"failure": "after failures", "hosts": "after host changes", "other": "other"}
         kinds = ", ".join(f"{n} {names.get(k, k)}" for k, n in sorted(self.by_kind.items())) or "none"
         black = ", ".join(blacklisted) or "none"
         untimed = resets - self.timed
         note = f" ({untimed} ended before training resumed)" if untimed > 0 else ""
+        returned = f" (back after a cooldown: {', '.join(back)})" if back else ""
         return (f"{self.rounds} round(s), {resets} reset(s) ({kinds}), {self.recovering:.2f} s spent "
-                f"recovering{note}; blacklisted hosts: {black}")
+                f"recovering{note}; blacklisted hosts: {black}{returned}")

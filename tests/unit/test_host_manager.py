@@ -339,6 +339,16 @@ class TestCooldown:
         assert order(hm) == ["c", "b", "a"]
         assert hm.next_expiry() is None
 
+    def test_blocked_names_only_hosts_still_kept_out(self):
+        """The summary named every host ever blacklisted as blacklisted, also those back."""
+        hm = HostManager(cooldown_range=(10.0, 10.0), rng=random.Random(0))
+        hm.update({"a": 1, "b": 1}, now=0)
+        hm.blacklist("a", now=1)  # until 11
+        hm.blacklist("b", now=5)  # until 15
+        assert hm.blocked() == ["a", "b"] == hm.blacklisted()
+        hm.refresh(12.0)
+        assert hm.blocked() == ["b"] and hm.blacklisted() == ["a", "b"]
+
     def test_all_blacklisted_with_cooldown(self):
         hm = HostManager(cooldown_range=(10.0, 10.0), rng=random.Random(0))
         hm.update({"a": 1}, now=0)

@@ -34,6 +34,7 @@ def test_summary_counts_resets_by_cause():
     text = r.summary(["h3"])
     assert text.startswith("3 round(s), 2 reset(s) (1 after failures, 1 after host changes), 0.30 s")
     assert text.endswith("blacklisted hosts: h3")
+    assert r.summary([], ["h1", "h2"]).endswith("blacklisted hosts: none (back after a cooldown: h1, h2)")
 
 
 def test_no_reset_before_the_first_round():
