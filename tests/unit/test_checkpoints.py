@@ -398,8 +398,49 @@ def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path):
         w.abort()
         assert d.scan().newest.path == good.path
         d.close()
+        full = mnt / "full"  # a full disk before the job: the lock's note cannot be written
+        full.mkdir(mode=0o700)
+        with open(mnt / "filler", "wb") as f:
+            try:
+                f.write(b"z" * (1 << 20))
+            except OSError:
+                pass
+        d = ck.CheckpointDir.open(str(full))
+        with pytest.raises(ck.CheckpointError, match="cannot write .*/lock: No space left"):
+            d.lock("job")  # was: a traceback out of ftruncate/write
+        d.close()
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(cdir):
+    """Only its owner can plant one, but it hung the job's start with no line (open blocked)."""
+    os.mkfifo(os.path.join(cdir.path, "key"), 0o600)
+    with pytest.raises(ck.UntrustedDirectory, match="key is not a regular file"):
+        cdir.key()
+
+
+@root_only
+def test_a_link_planted_where_the_directory_was_about_to_be_made_is_refused(tmp_path, monkeypatch):
+    """mallory wins the race between the check (nothing at /tmp/ckpt) and mkdir (EEXIST was
+    taken as "made meanwhile": the open followed her link to a directory of yours)."""
+    yours = tmp_path / "yours"
+    yours.mkdir(mode=0o700)
+    shared = _shared(tmp_path / "tmp")
+    target = shared / "ckpt"
+    real_mkdir = os.mkdir
+
+    def racing_mkdir(path, mode=0o777, *a, **k):
+        if str(path) == str(target):
+            target.symlink_to(yours)
+            os.lchown(target, NOBODY, NOBODY)
+            raise FileExistsError(17, "File exists", str(path))
+        return real_mkdir(path, mode, *a, **k)
+
+    monkeypatch.setattr(ck.os, "mkdir", racing_mkdir)
+    with pytest.raises(ck.UnsafePath, match="is a symbolic link that nobody made in"):
+        ck.CheckpointDir.open(str(target))
+    assert sorted(os.listdir(yours)) == []
 
 
 def test_numbers_continue_after_copies_of_earlier_jobs(cdir):

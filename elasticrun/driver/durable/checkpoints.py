@@ -192,7 +192,9 @@ def _fsync(fd: int) -> None:
 def _open_file(dir_fd: int, name: str, what: str) -> int:
     """A regular file of the directory, read-only, never through a link, checked as trusted."""
     try:
-        fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dir_fd)
+        # O_NONBLOCK: a FIFO planted in its place must not hang the open (it is refused below;
+        # on a regular file the flag changes nothing).
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UntrustedDirectory(f"{what} is a symbolic link") from None
@@ -350,7 +352,20 @@ class CheckpointDir:
         except OSError as exc:
             raise CheckpointError(f"cannot open it: {_reason(exc)}") from None
         try:
-            _trusted(os.fstat(fd), "the directory")
+            st = os.fstat(fd)
+            _trusted(st, "the directory")
+            # Checked again now that it is open: the check above saw nothing at the path, and
+            # someone else may have put a link there before it was made (mkdir's EEXIST above).
+            # From here on everything goes through the descriptor, which the path led to.
+            problem = _path_problem(path)
+            if problem:
+                raise UnsafePath(problem)
+            try:
+                now = os.stat(path)
+            except OSError:
+                now = None
+            if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                raise CheckpointError("it was replaced while it was opened; run the command again")
             if not os.access(path, os.W_OK | os.X_OK):
                 raise CheckpointError("cannot write in it: permission denied")
         except BaseException:
@@ -420,8 +435,11 @@ class CheckpointDir:
             except BlockingIOError:
                 raise DirectoryInUse(self._holder(fd)) from None
             note = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "job": job}
-            os.ftruncate(fd, 0)
-            _write_all(fd, json.dumps(note).encode(), 0)
+            try:
+                os.ftruncate(fd, 0)
+                _write_all(fd, json.dumps(note).encode(), 0)
+            except OSError as exc:  # a full disk: the lock holds without its note
+                raise CheckpointError(f"cannot write {self.path}/{LOCK_FILE}: {_reason(exc)}") from None
         except BaseException:
             os.close(fd)
             raise
