@@ -226,6 +226,26 @@ def check_fits(name: str, live: Any, saved: Any) -> None:
     walk(live, saved, name)
 
 
+def check_optimizer_fits(name: str, live: Any, saved: Any) -> None:
+    """Raise DurableMismatch when ``saved`` (an optimizer's state_dict from a durable copy) is
+    another kind of optimizer's than ``live`` (this one's now): torch's load_state_dict takes it
+    and merges the options, so an Adam(lr=1e-3) resumed from an SGD(lr=0.1) copy trained on
+    with SGD's learning rate and momentum, silently. Options only one side has are a newer
+    torch's (it adds some with defaults): only options missing on both sides refuse it."""
+    try:
+        mine = [set(g) - {"params"} for g in live["param_groups"]]
+        theirs = [set(g) - {"params"} for g in saved["param_groups"]]
+    except (KeyError, TypeError):
+        raise DurableMismatch(f"{name}: the durable copy holds no optimizer state") from None
+    if len(mine) != len(theirs):
+        raise DurableMismatch(f"{name}: the optimizer has {len(mine)} parameter group(s), the durable copy "
+                              f"{len(theirs)}")
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        if a - b and b - a:
+            raise DurableMismatch(f"{name}.param_groups[{i}]: another optimizer's options (the durable copy has "
+                                  f"{', '.join(sorted(b - a)[:4])}; this one has {', '.join(sorted(a - b)[:4])})")
+
+
 @dataclass
 class _Copy:
     request: int

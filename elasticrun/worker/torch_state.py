@@ -277,6 +277,8 @@ class TorchState(ObjectState):
                 raise durable.DurableMismatch(f"{name}: the state has it, the durable copy does not")
             if isinstance(h, ModelStateHandler):
                 durable.check_fits(name, h.value.state_dict(), handlers[name])
+            elif isinstance(h.value, torch.optim.Optimizer):
+                durable.check_optimizer_fits(name, h.value.state_dict(), handlers[name])
             try:
                 if isinstance(h.value, torch.optim.Optimizer):  # its groups stay the ones a scheduler holds
                     load_keeping_groups(h.value, handlers[name])

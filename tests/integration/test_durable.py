@@ -337,6 +337,19 @@ def test_a_copy_of_another_model_is_refused_naming_the_first_key(job):
     assert r.returncode == 0, r.output  # --fresh starts over
 
 
+def test_a_copy_of_another_optimizer_is_refused(job):
+    """An SGD(lr=0.1) copy resumed into an Adam(lr=1e-3) script: torch's load_state_dict
+    merged the options, and Adam trained on with lr 0.1 and SGD's momentum, silently."""
+    ckpt = job.tmp / "ckpt"
+    run_until_a_copy_then_kill_the_driver(job, ckpt, [])
+    r = job.run(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--checkpoint-dir", str(ckpt)],
+                sample_cmd(job, "--adam"))
+    assert r.returncode == 1, r.output
+    assert "does not fit this state: optimizer.param_groups[0]: another optimizer's options (the durable copy " \
+           "has dampening, momentum, nesterov; this one has " in r.stderr, r.stderr
+    assert "resumed from checkpoint" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_to_the_driver_writes_a_last_copy_first(job, sig):
     """No periodic copy after the first (a long interval): the last copy, made at the signal,

@@ -191,3 +191,24 @@ def test_refused_shards_are_said_once_then_counted(service, monkeypatch, caplog)
     # The first in full; the other 19 counted: a summary at once, then one a minute (and at the close).
     assert len(said) <= 3 and "the driver's log says why" in said[0], said
     assert sum(int(m.split()[0]) for m in said[1:]) == 19, said
+
+
+def test_an_optimizer_copy_fits_only_the_same_kind_of_optimizer() -> None:
+    """Another optimizer's copy is refused (torch would merge its options in); options that
+    only a newer torch adds (one side has them, the other lacks none of its own) are not."""
+    import pytest
+    import torch
+
+    from elasticrun.worker import durable
+
+    model = torch.nn.Linear(3, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9).state_dict()
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3).state_dict()
+    durable.check_optimizer_fits("optimizer", sgd, sgd)
+    with pytest.raises(durable.DurableMismatch, match=r"optimizer.param_groups\[0\]: another optimizer's options"):
+        durable.check_optimizer_fits("optimizer", adam, sgd)
+    older = {**sgd, "param_groups": [{k: v for k, v in g.items() if k != "fused"} for g in sgd["param_groups"]]}
+    durable.check_optimizer_fits("optimizer", sgd, older)  # a copy from a torch without "fused"
+    two = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1).state_dict()
+    with pytest.raises(durable.DurableMismatch, match="2 parameter group"):
+        durable.check_optimizer_fits("optimizer", sgd, two)

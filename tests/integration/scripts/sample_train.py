@@ -50,6 +50,7 @@ p.add_argument("--loader-context", default="fork", choices=["fork", "spawn", "fo
 p.add_argument("--kill-all", default=None, metavar="EPOCH:BATCH",
                help="every worker SIGKILLs itself there (once per host): the whole job is lost")
 p.add_argument("--classes", type=int, default=2, help="the model's outputs (a different model to resume into)")
+p.add_argument("--adam", action="store_true", help="Adam, not SGD (another optimizer to resume into)")
 p.add_argument("--slow-start", default=None, metavar="HOST:SECONDS",
                help="workers on HOST take that much longer to start (before hvd.init())")
 p.add_argument("--sigterm-at-start", default=None, metavar="HOST",
@@ -95,7 +96,8 @@ dataset = TensorDataset(x, y, torch.arange(args.samples))
 model = torch.nn.Linear(8, args.classes)
 if args.ballast:
     model.register_buffer("ballast", torch.zeros(int(args.ballast * (1 << 18))))
-optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3) if args.adam
+                                     else torch.optim.SGD(model.parameters(), lr=0.1),
                                      named_parameters=model.named_parameters())
 sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=7)
 loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.loader_workers,
