@@ -939,9 +939,11 @@ class ElasticDriver:
         latest, latest_at = max((self._progress_seen.steps, self._progress_seen.at), (steps, at))
         back = max(0, latest - m.steps)
         # Steps lost also as time: a step count alone says nothing of what was redone.
-        lost = f" (about {latest_at - m.saved_at:.1f} s of training)" if back and latest_at > m.saved_at else ""
-        log.warning("resumed from checkpoint of %s, %d steps back%s (commit %d, %s)", _when(m.saved_at), back, lost,
-                    m.commit, durable.path)
+        # A lower bound: the driver hears of steps with heartbeats, and writes them down at most
+        # every PROGRESS_EVERY s; what the workers trained after that is redone uncounted.
+        lost = f" (at least {latest_at - m.saved_at:.1f} s of training)" if back and latest_at > m.saved_at else ""
+        log.warning("resumed from checkpoint of %s, at least %d steps back%s (commit %d, %s)", _when(m.saved_at), back,
+                    lost, m.commit, durable.path)
         self._journal.write(Kind.RESUMED, round=round_, checkpoint=durable.path, commit=m.commit,
                             saved_at=m.saved_at, steps_back=back)
 
