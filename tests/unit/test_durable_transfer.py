@@ -212,3 +212,46 @@ def test_an_optimizer_copy_fits_only_the_same_kind_of_optimizer() -> None:
     two = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1).state_dict()
     with pytest.raises(durable.DurableMismatch, match="has 1 parameter group.s., the durable copy 2"):
         durable.check_optimizer_fits("optimizer", sgd, two)
+
+
+def test_a_disk_with_room_for_two_copies_still_gets_new_ones(tmp_path):
+    """Rotation removed old copies only after the new one was whole, so a directory needed
+    room for keep + 1 copies: with room for two, every copy from the third on failed, and the
+    copy on disk stayed at the second while training went on."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k,mode=700", "tmpfs", str(mnt)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    ctx = zmq.Context()
+    keys = JobKeys.generate()
+    zap = ZapAuthenticator(ctx, [keys.worker.client_public]).start()
+    written, warned = [], []
+    cdir = ck.CheckpointDir.open(str(mnt))
+    svc = DurableService(ctx, keys, "job", cdir, on_written=lambda d, s: written.append(d),
+                         on_failed=lambda began, line: warned.append(line), lineage="L")
+    endpoint = svc.bind("tcp://127.0.0.1")
+    svc.start()
+    t = [torch.randn(250_000)]  # 1 MB
+    entries = durable.layout([("x", t[0])])
+    s = durable.DurableSender(ctx, endpoint, keys.worker, "job")
+    try:
+        for n in range(1, 6):
+            before = len(written) + len(warned)
+            assert s.hand_off(n, 0, 1, commit=n, steps=n, tensors=t, entries=entries, meta=lambda: b"m")
+            deadline = time.monotonic() + 30
+            while len(written) + len(warned) == before and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert [d.manifest.commit for d in written] == [1, 2, 4, 5], warned
+        assert len(warned) == 1 and "No space left on device" in warned[0] and "from now on" in warned[0], warned
+        assert svc.directory.scan().newest.manifest.commit == 5
+        assert len([p for p in mnt.iterdir() if p.name.startswith("ckpt-")]) == 2  # the newest two: 4 and 5
+    finally:
+        s.close()
+        svc.stop()
+        zap.stop()
+        ctx.term()
+        cdir.close()
+        subprocess.run(["umount", str(mnt)], check=False)

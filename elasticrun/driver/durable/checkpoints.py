@@ -67,6 +67,16 @@ class CheckpointError(Exception):
     """A durable copy could not be written or read; the message is one line for the user."""
 
 
+class NoSpace(CheckpointError):
+    """A copy could not be written for want of room (ENOSPC, EDQUOT)."""
+
+
+def _write_error(text: str, exc: OSError) -> CheckpointError:
+    """``text: why`` as the error a failed write is: NoSpace where the disk or quota is full."""
+    kind = NoSpace if exc.errno in (errno.ENOSPC, errno.EDQUOT) else CheckpointError
+    return kind(f"{text}: {_reason(exc)}")
+
+
 class Unreadable(CheckpointError):
     """A copy that is not shown damaged but cannot be read now (permissions, an I/O error, a
     stale NFS handle, a format of a newer elasticrun): it must not be moved aside, nor an older
@@ -656,7 +666,7 @@ class Writer:
             self._data = self._create("data.bin", data_bytes)
         except OSError as exc:
             self.abort()
-            raise CheckpointError(f"cannot write in {directory.path}: {_reason(exc)}") from None
+            raise _write_error(f"cannot write in {directory.path}", exc) from None
         if meta is not None:
             self.meta_size(len(meta))
             self.write_meta(0, meta)
@@ -674,7 +684,7 @@ class Writer:
         try:
             self._meta_fd = self._create("meta.bin", size)
         except OSError as exc:
-            raise CheckpointError(f"cannot write {self.tmp}/meta.bin: {_reason(exc)}") from None
+            raise _write_error(f"cannot write {self.tmp}/meta.bin", exc) from None
         self._manifest.meta_bytes = size
 
     def write_meta(self, offset: int, chunk: bytes | memoryview) -> None:
@@ -700,7 +710,7 @@ class Writer:
         try:
             _write_all(fd, chunk, offset)
         except OSError as exc:
-            raise CheckpointError(f"cannot write {self.tmp}/{name}: {_reason(exc)}") from None
+            raise _write_error(f"cannot write {self.tmp}/{name}", exc) from None
 
     def write(self, offset: int, chunk: bytes | memoryview) -> None:
         """Bytes of data.bin at ``offset`` (a part of some rank's shard)."""
@@ -754,7 +764,7 @@ class Writer:
             _fsync(d.fd)
         except OSError as exc:
             self.abort()
-            raise CheckpointError(f"cannot finish {self.final}: {_reason(exc)}") from None
+            raise _write_error(f"cannot finish {self.final}", exc) from None
         finally:
             if self._tmp_fd >= 0:
                 os.close(self._tmp_fd)

@@ -67,6 +67,10 @@ class DurableService(threading.Thread):
         secure_server(self._sock, keys, MAX_FRAME_BYTES + 4096)
         self._on_written, self._on_failed = on_written, on_failed
         self._keep, self._stale_after = keep, stale_after
+        # A copy failed for want of room: from then on this job's older copies are removed
+        # before each new one is begun (the newest whole one always stays), so that a disk with
+        # room for ``keep`` copies, not keep + 1, still gets new ones.
+        self._tight = False
         self._newest = newest  # what a restore reads
         self._newest_began = -math.inf
         self._writer: ck.Writer | None = None
@@ -176,7 +180,7 @@ class DurableService(threading.Thread):
             reply, data = self._handle(msg, blob)
         except ck.CheckpointError as exc:  # the copy being written cannot be finished
             if self._writer is not None and msg.type.startswith("ckpt_") and msg.type not in ("ckpt_info", "ckpt_read"):
-                self._fail(str(exc))
+                self._fail(self._no_room(exc))
             reply, data = {"error": str(exc)[:500]}, None
         except (KeyError, TypeError, ValueError) as exc:  # a malformed request: refused, nothing changes
             reply, data = {"error": f"bad {msg.type[:40]} request: {type(exc).__name__}: {str(exc)[:300]}"}, None
@@ -246,12 +250,17 @@ class DurableService(threading.Thread):
             self._fail(f"{copy_name(self._writing[0])} was not whole when {copy_name(request)} began")
         if self._writer is None:
             self._writing = (request, time.monotonic())
+            if self._tight:
+                try:
+                    self.directory.rotate(self._lineage, max(1, self._keep - 1))
+                except (OSError, ck.CheckpointError):
+                    pass  # the write below says what is wrong
             try:
                 self._writer = ck.Writer(self.directory, self.directory.next_number(), commit=_count(b, "commit"),
                                          steps=_count(b, "steps"), saved_at=float(b["saved_at"]), job=self._job,
                                          lineage=self._lineage, world=world, data_bytes=_count(b, "data_bytes"))
             except ck.CheckpointError as exc:
-                self._fail(str(exc))
+                self._fail(self._no_room(exc))
                 raise
         if rank == 0:
             self._writer.meta_size(_count(b, "meta_bytes"))
@@ -268,11 +277,21 @@ class DurableService(threading.Thread):
         try:
             durable = w.commit(self._keep)
         except ck.CheckpointError as exc:
-            self._on_failed(started, f"durable copy not written ({exc}); training goes on from the in-memory commits")
+            self._on_failed(started, f"durable copy not written ({self._no_room(exc)}); training goes on from the "
+                                     f"in-memory commits")
             return
         with self._lock:
             self._newest, self._newest_began = durable, started
         self._on_written(durable, time.monotonic() - started)
+
+    def _no_room(self, exc: ck.CheckpointError) -> str:
+        """``exc`` in words; a first want of room makes every later copy begin by removing this
+        job's older copy (said once, with it)."""
+        if not isinstance(exc, ck.NoSpace) or self._tight:
+            return str(exc)
+        self._tight = True
+        return (f"{exc}; from now on this job's older copy is removed before each new one is written, and the "
+                f"newest whole copy is always kept")
 
     def _fail(self, why: str) -> None:
         if self._writer is not None:
