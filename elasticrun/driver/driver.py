@@ -547,6 +547,10 @@ class ElasticDriver:
                     (m.data_bytes + m.meta_bytes) / 1e6, durable.path)
             self._journal.write(Kind.DURABLE_WRITTEN, round=self.registry.round, number=m.number, commit=m.commit,
                                 bytes=m.data_bytes + m.meta_bytes, seconds=round(seconds, 3))
+            if self._checkpoints is not None and self._checkpoints.moved():
+                self._warn_once(f"--checkpoint-dir {self.settings.checkpoint_dir} was moved or deleted while the job "
+                                f"runs: its copies go on into the directory it was, where a rerun of this command "
+                                f"will not look", "checkpoint dir moved")
         elif kind == "durable_failed":
             began, line = payload
             self._failed_copies.append((began, str(line)))
@@ -955,6 +959,10 @@ class ElasticDriver:
         m = durable.manifest
         newest = self._progress_seen.commit
         behind = f"; the workers had reached commit {newest}" if newest > m.commit else ""
+        if self._checkpoints is not None and self._checkpoints.moved():
+            return (f"the newest durable copy (commit {m.commit}, {_when(m.saved_at)}) is in the directory that was "
+                    f"{self.settings.checkpoint_dir}, which was moved or deleted while the job ran: a rerun of this "
+                    f"command will not find it{behind}")
         return f"the newest durable copy is {durable.path} (commit {m.commit}, {_when(m.saved_at)}){behind}"
 
     def _final_copy(self, signum: int) -> reg.Finish | None:

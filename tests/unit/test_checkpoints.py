@@ -460,3 +460,23 @@ def test_copies_are_asked_for_at_once_then_every_interval():
     assert s.request(5.0) == 1
     assert not s.due(64.9) and s.next_deadline() == 65.0
     assert s.due(65.0) and s.request(65.0) == 2
+
+
+def test_a_directory_moved_or_deleted_while_open_is_seen_so(tmp_path):
+    """Copies go on through the descriptor; the stop's line named the old path, where a rerun
+    of the same command found nothing (or a new, empty directory) and started from scratch."""
+    d = ck.CheckpointDir.open(str(tmp_path / "ck"))
+    try:
+        assert not d.moved()
+        os.rename(tmp_path / "ck", tmp_path / "ck2")
+        assert d.moved()
+        os.mkdir(tmp_path / "ck", 0o700)  # a new one at the old path is not it either
+        assert d.moved()
+    finally:
+        d.close()
+    e = ck.CheckpointDir.open(str(tmp_path / "gone"))
+    try:
+        os.rmdir(tmp_path / "gone")
+        assert e.moved()
+    finally:
+        e.close()

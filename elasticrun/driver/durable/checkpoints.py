@@ -383,6 +383,17 @@ class CheckpointDir:
             raise
         return cls(path, fd)
 
+    def moved(self) -> bool:
+        """The path no longer leads to this directory (it was moved or deleted while open):
+        copies still go into it, where a rerun given the path will not look."""
+        if self.fd < 0:
+            return False
+        try:
+            now, mine = os.stat(self.path), os.fstat(self.fd)
+        except OSError:
+            return True
+        return (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino)
+
     def close(self) -> None:
         self.unlock()
         if self.fd >= 0:
