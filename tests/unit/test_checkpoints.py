@@ -480,3 +480,29 @@ def test_a_directory_moved_or_deleted_while_open_is_seen_so(tmp_path):
         assert e.moved()
     finally:
         e.close()
+
+
+def test_a_missing_key_with_copies_present_is_said_so(cdir):
+    """A new key was made, and every copy was then 'not signed with this directory's key'."""
+    write(cdir, commit=1, data=b"x" * 100)
+    os.unlink(os.path.join(cdir.path, "key"))
+    again = ck.CheckpointDir.open(cdir.path)
+    try:
+        with pytest.raises(ck.UntrustedDirectory, match="key is missing, but the directory holds copies signed"):
+            again.key()
+        assert not os.path.exists(os.path.join(cdir.path, "key"))
+    finally:
+        again.close()
+
+
+@root_only
+def test_a_read_only_file_system_is_named_as_such(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o700)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,mode=700", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        with pytest.raises(ck.CheckpointError, match="cannot write in it: it is on a read-only file system"):
+            ck.CheckpointDir.open(str(ro))
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)

@@ -199,6 +199,15 @@ def _fsync(fd: int) -> None:
             raise
 
 
+def _exists(dir_fd: int, name: str) -> bool:
+    """Entry ``name`` of the directory exists (a link counts; never followed)."""
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
 def _open_file(dir_fd: int, name: str, what: str) -> int:
     """A regular file of the directory, read-only, never through a link, checked as trusted."""
     try:
@@ -377,7 +386,12 @@ class CheckpointDir:
             if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                 raise CheckpointError("it was replaced while it was opened; run the command again")
             if not os.access(path, os.W_OK | os.X_OK):
-                raise CheckpointError("cannot write in it: permission denied")
+                try:
+                    read_only = bool(os.fstatvfs(fd).f_flag & os.ST_RDONLY)
+                except OSError:
+                    read_only = False
+                raise CheckpointError("cannot write in it: " + ("it is on a read-only file system" if read_only
+                                                                 else "permission denied"))
         except BaseException:
             os.close(fd)
             raise
@@ -404,6 +418,10 @@ class CheckpointDir:
         """The directory's signing key (``key``, 0600), made with its first use."""
         if self._key is not None:
             return self._key
+        if not _exists(self.fd, KEY_FILE) and self.numbers():
+            # A new key would make every copy here "not signed with this directory's key".
+            raise UntrustedDirectory(f"{self.path}/{KEY_FILE} is missing, but the directory holds copies signed "
+                                     f"with it: put the key back, or move the copies out of the directory")
         try:
             fd = os.open(KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=self.fd)
         except FileExistsError:
