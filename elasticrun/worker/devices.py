@@ -104,10 +104,19 @@ def is_device_tensor(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+#: The GPU this process's NCCL groups are on, once one was formed (it never changes after).
+bound: torch.device | None = None
+
+
 def kind_device(kind: str) -> torch.device:
     """Where to make a tensor for an operation whose tensors were of ``kind`` ("cuda": this
-    rank's GPU; anything else: the CPU). A rank in ``join()`` mirrors the others with it."""
-    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+    rank's GPU; anything else: the CPU). A rank in ``join()`` mirrors the others with it.
+    The GPU its groups are bound to, not this thread's current device: the group may have
+    been formed (and set_device called) on another thread, autograd's, and a script that
+    places its tensors with ``.to("cuda:1")`` leaves the main thread's current device at 0."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def new_nccl(store: Any, rank: int, size: int, timeout: float) -> Any:

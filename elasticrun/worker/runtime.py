@@ -422,7 +422,7 @@ class Runtime:
         if r.store is None or r.device_backend != "nccl":
             raise HorovodInternalError(f"round {r.number} has no NCCL group")
         if self.device is None:
-            self.device = device
+            self.device = devices.bound = device
         elif device != self.device:
             raise ValueError(f"a CUDA tensor on {device}, but this rank's NCCL groups are on {self.device} (one GPU "
                              f"per worker: move the model to {self.device}, or call torch.cuda.set_device before "
