@@ -207,6 +207,17 @@ def test_a_copy_not_signed_with_the_directorys_key_is_never_unpickled(job):
     marker = job.tmp / "pwned"
     plant_copy(ckpt, marker)
     r = job.run([*TWO_HOSTS, "--checkpoint-dir", str(ckpt)], sample_cmd(job, "--epochs", "1"))
+    # No key in the directory: none is made (every copy would then be "not signed with this
+    # directory's key"); the job stops before anything starts, naming the copies.
+    assert r.returncode == 2, r.output
+    assert "ckpt/key is missing, but the directory holds copies (ckpt-000001): none can be trusted" in r.stderr, \
+        r.stderr
+    assert not marker.exists() and not (ckpt / "key").exists()
+    assert (ckpt / "ckpt-000001" / "meta.bin").exists()  # nothing deleted
+    key = ckpt / "key"  # a key of this directory, the planted copy not signed with it
+    key.write_text("ab" * 32)
+    key.chmod(0o600)
+    r = job.run([*TWO_HOSTS, "--checkpoint-dir", str(ckpt)], sample_cmd(job, "--epochs", "1"))
     assert r.returncode == 1, r.output
     assert "cannot resume: no durable copy in" in r.stderr, r.stderr
     assert "ckpt-000001: it is not signed with this directory's key" in r.stderr, r.stderr

@@ -418,10 +418,15 @@ class CheckpointDir:
         """The directory's signing key (``key``, 0600), made with its first use."""
         if self._key is not None:
             return self._key
-        if not _exists(self.fd, KEY_FILE) and self.numbers():
-            # A new key would make every copy here "not signed with this directory's key".
-            raise UntrustedDirectory(f"{self.path}/{KEY_FILE} is missing, but the directory holds copies signed "
-                                     f"with it: put the key back, or move the copies out of the directory")
+        numbers = [] if _exists(self.fd, KEY_FILE) else self.numbers()
+        if numbers:
+            # A new key would make every copy here "not signed with this directory's key", and
+            # none was written with it: the copies were signed with a key that is gone (deleted,
+            # or a backup restored without it), or planted. None is ever loaded without it.
+            shown = ", ".join(_name(n) for n in sorted(numbers)[:3]) + (", ..." if len(numbers) > 3 else "")
+            raise UntrustedDirectory(f"{self.path}/{KEY_FILE} is missing, but the directory holds copies ({shown}): "
+                                     f"none can be trusted without the key that signed it; put the key back, or "
+                                     f"move the copies out of the directory")
         try:
             fd = os.open(KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=self.fd)
         except FileExistsError:
