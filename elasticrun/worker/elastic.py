@@ -286,6 +286,7 @@ def _run(func: Callable[..., Any], state: State, rt: Any, args: Any, kwargs: Any
             if not skip_sync:
                 synced = time.monotonic()
                 state.sync()
+                join.take_diverged()  # (TorchState's sync took it already; any other state sends all)
                 rt.emit(Kind.SYNC_DONE, ms=round((time.monotonic() - synced) * 1000, 2),
                         skipped=state.__dict__.pop("_skipped_bytes", None),
                         sent_to=state.__dict__.pop("_sent_to", None))

@@ -177,9 +177,8 @@ def sweep_stale_dirs(base: str, prefix: str = "elasticrun-", now: float | None =
     leaves one, and each such job would leave another in /tmp for good. Only a directory that
     is this user's own, mode 0700, not a link, holding nothing but a ``template.sock`` over a
     minute old with no one listening on it (ECONNREFUSED), or holding nothing for over a minute,
-    is removed: a live
-    template answers the connection (and drops it quietly), and no one else can change what is
-    inside a 0700 directory of ours."""
+    is removed: a live template answers the connection (and drops it quietly), and no one else
+    can change what is inside a 0700 directory of ours."""
     removed = 0
     now = time.time() if now is None else now
     try:

@@ -7,6 +7,7 @@ until the next sync."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,42 @@ from conftest import SCRIPTS, growing_discovery
 pytestmark = pytest.mark.timeout(180)
 
 SCRIPT = str(SCRIPTS / "join_uneven.py")
+
+#: The start of the scripts written here: a model, its DistributedOptimizer, one batch.
+PRELUDE = ("import hashlib, time, torch, torch.nn.functional as F\nimport elasticrun.torch as hvd\nhvd.init()\n"
+           "torch.manual_seed(0)\ntorch.set_num_threads(1)\nmodel = torch.nn.Linear(8, 2)\n"
+           "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "
+           "named_parameters=model.named_parameters())\n"
+           "x, y = torch.randn(6, 8), torch.zeros(6, dtype=torch.long)\n")
+
+
+def _uneven_every_step(marker: Path, at_size: int) -> str:
+    """Uneven data with a commit every step: each epoch rank k trains 4 + 6k batches, then
+    calls join(). At batch 6 of epoch 0, in a round of ``at_size`` ranks, the last rank makes
+    ``marker`` (discovery then lists other hosts) and gives the driver 3 s to hear of it, while
+    rank 0 sits in join(). Each entry into the loop prints whether the replicas are the same."""
+    return (PRELUDE +
+            "state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0, batch=0)\n"
+            "def same():\n"
+            "    d = hashlib.sha256(b''.join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()\n"
+            "    return 'same' if len(set(hvd.allgather_object(d))) == 1 else 'DIFFERENT'\n"
+            "@hvd.elastic.run\n"
+            "def train(state):\n"
+            "    print(f'entry rank={hvd.rank()} size={hvd.size()} replicas={same()}', flush=True)\n"
+            "    while state.epoch < 2:\n"
+            "        while state.batch < 4 + 6 * hvd.rank():\n"
+            "            opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()\n"
+            "            state.batch += 1\n"
+            f"            if state.epoch == 0 and hvd.size() == {at_size} and hvd.rank() == {at_size - 1} "
+            "and state.batch == 6:\n"
+            f"                open({str(marker)!r}, 'w').close()\n"
+            "                time.sleep(3)  # the driver hears of the change\n"
+            "            state.commit()\n"
+            "        hvd.join()\n"
+            "        state.epoch += 1; state.batch = 0\n"
+            "        state.commit()\n"
+            "train(state)\n"
+            "print('finished', hvd.rank(), hvd.size(), flush=True)\n")
 
 
 def test_a_commit_after_join_takes_one_path_on_every_rank(job):
@@ -50,11 +87,7 @@ def test_a_rank_that_joins_before_its_first_step_of_the_round_steps_with_the_oth
     --collective-timeout."""
     script = job.tmp / "empty_shard.py"
     script.write_text(
-        "import torch, torch.nn.functional as F\nimport elasticrun.torch as hvd\nhvd.init()\n"
-        "torch.manual_seed(0)\nmodel = torch.nn.Linear(8, 2)\n"
-        "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "
-        "named_parameters=model.named_parameters())\n"
-        "x, y = torch.randn(6, 8), torch.zeros(6, dtype=torch.long)\n"
+        PRELUDE +
         "for epoch in range(2):\n"
         "    for _ in range((0 if hvd.rank() == 0 else 3) if epoch == 0 else 2):\n"
         "        opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()\n"
@@ -74,28 +107,7 @@ def test_a_rank_in_join_leaves_with_the_others_when_a_host_is_added(job):
     never came, until --collective-timeout, and then rolled back to its last commit."""
     grow, growing = growing_discovery(job.tmp)
     script = job.tmp / "join_grow.py"
-    script.write_text(
-        "import os, time, torch, torch.nn.functional as F\nimport elasticrun.torch as hvd\nhvd.init()\n"
-        "torch.manual_seed(0)\nmodel = torch.nn.Linear(8, 2)\n"
-        "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "
-        "named_parameters=model.named_parameters())\n"
-        "x, y = torch.randn(6, 8), torch.zeros(6, dtype=torch.long)\n"
-        "state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0, batch=0)\n"
-        "@hvd.elastic.run\n"
-        "def train(state):\n"
-        "    while state.epoch < 2:\n"
-        "        while state.batch < 4 + 6 * hvd.rank():\n"
-        "            opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()\n"
-        "            state.batch += 1\n"
-        "            if state.epoch == 0 and hvd.size() == 2 and hvd.rank() == 1 and state.batch == 6:\n"
-        f"                open({str(grow)!r}, 'w').close()\n"
-        "                time.sleep(3)  # the driver hears of the new host\n"
-        "            state.commit()\n"
-        "        hvd.join()\n"
-        "        state.epoch += 1; state.batch = 0\n"
-        "        state.commit()\n"
-        "train(state)\n"
-        "print('finished', hvd.rank(), hvd.size(), flush=True)\n")
+    script.write_text(_uneven_every_step(grow, at_size=2))
     r = job.run([*growing, "--collective-timeout", "40"], [sys.executable, str(script)], timeout=120)
     assert r.returncode == 0, r.output
     assert "round 1: 3 worker(s)" in r.stderr, r.stderr
@@ -113,32 +125,7 @@ def test_a_rank_in_join_when_a_host_is_removed_gets_the_others_replica(job):
     discover.write_text(f"#!/bin/sh\nprintf 'localhost:1\\n127.0.0.1:1\\n'\n[ -f {marker} ] || echo 127.0.0.2:1\n")
     discover.chmod(0o755)
     script = job.tmp / "join_shrink.py"
-    script.write_text(
-        "import hashlib, time, torch, torch.nn.functional as F\nimport elasticrun.torch as hvd\nhvd.init()\n"
-        "torch.manual_seed(0)\ntorch.set_num_threads(1)\nmodel = torch.nn.Linear(8, 2)\n"
-        "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "
-        "named_parameters=model.named_parameters())\n"
-        "x, y = torch.randn(6, 8), torch.zeros(6, dtype=torch.long)\n"
-        "state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0, batch=0)\n"
-        "def same():\n"
-        "    d = hashlib.sha256(b''.join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()\n"
-        "    return 'same' if len(set(hvd.allgather_object(d))) == 1 else 'DIFFERENT'\n"
-        "@hvd.elastic.run\n"
-        "def train(state):\n"
-        "    print(f'entry rank={hvd.rank()} size={hvd.size()} replicas={same()}', flush=True)\n"
-        "    while state.epoch < 2:\n"
-        "        while state.batch < 4 + 6 * hvd.rank():\n"
-        "            opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()\n"
-        "            state.batch += 1\n"
-        "            if state.epoch == 0 and hvd.size() == 3 and hvd.rank() == 2 and state.batch == 6:\n"
-        f"                open({str(marker)!r}, 'w').close()\n"
-        "                time.sleep(3)  # the driver hears that the host is gone\n"
-        "            state.commit()\n"
-        "        hvd.join()\n"
-        "        state.epoch += 1; state.batch = 0\n"
-        "        state.commit()\n"
-        "train(state)\n"
-        "print('finished', hvd.rank(), hvd.size(), flush=True)\n")
+    script.write_text(_uneven_every_step(marker, at_size=3))
     r = job.run(["-np", "3", "--min-np", "2", "--host-discovery-script", str(discover), "--discovery-interval", "1",
                  "--collective-timeout", "40"], [sys.executable, str(script)], timeout=120)
     assert r.returncode == 0, r.output
