@@ -160,7 +160,7 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     # usable: [[host, slots], ...]; left_s: until the wait gives up; flag: the limit's flag
     Kind.WAITING_FOR_SLOTS: ("round", "message", "need", "ready", "usable", "left_s", "flag", "out"),
     Kind.STATE_LOST: ("round", "message"),
-    Kind.WORKERS_LOST: ("round", "message", "limit", "min_np", "commit"),
+    Kind.WORKERS_LOST: ("round", "message", "limit", "min_np", "commit", "was"),
     Kind.NP_NEVER: ("round", "message", "np", "reachable", "min_np"),
     Kind.PLAIN_COMMAND: ("round", "message", "limit"),
     Kind.ELASTIC_AFTER_ALL: ("round", "message", "label", "seconds"),

@@ -504,6 +504,12 @@ class Registry:
     def durable(self, commit: int) -> None:
         """A durable copy of ``commit`` exists (written now, or found at start with --checkpoint-dir):
         a round that no holder of the state joins starts from it instead of from scratch."""
+        if "collapse" in self._said and self.durable_commit is not None and commit > self.durable_commit:
+            # Every worker was lost while this copy was being finished: the line that named the
+            # older copy would be contradicted by the resume, so say which one it will be.
+            self._outbox.append(Event(Kind.WORKERS_LOST, {
+                "limit": self.config.elastic_timeout, "min_np": self.config.min_np, "commit": commit,
+                "was": self.durable_commit}, level="warning"))
         self.durable_commit = commit
         self._dirty = True
 

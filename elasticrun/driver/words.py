@@ -174,9 +174,11 @@ _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
                                    + (" (hosts added and removed)" if f['added'] and f['removed'] else "")),
     Kind.NP_NEVER: lambda f: (f"-np {f['np']} can never be met: a listed host failed and none can come back; "
                               f"starting with {f['reachable']} (--min-np {f['min_np']})"),
-    Kind.WORKERS_LOST: lambda f: (f"every worker is gone; waiting up to --elastic-timeout {f['limit']:g} s for "
-                                  f"--min-np {f['min_np']} slots to resume from the durable copy of commit "
-                                  f"{f['commit']}"),
+    Kind.WORKERS_LOST: lambda f: ((f"the durable copy of commit {f['commit']} is now whole: the job resumes from it, "
+                                   f"not from commit {f['was']}") if f.get("was") is not None else
+                                  (f"every worker is gone; waiting up to --elastic-timeout {f['limit']:g} s for "
+                                   f"--min-np {f['min_np']} slots to resume from the durable copy of commit "
+                                   f"{f['commit']}")),
     Kind.WAITING_FOR_SLOTS: lambda f: (f"waiting for {f['need']} ready worker(s) (have {f['ready']}; usable hosts: "
                                        f"{_usable(f['usable'])}{_held(f)}); giving up in {f['left_s']:.0f} s "
                                        f"({f['flag']})"),

@@ -1813,6 +1813,32 @@ class TestDurableCopies:
         [finish] = of(job.tick(1100.5), Finish)
         assert why(finish).startswith("timed out after 600 s (--elastic-timeout)")
 
+    def test_a_copy_finished_after_every_worker_was_lost_is_named_once_it_is_whole(self):
+        """Every worker lost while the copy of commit 9 was still being written: the line named
+        commit 7, and the resume then used 9. The console says so when 9 is whole, and not for
+        an older copy, nor once a round has formed."""
+        job = Job(np=2, min_np=2, elastic_timeout=600.0)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.reg.durable(7)
+        job.exit("w0", -9, at=10)
+        acts = job.exit("w1", -9, at=10)
+        assert [text(e) for e in events(acts, "workers_lost")] == [
+            "every worker is gone; waiting up to --elastic-timeout 600 s for --min-np 2 slots to resume from the "
+            "durable copy of commit 7"]
+        job.reg.durable(9)
+        acts = job.tick(11)
+        assert [text(e) for e in events(acts, "workers_lost")] == [
+            "the durable copy of commit 9 is now whole: the job resumes from it, not from commit 7"]
+        job.reg.durable(8)  # (never older in practice; nothing to say if it were)
+        assert not events(job.tick(12), "workers_lost")
+
+    def test_a_copy_written_while_workers_train_says_nothing_of_a_resume(self):
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.reg.durable(7)
+        job.reg.durable(9)
+        assert not events(job.tick(1), "workers_lost")
+
     def test_after_every_worker_is_lost_the_old_hosts_failing_again_do_not_end_the_wait(self):
         """Every host lost at once (SSH sessions dropped), discovery still listing them: they are
         let back and tried again, and fail again (the machines are gone). The job used to end at
