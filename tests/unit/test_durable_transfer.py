@@ -214,10 +214,9 @@ def test_an_optimizer_copy_fits_only_the_same_kind_of_optimizer() -> None:
         durable.check_optimizer_fits("optimizer", sgd, two)
 
 
-def test_a_disk_with_room_for_two_copies_still_gets_new_ones(tmp_path):
-    """Rotation removed old copies only after the new one was whole, so a directory needed
-    room for keep + 1 copies: with room for two, every copy from the third on failed, and the
-    copy on disk stayed at the second while training went on."""
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2.6 MB tmpfs: room for two copies of 1 MB, not three."""
     import subprocess
 
     mnt = tmp_path / "small"
@@ -225,33 +224,60 @@ def test_a_disk_with_room_for_two_copies_still_gets_new_ones(tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k,mode=700", "tmpfs", str(mnt)],
                       capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def _copies(mnt, lineage: str, commits: range) -> tuple[list, list[str]]:
+    """Hand off a 1 MB copy of each commit to a service of ``lineage`` on ``mnt``, one at a
+    time; (the copies written, the lines of those that failed)."""
     ctx = zmq.Context()
     keys = JobKeys.generate()
     zap = ZapAuthenticator(ctx, [keys.worker.client_public]).start()
     written, warned = [], []
     cdir = ck.CheckpointDir.open(str(mnt))
     svc = DurableService(ctx, keys, "job", cdir, on_written=lambda d, s: written.append(d),
-                         on_failed=lambda began, line: warned.append(line), lineage="L")
+                         on_failed=lambda began, line: warned.append(line), lineage=lineage)
     endpoint = svc.bind("tcp://127.0.0.1")
     svc.start()
     t = [torch.randn(250_000)]  # 1 MB
     entries = durable.layout([("x", t[0])])
     s = durable.DurableSender(ctx, endpoint, keys.worker, "job")
     try:
-        for n in range(1, 6):
+        for n in commits:
             before = len(written) + len(warned)
             assert s.hand_off(n, 0, 1, commit=n, steps=n, tensors=t, entries=entries, meta=lambda: b"m")
             deadline = time.monotonic() + 30
             while len(written) + len(warned) == before and time.monotonic() < deadline:
                 time.sleep(0.02)
-        assert [d.manifest.commit for d in written] == [1, 2, 4, 5], warned
-        assert len(warned) == 1 and "No space left on device" in warned[0] and "from now on" in warned[0], warned
-        assert svc.directory.scan().newest.manifest.commit == 5
-        assert len([p for p in mnt.iterdir() if p.name.startswith("ckpt-")]) == 2  # the newest two: 4 and 5
+        assert svc.directory.scan().newest is not None
+        return written, warned
     finally:
         s.close()
         svc.stop()
         zap.stop()
         ctx.term()
         cdir.close()
-        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_disk_with_room_for_two_copies_still_gets_new_ones(small_disk):
+    """Rotation removed old copies only after the new one was whole, so a directory needed
+    room for keep + 1 copies: with room for two, every copy from the third on failed, and the
+    copy on disk stayed at the second while training went on."""
+    written, warned = _copies(small_disk, "L", range(1, 6))
+    assert [d.manifest.commit for d in written] == [1, 2, 4, 5], warned
+    assert len(warned) == 1 and "No space left on device" in warned[0] and "from now on" in warned[0], warned
+    assert "earlier run" not in warned[0]
+    assert ck.CheckpointDir.open(str(small_disk)).scan().newest.manifest.commit == 5
+    assert len([p for p in small_disk.iterdir() if p.name.startswith("ckpt-")]) == 2  # the newest two: 4 and 5
+
+
+def test_a_full_disk_names_the_copies_of_an_earlier_run_it_never_removes(small_disk):
+    """A copy kept from an earlier run (``--fresh`` keeps them) takes the room: the new job's
+    copies fail, and the line said only that the disk was full, not what fills it."""
+    _copies(small_disk, "EARLIER", range(1, 2))
+    written, warned = _copies(small_disk, "L", range(1, 4))
+    assert [d.manifest.commit for d in written] == [1], warned
+    assert "No space left on device" in warned[0], warned
+    assert "also holds 1 copy of an earlier run that this job never removes (ckpt-000001)" in warned[0], warned
+    assert (small_disk / "ckpt-000001").is_dir()  # (not this job's to remove)

@@ -616,18 +616,7 @@ class CheckpointDir:
     def rotate(self, lineage: str, keep: int) -> list[str]:
         """Remove copies of ``lineage`` beyond its newest ``keep``; the names removed. Copies of
         other lineages, and any whose lineage cannot be read, are left alone."""
-        ours: list[str] = []
-        for number in self.numbers():
-            name = _name(number)
-            try:
-                copy_fd = _open_dir(self.fd, name, name)
-                try:
-                    if self._manifest(copy_fd, name).lineage == lineage:
-                        ours.append(name)
-                finally:
-                    os.close(copy_fd)
-            except CheckpointError:
-                continue
+        ours = self._by_lineage(lineage, True)
         removed = []
         for name in ours[keep:]:
             try:
@@ -636,6 +625,28 @@ class CheckpointDir:
             except OSError:
                 pass
         return removed
+
+    def others(self, lineage: str) -> list[str]:
+        """Copies of other lineages (an earlier run's, kept by ``--fresh``), newest first: this
+        job never removes them, so a full disk names them."""
+        return self._by_lineage(lineage, False)
+
+    def _by_lineage(self, lineage: str, same: bool) -> list[str]:
+        """Names of the copies whose lineage is (``same``) or is not ``lineage``, newest first;
+        a copy whose lineage cannot be read is in neither."""
+        found: list[str] = []
+        for number in self.numbers():
+            name = _name(number)
+            try:
+                copy_fd = _open_dir(self.fd, name, name)
+                try:
+                    if (self._manifest(copy_fd, name).lineage == lineage) == same:
+                        found.append(name)
+                finally:
+                    os.close(copy_fd)
+            except CheckpointError:
+                continue
+        return found
 
     def save_progress(self, steps: int, commit: int, at: float | None = None) -> None:
         """How far the workers have got, and when (wall time; now if not given), for "N steps

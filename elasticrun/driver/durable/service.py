@@ -290,8 +290,15 @@ class DurableService(threading.Thread):
         if not isinstance(exc, ck.NoSpace) or self._tight:
             return str(exc)
         self._tight = True
+        try:
+            others = self.directory.others(self._lineage)
+        except OSError:
+            others = []
+        kept = (f"; {self.directory.path} also holds {len(others)} {'copy' if len(others) == 1 else 'copies'} of an earlier run that this job never "
+                f"removes ({', '.join(others[:4])}{', ...' if len(others) > 4 else ''}): remove them if they are "
+                f"no longer needed") if others else ""
         return (f"{exc}; from now on this job's older copy is removed before each new one is written, and the "
-                f"newest whole copy is always kept")
+                f"newest whole copy is always kept{kept}")
 
     def _fail(self, why: str) -> None:
         if self._writer is not None:
