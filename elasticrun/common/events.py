@@ -55,6 +55,7 @@ class Kind(str, enum.Enum):
     RESUMED = "resumed"                      # a round starts from the newest durable copy
     DURABLE_WRITTEN = "durable_written"      # a durable copy of a commit is whole on disk
     ROUND_ABORTED = "round_aborted"
+    ABORT_PENDING = "abort_pending"          # members have not left an aborted round for a while
     ROUND_FORMED = "round_formed"
     DEVICE_BACKEND = "device_backend"        # what carries CUDA tensors in this round, and why
     RESET = "reset"                          # a reset closed: cause, sizes and cost
@@ -167,6 +168,7 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.RESUMED: ("round", "message", "checkpoint", "commit", "saved_at", "steps_back"),
     Kind.DURABLE_WRITTEN: ("round", "number", "commit", "bytes", "seconds"),
     Kind.ROUND_ABORTED: ("round", "reason", "cause"),
+    Kind.ABORT_PENDING: ("round", "message", "seconds", "why", "ranks", "more"),
     Kind.ROUND_FORMED: ("round", "message", "size", "hosts"),
     Kind.DEVICE_BACKEND: ("round", "message", "backend", "why"),
     Kind.RESET: ("cause", "trigger", "round", "from_size", "to_size", "seconds"),

@@ -394,6 +394,10 @@ class Registry:
         self._notified_target: frozenset[tuple[str, int]] | None = None
         self._wait_started: float | None = None
         self._wait_reminder: float | None = None  # when the next "still waiting" line is due
+        # An aborted round: when it was first seen aborted, and when the next line naming the
+        # members that have not left it is due.
+        self._aborted_at: float | None = None
+        self._abort_reminder: float | None = None
         self._said: set[str] = set()  # one-time messages of the current round
         # The blacklistings that failures in an aborted round caused, said once the round has
         # settled (every member reported or failed): if every worker turned out to be lost at
@@ -645,7 +649,7 @@ class Registry:
     #: The notes a Mark may set (and ``said``, which adds to the lines said this round; ``held``,
     #: which holds a blacklisting's line until the round settles; ``held_said``, which ends that).
     _MARKS = frozenset({"plain", "_wait_started", "_wait_reminder", "_notified_target", "_device_said", "said",
-                        "held", "held_said"})
+                        "held", "held_said", "_aborted_at", "_abort_reminder"})
 
     def _drive(self, decision: Decision) -> list[Action]:
         """Run a decision: apply each step it yields, send back the answer, collect the actions."""
@@ -698,6 +702,7 @@ class Registry:
             self.aborted, self.abort_reason = False, None
             self._notified_target = None
             self._wait_started = self._wait_reminder = None
+            self._aborted_at = self._abort_reminder = None
             self._said.clear()
         elif isinstance(step, Mark):
             if step.name not in self._MARKS:
@@ -789,6 +794,8 @@ class Registry:
             times.append(self._wait_started + self._wait_limit())
         if self._wait_reminder is not None:
             times.append(self._wait_reminder)
+        if self._abort_reminder is not None and self.aborted and self._in[WorkerState.RUNNING]:
+            times.append(self._abort_reminder)
         expiry = self.hosts.next_expiry()
         if expiry is not None:
             times.append(expiry)
@@ -1111,7 +1118,9 @@ class Registry:
 
     def _during_round(self, target: list[SlotInfo], now: float) -> Decision:
         if self.aborted:
-            return  # wait for every member to report; the next round is decided then
+            # Wait for every member to report; the next round is decided then.
+            yield from self._abort_pending(now)
+            return
         current = set(self.members)
         target_keys = self._target_keys(target)
         yield from self._release_unneeded(target_keys | current)
@@ -1150,6 +1159,24 @@ class Registry:
             yield Notify(added=added, removed=removed)
             yield Event(Kind.HOSTS_UPDATED, {"added": added, "removed": removed, "handover": handover,
                                              "from_size": len(current), "to_size": len(keys), "again": again})
+
+    def _abort_pending(self, now: float) -> Decision:
+        """Name the members that have not left an aborted round, WAIT_REMINDER after the abort
+        and every WAIT_REMINDER after that. A member leaves at its next collective or commit;
+        one held where no abort reaches (inside NCCL's group formation, a long step of the
+        script's own, a wait of its own) holds the whole job, which would otherwise say nothing."""
+        if self._aborted_at is None:
+            yield Mark("_aborted_at", now)
+            yield Mark("_abort_reminder", now + WAIT_REMINDER)
+            return
+        if self._abort_reminder is None or now < self._abort_reminder:
+            return
+        yield Mark("_abort_reminder", now + WAIT_REMINDER)
+        still = sorted((w for w in self._live_members() if w.state is WorkerState.RUNNING), key=lambda w: w.rank)
+        if still:
+            yield Event(Kind.ABORT_PENDING, {"round": self.round, "seconds": now - self._aborted_at, "why": self.abort_reason,
+                                             "ranks": [[w.rank, w.label] for w in still[:8]],
+                                             "more": max(0, len(still) - 8)}, level="warning")
 
     def _stop_waiting(self) -> Decision:
         """Enough slots: the wait for them (and its reminders) is over."""

@@ -185,6 +185,13 @@ _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
     Kind.STATE_LOST: lambda f: (f"round {f['round']} starts without any worker that held the job's state: every "
                                 f"holder is gone. The new workers start from what the script loads (its initial "
                                 f"state or its own checkpoint); training since then is redone"),
+    Kind.ABORT_PENDING: lambda f: (f"round {f['round']} was aborted {f['seconds']:.0f} s ago"
+                                   f"{' (' + reason(f['why']) + ')' if f.get('why') is not None else ''}; still "
+                                   f"waiting for "
+                                   + ", ".join(f"rank {r} ({label})" for r, label in f["ranks"])
+                                   + (f" and {f['more']} more" if f.get("more") else "")
+                                   + " to leave it, at their next collective or commit: one stuck where no "
+                                     "abort reaches holds the job (see docs/troubleshooting.md)"),
     Kind.ROUND_FORMED: lambda f: (f"round {f['round']}: {f['size']} worker(s) on {len(f['hosts'])} host(s)"),
     Kind.DEVICE_BACKEND: lambda f: (("CUDA tensors go over NCCL" if f["backend"] == "nccl" else "CUDA tensors go over gloo")
                                     + f" in round {f['round']} ({reason(f['why'])})"),

@@ -554,6 +554,28 @@ class TestFailures:
         assert [d.worker_id for d in of(acts, Dismiss)] == ["w3"]
         assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0), ("a", 1): ("w1", 1)}
 
+    def test_members_that_do_not_leave_an_aborted_round_are_named_every_30_s(self):
+        """A member held where no abort reaches (inside NCCL's group formation, a long step of
+        its own) held the whole job without a line: the survivors' rendezvous waited for it."""
+        job = Job(np=4, min_np=1)
+        job.start({"a": 2, "b": 2})
+        job.exit("w2", 1, at=1)
+        job.rdv("w1", at=2)
+        assert job.reg.next_deadline() == pytest.approx(31.0)
+        assert not events(job.tick(30), "abort_pending")
+        acts = job.tick(31)
+        assert [text(e) for e in events(acts, "abort_pending")] == [
+            "round 0 was aborted 30 s ago (b[0] exited with code 1); still waiting for rank 0 (a[0]), rank 3 (b[1]) "
+            "to leave it, at their next collective or commit: one stuck where no abort reaches holds the job (see "
+            "docs/troubleshooting.md)"]
+        assert not events(job.tick(40), "abort_pending")
+        job.rdv("w3", at=50)
+        [again] = events(job.tick(61), "abort_pending")
+        assert again.fields["ranks"] == [[0, "a[0]"]] and again.fields["seconds"] == pytest.approx(60)
+        acts = job.rdv("w0", at=62)
+        assert of(acts, Assign) and not job.reg.aborted
+        assert not events(job.tick(200), "abort_pending") and job.reg.next_deadline() is None
+
     def test_survivor_on_blacklisted_host_that_exits_does_not_block(self):
         job = Job(np=2, min_np=1)
         job.start({"a": 1, "b": 2})
