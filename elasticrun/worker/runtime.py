@@ -150,6 +150,10 @@ def _seconds(name: str, default: float) -> float:
     return float(os.environ.get(name, default))
 
 
+#: A NCCL formation still under way this long after its round was aborted is stuck (a peer was
+#: lost while it formed; NCCL's blocking init cannot be aborted): the worker says so.
+FORMATION_STUCK_AFTER = 30.0
+
 #: A NCCL formation that fails the same way this many rounds in a row, never aborted, ends
 #: the worker (DeviceGroupError) instead of resetting the job forever.
 FORMATION_ATTEMPTS = 3
@@ -207,6 +211,7 @@ class Runtime:
         self.active_state: Any = None  # the state elastic.run is training (its commit count)
         self.device: Any = None  # this rank's GPU, once a NCCL group was formed on it (it never changes)
         self.formation_failures: list[str] = []  # the last NCCL formations that failed, none aborted
+        self._forming: int | None = None  # the round whose NCCL group this worker is forming now
         self._gpus: list[str] | None = None  # GPUs NCCL could use here (asked once, at the first rendezvous)
         self._durable: HandOff | None = None  # with --checkpoint-dir: this rank's part in durable copies
         self._keys: Any = None
@@ -414,6 +419,20 @@ class Runtime:
         if r.number == round_:
             for pg in list(r.device_groups.values()):
                 devices.abort_soon(pg, f"round {round_} aborted")
+        if self._forming == round_:
+            timer = threading.Timer(FORMATION_STUCK_AFTER, self._formation_stuck, (round_, reason))
+            timer.daemon = True
+            timer.start()
+
+    def _formation_stuck(self, round_: int, reason: str) -> None:
+        """Said when this worker is still inside NCCL's formation of an aborted round: the
+        driver can only say that this rank has not left it; this says why, and what to do."""
+        if self._forming == round_:
+            log.warning("%s[%s]: rank %d is still inside NCCL's group formation of round %d, aborted %.0f s ago "
+                        "(%s): a peer was lost while the group formed, and NCCL cannot abort a formation once "
+                        "begun, so this worker cannot leave the round. Kill it (pid %d) to let the job go on "
+                        "without it (its host counts as failed)", self.hostname, self.slot, self._round.rank,
+                        round_, FORMATION_STUCK_AFTER, reason, os.getpid())
 
     def _form_device_group(self, r: Round, members: tuple[int, ...], device: Any) -> Any:
         """The NCCL group of ``members`` (() for all of round ``r``) on ``device``, formed on the
@@ -427,7 +446,9 @@ class Runtime:
             raise ValueError(f"a CUDA tensor on {device}, but this rank's NCCL groups are on {self.device} (one GPU "
                              f"per worker: move the model to {self.device}, or call torch.cuda.set_device before "
                              f"hvd.init())")
+        self._forming = r.number  # (before the check: an abort from now on sees it)
         if r.abort_reason():  # NCCL's init cannot be aborted once begun: none for a dead round
+            self._forming = None
             raise HorovodInternalError(f"round {r.number} was aborted: {r.abort_reason()}")
         ranks = members or tuple(range(r.size))
         store = dist.PrefixStore("elasticrun/nccl/" + (",".join(map(str, members)) if members else "all"), r.store)
@@ -437,6 +458,7 @@ class Runtime:
             r.device_groups[members] = pg
             devices.connect(pg, device)
         except Exception as exc:
+            self._forming = None
             r.device_groups.pop(members, None)
             if "pg" in locals():
                 devices.abort_soon(pg, "its formation failed")
@@ -450,6 +472,7 @@ class Runtime:
                     f"CUDA_VISIBLE_DEVICES in the script") from exc
             raise HorovodInternalError(f"could not form the NCCL group of round {r.number} on {device}"
                                        f"{f' (the round was aborted: {reason})' if reason else ''}: {exc}") from exc
+        self._forming = None
         self.formation_failures.clear()
         if r.abort_reason():  # aborted while it connected: the control thread may have missed it
             devices.abort_soon(pg, "its round was aborted")

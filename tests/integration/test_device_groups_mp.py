@@ -174,6 +174,61 @@ def test_an_aborted_round_gives_up_its_device_collective_and_aborts_the_group(tm
     assert out["aborted"] == ["round 1 aborted"], out
 
 
+def stuck_formation_world(rank: int, size: int, workdir: Path) -> dict[str, Any]:
+    """Rank 0's formation hangs as NCCL's blocking init does when a peer was lost during it;
+    the driver's abort comes: the worker says, once the formation has outlived the abort by
+    FORMATION_STUCK_AFTER, that it cannot leave the round and what to do. (Here the formation
+    is let go after that, and gives up as an aborted one.)"""
+    import logging
+
+    import elasticrun.torch as hvd
+    from elasticrun.worker import devices, runtime
+
+    _stand_in()
+    _nccl_round()
+    rt = runtime.get()
+    runtime.FORMATION_STUCK_AFTER = 0.5
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("elasticrun.worker").addHandler(handler)
+    release = threading.Event()
+    out: dict[str, Any] = {}
+    if rank == 0:
+        devices.connect = lambda pg, device: release.wait(30)
+    threading.Timer(0.3, rt._abort, (rt.round, "injected: a peer died")).start()
+    started = time.monotonic()
+    if rank == 0:
+        def watch() -> None:
+            while not any("still inside NCCL's group formation" in line for line in lines):
+                if time.monotonic() - started > 20:
+                    break
+                time.sleep(0.05)
+            out["said_after"] = time.monotonic() - started
+            release.set()
+
+        threading.Thread(target=watch, daemon=True).start()
+    try:
+        hvd.allreduce(torch.ones(2, dtype=torch.float64), name="stuck")
+    except hvd.HorovodInternalError as exc:
+        out["error"] = str(exc)
+    out["lines"] = [line for line in lines if "NCCL" in line]
+    return out
+
+
+def test_a_formation_stuck_in_an_aborted_round_says_so_and_what_to_do(tmp_path: Path) -> None:
+    """A peer lost while NCCL's group formed hangs the others' formation (NCCL cannot abort a
+    blocking init): the rank said nothing, and the driver only waited for it."""
+    outs = gloo_world.run_world(HERE, "stuck_formation_world", 2, tmp_path, timeout=120, collective_timeout=20)
+    stuck, other = outs
+    assert "round 1 was aborted: injected: a peer died" in stuck["error"], stuck
+    assert 0.7 < stuck["said_after"] < 5, stuck
+    [line] = stuck["lines"]
+    assert "rank 0 is still inside NCCL's group formation of round 1" in line, line
+    assert "Kill it (pid" in line and "injected: a peer died" in line, line
+    assert "round 1 was aborted" in other["error"] and other["lines"] == [], other
+
+
 def duplicate_gpu_world(rank: int, size: int, workdir: Path) -> dict[str, Any]:
     """Every formation fails as NCCL fails for two ranks on one GPU (ranks in the message
     differ from round to round); one success in between starts the count anew."""

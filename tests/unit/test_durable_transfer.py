@@ -225,7 +225,7 @@ def small_disk(tmp_path):
                       capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here")
     yield mnt
-    subprocess.run(["umount", str(mnt)], check=False)
+    assert subprocess.run(["umount", str(mnt)], capture_output=True).returncode == 0, "the test left the disk busy"
 
 
 def _copies(mnt, lineage: str, commits: range) -> tuple[list, list[str]]:
@@ -268,7 +268,11 @@ def test_a_disk_with_room_for_two_copies_still_gets_new_ones(small_disk):
     assert [d.manifest.commit for d in written] == [1, 2, 4, 5], warned
     assert len(warned) == 1 and "No space left on device" in warned[0] and "from now on" in warned[0], warned
     assert "earlier run" not in warned[0]
-    assert ck.CheckpointDir.open(str(small_disk)).scan().newest.manifest.commit == 5
+    cdir = ck.CheckpointDir.open(str(small_disk))
+    try:
+        assert cdir.scan().newest.manifest.commit == 5
+    finally:
+        cdir.close()  # (the disk is unmounted after the test)
     assert len([p for p in small_disk.iterdir() if p.name.startswith("ckpt-")]) == 2  # the newest two: 4 and 5
 
 
