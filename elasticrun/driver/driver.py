@@ -1067,6 +1067,11 @@ class ElasticDriver:
         if finished.ok:
             # Stragglers (dismissed workers still exiting) get the grace period, then are stopped.
             self._wait_for_exits(self.settings.stop_grace)
+        elif self.registry.plain:
+            # The others were stopped as the first failure ended the job: one that failed on its
+            # own at the same moment is named with it (the registry updates the job's reason).
+            self._wait_for_exits(min(1.0, self.settings.stop_grace))
+            finished = self.registry.finished or finished
         self._shutdown()
         elapsed = time.monotonic() - self._started
         self._summarize()
@@ -1088,7 +1093,7 @@ class ElasticDriver:
             self._limited.flush(force=True)
             r = self.registry
             if r.plain:  # no rounds, resets or blacklisting: processes, as horovodrun runs them
-                failed = sum(1 for w in r.workers.values() if w.exited and w.exit_code != 0)
+                failed = sum(1 for w in r.workers.values() if w.state is reg.WorkerState.FAILED)
                 log.info("summary: %d process(es) that never called hvd.init(), %d failed", len(r.workers), failed)
             else:
                 blocked = r.hosts.blocked()

@@ -90,6 +90,8 @@ class WorkerState(enum.Enum):
 #: Exit codes of a worker that SIGTERM ended: killed by it, or exited 128 + 15 (a shell's way of
 #: saying so; a worker stopping at --sigterm-grace or a second SIGTERM exits so itself).
 SIGTERM_EXITS = frozenset({-signal.SIGTERM, 128 + signal.SIGTERM})
+#: How a process the driver stopped exits (SIGTERM, or SIGKILL after the grace; a shell's 128+N).
+STOP_EXITS = SIGTERM_EXITS | {-signal.SIGKILL, 128 + signal.SIGKILL}
 
 #: How a worker's report names the error a collective raises when a peer fails (the worker's
 #: exception class: the driver does not import the worker's modules).
@@ -562,6 +564,18 @@ class Registry:
             # the host's problem, handled as a failed start.)
             self.plain = True
             self._rescan()
+        if self.plain and self.finished is not None and not self.finished.ok and code != 0:
+            # Stopped after another's failure ended the job: by that stop's signal, or by a
+            # failure of its own that came at the same time (then the job's reason names both).
+            if code in STOP_EXITS:
+                self._apply(Move(w.id, WorkerState.LEFT, Reason(Cause.PEER_FAILED)))
+                return
+            self._apply(Move(w.id, WorkerState.FAILED, Reason(Cause.EXITED, {"code": code, "detail": detail})))
+            self._outbox.append(Event(Kind.WORKER_FAILED, {"host": w.host, "label": w.label, "rank": w.rank,
+                                                           "why": w.why}))
+            failed = [o for o in self.workers.values() if o.state is WorkerState.FAILED]
+            self.finished = Finish(False, Reason(Cause.PROCESSES_FAILED, {"failed": self._failures(failed)}))
+            return
         if self.plain:
             self._apply(Move(w.id, WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED,
                              Reason(Cause.EXITED, {"code": code, "detail": detail})))

@@ -43,6 +43,17 @@ def test_a_plain_command_that_fails_early_stops_the_others_at_once(job):
     assert time.monotonic() - started < 30 and "done" not in r.stdout, r.output
     assert "rank 1 (localhost[1]) exited with code 3." in r.stderr, r.stderr
     assert "blacklisted" not in r.stderr and "all workers failed" not in r.stderr, r.stderr
+    assert "never called hvd.init(), 1 failed" in r.stderr, r.stderr  # the others were stopped
+
+
+def test_a_plain_command_whose_ranks_fail_at_once_names_each(job):
+    """Both ranks fail at the same moment: the first exit ended the job, the second came while
+    the others were being stopped, and the console named one and counted "1 failed"."""
+    r = job.run(["-np", "2", "-H", "localhost:2"], ["bash", "-c", "sleep 0.5; exit 3"])
+    assert r.returncode == 1, r.output
+    assert elasticrun_lines(r.stderr)[-1].endswith(
+        ": rank 0 (localhost[0]) exited with code 3; rank 1 (localhost[1]) exited with code 3."), r.stderr
+    assert "summary: 2 process(es) that never called hvd.init(), 2 failed" in r.stderr, r.stderr
 
 
 def test_a_plain_command_may_outlive_the_start_timeout(job):

@@ -2119,6 +2119,19 @@ class TestPlainCommands:
         assert not finish.ok and why(finish) == "rank 1 (a[1]) exited with code 3"
         assert not events(acts, "host_blacklisted")
 
+    def test_a_failure_of_its_own_as_the_job_ends_is_named_and_a_stopped_process_is_not(self):
+        job = Job(np=3, max_np=3, start_timeout=30, fixed_hosts=True)  # -np 3 -H a:3
+        w0, w1, w2 = self.launch(job, {"a": 3})
+        acts = job.exit(w1, 3, at=1)
+        assert {k.worker_id for k in of(acts, Kill)} == {w0, w2}
+        assert why(of(acts, Finish)[0]) == "rank 1 (a[1]) exited with code 3"
+        acts = job.exit(w0, 3, at=1.01)  # its own failure, at the same moment
+        assert [text(e) for e in events(acts, "worker_failed")] == ["a[0] (rank 0) exited with code 3"]
+        assert why(job.reg.finished) == "rank 0 (a[0]) exited with code 3; rank 1 (a[1]) exited with code 3"
+        job.exit(w2, -15, at=1.02)  # the stop's SIGTERM
+        assert job.state(w2) is WorkerState.LEFT and job.state(w0) is WorkerState.FAILED
+        assert why(job.reg.finished).count("exited with code") == 2
+
     @pytest.mark.parametrize("fixed,min_np,max_np,plain", [
         (True, None, 2, True),  # -np 2 -H a:1,b:1: a job that cannot change size
         (True, 1, 2, False),  # --min-np: elastic, the host is blacklisted and the job goes on
