@@ -597,8 +597,20 @@ class GradScalerStateHandler(StateHandler):
             kept[0].copy_(live[0])
             kept[1].copy_(live[1])
 
+    @staticmethod
+    def _ready(scaler: Any) -> None:
+        """Forget where the scaler was within a step (``unscale_()`` called, an inf found):
+        a commit is taken between steps, so a rollback to it must find every optimizer ready,
+        or the step tried again fails with "unscale_() has already been called on this
+        optimizer since the last update()". The dict is torch's defaultdict, emptied in place
+        as ``update()`` renews it."""
+        states = getattr(scaler, "_per_optimizer_states", None)
+        if isinstance(states, dict):
+            states.clear()
+
     def restore(self) -> None:
         scaler = self.value
+        self._ready(scaler)
         if not self._direct() or "_enabled" not in self._saved:
             if self._saved:  # a disabled scaler's is empty (and loading it is then a no-op)
                 scaler.load_state_dict(dict(self._saved))
@@ -621,6 +633,7 @@ class GradScalerStateHandler(StateHandler):
 
     def sync(self, root: int) -> None:
         theirs = collectives.broadcast_object(self.value.state_dict(), root, "grad_scaler", trusted=True)
+        self._ready(self.value)
         if theirs:
             self.value.load_state_dict(theirs)
 

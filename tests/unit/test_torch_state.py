@@ -520,6 +520,30 @@ def test_a_grad_scalers_commit_does_not_wait_for_the_device(monkeypatch: pytest.
     assert scaler.get_scale() == 32.0 and scaler._get_growth_tracker() == 2 and scaler._growth_factor == 2.0
 
 
+@pytest.mark.parametrize("then", ["restore", "sync"])
+def test_a_rollback_between_unscale_and_update_finds_the_scaler_ready(then: str) -> None:
+    """A peer lost between ``scaler.unscale_(opt)`` and ``scaler.update()`` (a collective there:
+    Adasum's inside ``step()``, a global norm's allreduce): the step tried again after the
+    restore failed with "unscale_() has already been called", on every rank, and the job died."""
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = torch.amp.GradScaler("cpu")
+    state = TorchState(model, opt, scaler=scaler)
+
+    def step_until_unscaled() -> None:
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(6, 4)).sum()).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+
+    step_until_unscaled()
+    getattr(state, then)()  # what elastic.run does after the error
+    step_until_unscaled()  # (raised RuntimeError here)
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+
+
 # --------------------------------------------------------------------------- DistributedOptimizer, world of one
 
 
