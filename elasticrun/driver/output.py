@@ -21,6 +21,7 @@ from typing import IO, Callable, Protocol
 from elasticrun.common.diagnostics import DiagnosticFile
 from elasticrun.common.lines import lines
 from elasticrun.common.ratelimit import LimitedLog
+from elasticrun.driver import console
 
 log = logging.getLogger("elasticrun")
 
@@ -48,13 +49,18 @@ class OutputSink:
     def write(self, worker_id: str, stream: str, line: str) -> None:
         rank = self._rank_of(worker_id)
         text = line if line.endswith("\n") else line + "\n"
+        queue = console.current()
+        if queue is not None:  # the driver's console thread: in order with the driver's own lines
+            if not queue.gone(stream):
+                stamp = time.asctime() if self._timestamps else ""
+                queue.write(stream, f"{stamp}[{rank}]<{stream}>:{text}", wait=True)
         with self._lock:
-            if stream not in self._console_gone:
-                console = self._console[stream]
+            if queue is None and stream not in self._console_gone:
+                out = self._console[stream]
                 stamp = time.asctime() if self._timestamps else ""
                 try:
-                    console.write(f"{stamp}[{rank}]<{stream}>:{text}")
-                    console.flush()
+                    out.write(f"{stamp}[{rank}]<{stream}>:{text}")
+                    out.flush()
                 except (OSError, ValueError):  # closed by whoever reads it: the files still get it
                     self._console_gone.add(stream)
             if self._dir is not None and rank >= 0:

@@ -363,15 +363,26 @@ def main(argv: list[str] | None = None) -> int:
     if check.wants_check(argv):
         return check.main(argv)
     settings = parse_settings(argv)
-    logging.basicConfig(level=settings.log_level, format="[elasticrun] %(message)s", stream=sys.stderr)
+    from elasticrun.driver import console
     from elasticrun.driver.compose import job_parts
     from elasticrun.driver.driver import ElasticDriver
 
+    # Every line through one writer thread: a console nobody reads must not stop the driver's loop.
+    out = console.Console({"stdout": sys.stdout, "stderr": sys.stderr})
+    handler = console.ConsoleHandler(out)
+    handler.setFormatter(logging.Formatter("[elasticrun] %(message)s"))
+    logging.basicConfig(level=settings.log_level, handlers=[handler])
+    console.install(out)
     try:
         with contextlib.ExitStack() as stack:
             source, launcher = job_parts(settings, stack)
             return ElasticDriver(settings, source, launcher).run()
     except JobFailed as exc:
+        out.close()
         if sys.stderr is not None:  # started with stderr closed: nobody to tell
             sys.stderr.write(f"elasticrun: {exc}\n")
         return exc.exit_code
+    finally:
+        out.close()
+        console.install(None)
+        logging.getLogger().removeHandler(handler)
