@@ -265,16 +265,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._dist_clear(discard=True)
         if self._dist_op == Adasum:  # reduces the deltas of a local step at step(): no hooks
             self._dist_buckets, self._dist_slots = [], {}
+            self._dist_trained, self._dist_frozen = (), ()
             return
         params: list[torch.Tensor] = []
         seen: set[torch.Tensor] = set(self._dist_sparse)
         hooked: list[torch.Tensor] = list(self._dist_sparse)
+        frozen: dict[torch.Tensor, None] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad and p not in seen:
                     seen.add(p)
                     params.append(p)
                     hooked.append(p)
+                elif not p.requires_grad:
+                    frozen[p] = None
+        # What requires_grad was when the buckets were made: a script that unfreezes a
+        # backbone mid-run (p.requires_grad_(True)) or freezes a layer changes it, and the
+        # buckets are made again after that step's synchronize (see _dist_trainable_changed).
+        self._dist_trained, self._dist_frozen = tuple(params), tuple(frozen)
         order = list(reversed(params))  # gradients of the last layers are ready first
         layout = assign_buckets([((p.dtype, p.device), p.numel() * p.element_size()) for p in order],
                                 self._dist_bucket_cap, _FIRST_BUCKET_BYTES)
@@ -527,7 +535,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if r.step_done is not None:
             r.step_done(time.perf_counter() - started)  # the wait tells a straggler apart
 
+    def _dist_trainable_changed(self) -> bool:
+        """Whether a parameter was unfrozen or frozen since the buckets were made. Unfrozen, its
+        gradient had no bucket and no hook: each rank stepped with its own, and the replicas
+        drifted apart silently. Frozen, its bucket gave it a zero gradient that momentum or
+        weight decay still applied. (A look at each parameter's flag per step: microseconds.)"""
+        return any(p.requires_grad for p in self._dist_frozen) or any(not p.requires_grad for p in self._dist_trained)
+
     def _dist_synchronize(self) -> None:
+        changed = self._dist_op != Adasum and self._dist_trainable_changed()
         try:
             r = self._dist_begin()
             while self._dist_next < len(self._dist_buckets):
@@ -536,14 +552,39 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for b in self._dist_buckets:
                 self._dist_finish(b, r)
             self._dist_finish_sparse(r)
+            if changed:
+                self._dist_reduce_changed(r)
         except BaseException:
             self._dist_clear(discard=True)
             raise
         self._dist_clear(discard=False)
-        if self._dist_sparse_found:  # every rank found it in this same step: the same new buckets
+        if self._dist_sparse_found or changed:  # every rank found it in this same step: the same new buckets
             self._dist_sparse_found = False
             self._dist_build()
         self._synchronized = True
+
+    def _dist_reduce_changed(self, r: Round) -> None:
+        """This step's gradients of parameters unfrozen since the buckets were made, reduced
+        as a bucket would (in buckets of their own, which the ranks agree on first: a rank that
+        did not unfreeze them fails with CollectiveMismatch rather than hang); parameters frozen
+        since get no gradient (the buckets gave them zeros)."""
+        for p in self._dist_trained:
+            if not p.requires_grad:
+                p.grad = None
+        new = [p for p in self._dist_frozen
+               if p.requires_grad and p not in self._dist_slots and p not in self._dist_sparse]
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for p in new:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        for (dtype, device), ps in groups.items():
+            b = _Bucket(-1, f"gradients of {len(ps)} parameter(s) unfrozen at this step", dtype, device)
+            for p in ps:
+                b.add(p)
+            if r.size > 1 and self._dist_member(r):
+                collectives.agree(r, {"collective": "DistributedOptimizer, parameters unfrozen", "numel": b.numel,
+                                      "dtype": str(dtype)}, "DistributedOptimizer", self._dist_ps)
+            self._dist_launch(b, r)
+            self._dist_finish(b, r)
 
     def _dist_finish_sparse(self, r: Round) -> None:
         """The sparse reductions: started here for every sparse parameter, in one order on

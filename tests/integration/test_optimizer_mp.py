@@ -283,6 +283,35 @@ def main_world(rank: int, size: int, workdir: Path) -> dict[str, Any]:
         state.save()  # no collective in these handlers' merge: a commit of rank 1 only
     state.sync()
     out["sync_root"] = {"roots": roots, "box": state.box.v, "note": state.note, "params": params(model)}
+
+    # Fine-tuning: the first layer frozen at the start, unfrozen at step 2 (and the last
+    # layer frozen at step 3, with momentum): every trained gradient is the ranks' average.
+    model = make_model()
+    first, last = model[0], model[2]
+    for p in first.parameters():
+        p.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
+                                   named_parameters=model.named_parameters())
+    tune: dict[str, Any] = {"local": [], "reduced": [], "last_before": None}
+    for step in range(5):
+        if step == 2:
+            for p in first.parameters():
+                p.requires_grad_(True)
+        if step == 3:
+            for p in last.parameters():
+                p.requires_grad_(False)
+            tune["last_before"] = params(last)
+        x, y = data(70 + step)
+        xs, ys = shard(x, rank, size), shard(y, rank, size)
+        opt.zero_grad()
+        trained = [p for p in model.parameters() if p.requires_grad]
+        tune["local"].append([g.detach().clone() for g in torch.autograd.grad(loss_fn(model, xs, ys), trained)])
+        loss_fn(model, xs, ys).backward()
+        opt.step()
+        tune["reduced"].append([p.grad.detach().clone() for p in trained])
+    tune["params"] = params(model)
+    tune["last_after"] = params(last)
+    out["unfreeze"] = tune
     hvd.barrier()
     return out
 
@@ -415,6 +444,20 @@ def test_unused_parameter_keeps_ranks_in_step(main: list[dict[str, Any]]) -> Non
     expected = mean([[t if t is not None else z for t, z in zip(r["local"], zero)] for r in res])
     for r in res:
         assert close(r["reduced"], expected, atol=1e-6)
+
+
+def test_parameters_unfrozen_or_frozen_mid_run_are_reduced_as_the_others(main: list[dict[str, Any]]) -> None:
+    """A backbone unfrozen at step k (``requires_grad_(True)``) had no bucket and no hook: each
+    rank stepped with its own gradient, and the replicas drifted apart with no word. A layer
+    frozen later got a zero gradient, which momentum and weight decay still applied."""
+    res = [r["unfreeze"] for r in main]
+    for step in range(5):
+        expected = mean([r["local"][step] for r in res])
+        for r in res:
+            assert close(r["reduced"][step], expected, atol=1e-6), step
+    assert close(res[0]["params"], res[1]["params"], atol=0)  # the same replica on both ranks
+    for r in res:
+        assert close(r["last_after"], r["last_before"], atol=0)  # frozen: not moved by momentum or decay
 
 
 def test_reusable_after_error_mid_backward_and_reset(main: list[dict[str, Any]]) -> None:
