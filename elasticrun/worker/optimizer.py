@@ -265,7 +265,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._dist_clear(discard=True)
         if self._dist_op == Adasum:  # reduces the deltas of a local step at step(): no hooks
             self._dist_buckets, self._dist_slots = [], {}
-            self._dist_trained, self._dist_frozen = (), ()
+            self._dist_trained: tuple[torch.Tensor, ...] = ()
+            self._dist_frozen: tuple[torch.Tensor, ...] = ()
             return
         params: list[torch.Tensor] = []
         seen: set[torch.Tensor] = set(self._dist_sparse)
