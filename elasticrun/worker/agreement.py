@@ -43,7 +43,7 @@ def message(signatures: Sequence[Mapping[str, Any] | None], ranks: Sequence[int]
     given = [(r, s) for r, s in zip(ranks, signatures) if s is not None]
     kinds = {s.get("collective") for _, s in given}
     what = str(kinds.pop()) if len(kinds) == 1 else "a collective"
-    keys = sorted({k for _, s in given for k in s})
+    keys = sorted({k for _, s in given for k in s} - {"hint"})
     parts = []
     for key in keys:
         values = [s.get(key) for _, s in given]
@@ -54,9 +54,11 @@ def message(signatures: Sequence[Mapping[str, Any] | None], ranks: Sequence[int]
             shown = "; ".join(f"{_ranks(rs)}: {v}" for v, rs in groups.items())
             parts.append(f"{key} ({shown})")
     detail = ", ".join(parts) if parts else "their arguments (the digests differ)"
+    # A signature may carry advice for the case it is typically mismatched in (said in full).
+    hints = sorted({str(s["hint"]) for _, s in given if s.get("hint")})
     return (f"{what}: the ranks called it with different arguments, so it did not run: {detail}. Every rank must "
             f"call the same collectives, in the same order, with the same dtype, shape (or split count), root "
-            f"and process set")
+            f"and process set" + "".join(f". {h}" for h in hints))
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Iterable, TypeVar
 
 from elasticrun.common.events import Kind
-from elasticrun.worker import collectives, durable, join, runtime, trace
+from elasticrun.worker import collectives, durable, join, rounds, runtime, trace
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError, HostsUpdatedInterrupt
 
 log = logging.getLogger("elasticrun.worker")
@@ -190,6 +190,7 @@ class ObjectState(State):
             setattr(self, name, value)
 
     def sync(self) -> None:
+        agree_to_sync()
         live, seq = self._bcast_object((self._live(), self.commit_seq))
         for name, value in live.items():
             setattr(self, name, value)
@@ -267,6 +268,22 @@ def _restore_durable(state: State, rt: Any) -> None:
     rt.report_restored(commit, steps)
     log.warning("rank 0: restored the durable copy of commit %d (%d steps, %.1f MB) in %.2f s", commit, steps,
                 (len(meta) + len(data)) / 1e6, time.monotonic() - loaded)
+
+
+#: What the ranks agree on before a reset's sync (see worker/agreement.py): a rank elsewhere
+#: names its own collective, and every rank raises CollectiveMismatch with both.
+SYNC_SIGNATURE = {"collective": "hvd.elastic.run's state sync",
+                  "hint": "In an elastic script the state's sync replaces broadcast_parameters, "
+                          "broadcast_optimizer_state and broadcast_object of the state: remove those calls"}
+
+
+def agree_to_sync() -> None:
+    """Collective, at the start of a state's sync (after a newcomer's fetch, which must come
+    before it joins): every rank is at its sync. One tiny allgather per reset. A newcomer in a
+    collective of its own instead (a ported script's broadcast_parameters before the elastic
+    function) made the ranks wait on each other until --collective-timeout, and then its
+    healthy host was blacklisted."""
+    collectives.agree(rounds.current(), SYNC_SIGNATURE, "hvd.elastic.run's state sync")
 
 
 def _run(func: Callable[..., Any], state: State, rt: Any, args: Any, kwargs: Any) -> Any:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed
 
-from elasticrun.worker import collectives, durable, join, prefetch, rounds
+from elasticrun.worker import collectives, durable, elastic, join, prefetch, rounds
 from elasticrun.worker.broadcast import load_keeping_groups
 from elasticrun.worker.copier import DeviceCopy
 from elasticrun.worker.elastic import ObjectState
@@ -298,6 +298,7 @@ class TorchState(ObjectState):
     def sync(self) -> None:
         self.wait_for_commit()
         self.fetch_before_joining()
+        elastic.agree_to_sync()
         fetched = self.__dict__.pop("_fetched", None)
         held = self._commit_seq
         tensors = {name: h for name, h in self._handlers.items()

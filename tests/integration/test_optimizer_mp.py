@@ -316,6 +316,36 @@ def main_world(rank: int, size: int, workdir: Path) -> dict[str, Any]:
     return out
 
 
+def ported_broadcast_world(rank: int, size: int, workdir: Path) -> dict[str, Any]:
+    """Rank 1 is a newcomer whose ported script kept Horovod's broadcast_parameters before the
+    elastic function; rank 0 is at the reset's sync."""
+    import elasticrun.torch as hvd
+
+    model = make_model()
+    state = hvd.elastic.TorchState(model, epoch=0)
+
+    @hvd.elastic.run
+    def train(state: Any) -> None:
+        pass
+
+    try:
+        if rank == 1:
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        train(state)
+    except hvd.CollectiveMismatch as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def test_a_newcomer_in_its_own_broadcast_while_the_others_sync_is_told_so(tmp_path: Path) -> None:
+    """The ranks waited on each other until --collective-timeout (1800 s), then the newcomer's
+    healthy host was blacklisted; now every rank raises at once, naming both calls."""
+    for res in gloo_world.run_world(HERE, "ported_broadcast_world", 2, tmp_path, timeout=60, collective_timeout=30):
+        assert res["error"] is not None, res
+        assert "hvd.elastic.run's state sync" in res["error"] and "broadcast_parameters" in res["error"], res
+        assert "remove those calls" in res["error"], res
+
+
 def shrink_world(rank: int, size: int, workdir: Path) -> dict[str, Any]:
     """Rank 1 leaves after one step; rank 0 sees the error, resets to a world of one and
     keeps training with the same optimizer object."""
