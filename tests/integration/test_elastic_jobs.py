@@ -231,7 +231,7 @@ def test_signal_stops_every_worker(job, sig):
 
 @pytest.mark.parametrize("inside", [
     "elasticrun.driver.driver:ElasticDriver._on_heartbeat",  # a request's handler (any error there is logged)
-    "logging:StreamHandler.flush",  # a console line's write (logging reports its errors and goes on)
+    "elasticrun.driver.console:ConsoleHandler.emit",  # a console line (logging reports its errors and goes on)
     "elasticrun.driver.registry:Registry.decide",  # a decision, between reading the events and acting on them
 ])
 def test_one_sigterm_stops_the_job_wherever_it_lands(job, inside):
