@@ -375,6 +375,13 @@ def load_keeping_groups(optimizer: torch.optim.Optimizer, state_dict: dict[str, 
     rate in dicts the optimizer no longer used, on every rank but the root (Horovod's
     broadcast writes options and state in place, so scripts count on it)."""
     groups, state = optimizer.param_groups, optimizer.state
+    theirs = len(state_dict.get("param_groups", ()))
+    if theirs != len(groups):
+        raise ValueError(
+            f"the optimizer has {len(groups)} param group(s) here and {theirs} on the rank it is synced from: a group "
+            f"added with add_param_group() after the job started is not in a new worker's optimizer, which is made "
+            f"from the script's start. Make every group when the optimizer is made (one that should not train yet with "
+            f"lr 0, set to its value later)")
     kept = list(groups)
     optimizer.load_state_dict(state_dict)
     for mine, loaded in zip(kept, optimizer.param_groups):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import operator
 import threading
 import time
@@ -30,6 +31,8 @@ from elasticrun.worker.copier import CopyPlan, DeviceCopy, Watch, WatchedPlan, c
 from elasticrun.worker.optimizer import abandon_step
 from elasticrun.worker.process_sets import ProcessSet, global_process_set
 from elasticrun.worker.sampler import ElasticSampler
+
+log = logging.getLogger("elasticrun.worker")
 
 __all__ = ["StateHandler", "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler",
            "LRSchedulerStateHandler", "HandlerFactory", "register_handler", "get_handler_factory", "sync_handler"]
@@ -499,6 +502,7 @@ class OptimizerStateHandler(StateHandler):
         self._restored, self._at_commit = {}, False
         opt = self.value
         abandon_step(opt)  # a step in progress belongs to the failed round
+        self._restore_groups(opt)
         for group, saved in zip(opt.param_groups, self._groups):
             group.update(copy.deepcopy(saved))
         dsts: list[torch.Tensor] = []
@@ -532,6 +536,29 @@ class OptimizerStateHandler(StateHandler):
         # Every state tensor was copied in place (one replaced by a new tensor is not in
         # _restored, so holds_commit() says no).
         self._at_commit = True
+
+    def _restore_groups(self, opt: torch.optim.Optimizer) -> None:
+        """Param groups added since the commit (``add_param_group``) are removed with their
+        state: the script's own record that it added them (an attribute of the state) rolls
+        back too, so it adds them again; kept, they made that second add fail on every rank
+        ("some parameters appear in more than one parameter group")."""
+        n = len(self._groups)
+        if len(opt.param_groups) < n:
+            raise ValueError(f"the optimizer has {len(opt.param_groups)} param group(s), {n} at its last commit: a "
+                             f"group removed since cannot be restored; keep every group and set its lr to 0 instead")
+        if len(opt.param_groups) == n:
+            return
+        kept = {id(p) for g in opt.param_groups[:n] for p in g["params"]}
+        for g in opt.param_groups[n:]:
+            for p in g["params"]:
+                if id(p) not in kept:
+                    opt.state.pop(p, None)
+        log.info("restore: %d param group(s) added to the optimizer since the last commit were removed with it",
+                 len(opt.param_groups) - n)
+        del opt.param_groups[n:]
+        rebuild = getattr(opt, "_dist_build", None)
+        if rebuild is not None:  # a DistributedOptimizer's buckets cover the groups it has
+            rebuild()
 
     def sync(self, root: int, receivers: ProcessSet | None = global_process_set) -> None:
         """``receivers``: the ranks the state's tensors go to (see ModelStateHandler.sync)."""

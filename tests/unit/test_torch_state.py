@@ -544,6 +544,45 @@ def test_a_rollback_between_unscale_and_update_finds_the_scaler_ready(then: str)
     scaler.update()
 
 
+def test_a_param_group_added_since_the_commit_goes_with_the_rollback() -> None:
+    """The script records that it added a group (an attribute of the state): the restore rolled
+    that back but kept the group, so the script added it again and every rank failed with
+    "some parameters appear in more than one parameter group"."""
+    model = make_model()
+    extra = nn.Linear(2, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    state = TorchState(model, opt, added=False)
+    train_step(model, opt, 1)
+    state.commit()
+
+    def add() -> None:
+        opt.add_param_group({"params": extra.parameters(), "lr": 0.1})
+        state.added = True
+
+    add()
+    (model(torch.randn(6, 4)).sum() + extra(torch.randn(3, 2)).sum()).backward()
+    opt.step()
+    state.restore()
+    assert not state.added and len(opt.param_groups) == 1
+    assert all(p not in opt.state for p in extra.parameters())
+    add()  # (raised ValueError here)
+    (model(torch.randn(6, 4)).sum() + extra(torch.randn(3, 2)).sum()).backward()
+    opt.step()
+    state.commit()
+    assert len(opt.param_groups) == 2
+
+
+def test_a_newcomer_without_a_group_added_mid_run_is_told_what_to_do() -> None:
+    from elasticrun.worker.broadcast import load_keeping_groups
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    theirs = torch.optim.SGD(model.parameters(), lr=0.1)
+    theirs.add_param_group({"params": nn.Linear(2, 2).parameters()})
+    with pytest.raises(ValueError, match=r"1 param group\(s\) here and 2 on the rank it is synced from.*lr 0"):
+        load_keeping_groups(opt, theirs.state_dict())
+
+
 # --------------------------------------------------------------------------- DistributedOptimizer, world of one
 
 
