@@ -178,7 +178,8 @@ def test_launch_failures_name_the_host_and_the_cause(sshd_clean, caplog):
         "refused_key": ("nobody@127.0.0.2", {}, f"nobody@127.0.0.2:{server.port} refused our key"),
         "other_key": ("127.0.0.4", {"identity_file": str(server.other_key)}, "refused our key"),
         "bad_cwd": ("127.0.0.3", {"remote_cwd": "/nonexistent/dir"}, "cannot change to directory /nonexistent/dir"),
-        "silent": ("127.0.0.6", {"port": silent.getsockname()[1]}, "(--start-timeout)"),
+        "silent": ("127.0.0.6", {"port": silent.getsockname()[1]},
+                   "did not complete the SSH handshake within 1.5 s (of --start-timeout"),
     }
     launchers = []
     try:
@@ -307,6 +308,26 @@ def test_unusable_hosts_are_blacklisted_and_the_job_goes_on(job, sshd_clean):
     assert "127.0.0.9: could not start worker" in r.stderr and "Connection refused" in r.stderr, r.stderr
     assert "nobody@127.0.0.4: could not start worker" in r.stderr and "refused our key" in r.stderr
     assert "host 127.0.0.9 blacklisted" in r.stderr and "host nobody@127.0.0.4 blacklisted" in r.stderr
+
+
+def test_a_host_whose_handshake_hangs_at_the_start_is_named_with_its_cause(job, sshd_clean):
+    """A host that accepts TCP and never speaks SSH (a node still booting) held round 0 for
+    --start-timeout and was then said to have "not contacted the driver" (advice about
+    hvd.init() and firewalls), its real cause coming after. The launcher now gives up first."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.8", sshd_clean.port))
+    silent.listen()
+    try:
+        r = job.run(["-np", "2", "--min-np", "2", "--max-np", "3", "-H", "127.0.0.2:1,127.0.0.3:1,127.0.0.8:1",
+                     "--start-timeout", "6", *sshd_clean.ssh_args()], job.train_cmd(epochs=2))
+    finally:
+        silent.close()
+    assert r.returncode == 0, r.output
+    assert "127.0.0.8: could not start worker w" in r.stderr and "over SSH: root@127.0.0.8:" in r.stderr, r.stderr
+    assert ("accepted the connection but did not complete the SSH handshake within 5.4 s (of --start-timeout "
+            "6 s)") in r.stderr, r.stderr
+    assert "did not contact the driver" not in r.stderr and "No existing session" not in r.stderr, r.stderr
+    assert [e["size"] for e in r.log] == [2, 2], r.log
 
 
 def test_env_flags_and_remote_cwd(job, sshd_clean, tmp_path):

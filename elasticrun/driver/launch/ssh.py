@@ -151,6 +151,10 @@ def decode_exit_status(status: int) -> int:
 
 
 # --- SSH connections -------------------------------------------------------------------------
+#: The share of --start-timeout an SSH connection may take (see SSHOptions.connect_timeout).
+START_SHARE = 0.9
+
+
 @dataclass(frozen=True)
 class SSHOptions:
     port: int = 22
@@ -158,7 +162,9 @@ class SSHOptions:
     identity_file: str | None = None
     known_hosts: str | None = None  # default ~/.ssh/known_hosts
     accept_unknown_hosts: bool = False
-    connect_timeout: float = 30.0  # --start-timeout
+    # Nine tenths of --start-timeout: a host whose handshake hangs is then failed by the launcher
+    # with its cause, before the driver's own --start-timeout says only "did not contact".
+    connect_timeout: float = 27.0
     remote_cwd: str | None = None  # default: the driver's working directory
     python: str = "python3"
     stop_grace: float = 5.0
@@ -169,7 +175,7 @@ class SSHOptions:
     def from_settings(cls, s: "JobSettings") -> "SSHOptions":
         return cls(port=s.ssh_port, user=s.ssh_user, identity_file=s.ssh_identity_file,
                    known_hosts=s.ssh_known_hosts, accept_unknown_hosts=s.ssh_accept_unknown_hosts,
-                   connect_timeout=s.start_timeout, remote_cwd=s.remote_cwd, python=s.remote_python,
+                   connect_timeout=START_SHARE * s.start_timeout, remote_cwd=s.remote_cwd, python=s.remote_python,
                    stop_grace=s.stop_grace, warm_start=s.warm_start, preload=tuple(s.preload))
 
     @property
@@ -310,8 +316,10 @@ class HostConnections:
             if self.closed or self._no_new:
                 raise LaunchError("the job is stopping") from None
             if time.monotonic() >= deadline - 0.05 or isinstance(exc, socket.timeout) or "banner" in text:
+                # (paramiko's own words for a timeout, "No existing session", say nothing more)
                 raise LaunchError(f"{self.target} accepted the connection but did not complete the SSH handshake "
-                                  f"within {self.opts.connect_timeout:g} s (--start-timeout): {text}") from None
+                                  f"within {self.opts.connect_timeout:g} s (of --start-timeout "
+                                  f"{self.opts.connect_timeout / START_SHARE:g} s)") from None
             raise LaunchError(f"SSH to {self.target} failed: {text}") from None
         if self.closed:  # the job stopped while we connected
             client.close()
