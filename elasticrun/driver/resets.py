@@ -44,11 +44,17 @@ class ResetTracker:
     def trigger(self, kind: str, cause: str, t: float) -> None:
         """A failure or a host update ends the current round (the first trigger counts; a
         second host update before the next round adds what it changed: "hosts removed", then
-        a host added as well, is a reset for "hosts added and removed")."""
+        a host added as well, is a reset for "hosts added and removed"; a failure after a host
+        update makes it a failure's reset)."""
         if self.rounds > 0 and (not self._open or self._open[-1].round is not None):
             self._open.append(_Open(cause, kind, t, self.size))
         elif self._open and self._open[-1].round is None and kind == self._open[-1].kind == "hosts":
             self._open[-1].cause = _hosts_cause(self._open[-1].cause, cause)
+        elif self._open and self._open[-1].round is None and kind == "failure" and self._open[-1].kind == "hosts":
+            # A failure while the workers were still to act on a host update: the round ends in
+            # a rollback, a failure's reset, timed from the failure (until then they trained).
+            o = self._open[-1]
+            o.cause, o.kind, o.start = f"{cause}; {o.cause} meanwhile", "failure", t
 
     def round_formed(self, round_: int, size: int) -> None:
         """Every round after the first is a reset (as the registry counts them): counted here,

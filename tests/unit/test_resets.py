@@ -99,3 +99,19 @@ def test_a_second_host_update_before_the_round_adds_what_it_changed():
     r.round_formed(1, 3)
     done = r.first_step(1, t=5.6)
     assert done is not None and done["cause"] == "hosts added and removed" and done["seconds"] == pytest.approx(0.6)
+
+
+def test_a_failure_while_a_host_update_is_pending_makes_it_a_failures_reset():
+    """A host was added; before the round acted on it a worker went silent and the round was
+    aborted (a rollback): it was "reset 1 (hosts added)", timed from the update (during which
+    the workers trained on), and counted after host changes."""
+    r = ResetTracker()
+    r.round_formed(0, 2)
+    r.trigger("hosts", "hosts added", t=5.0)
+    r.trigger("failure", "b[0] sent no heartbeat for 5.0 s", t=7.0)
+    r.round_formed(1, 2)
+    done = r.first_step(1, t=7.1)
+    assert done is not None and done["trigger"] == "failure" and done["seconds"] == pytest.approx(0.1)
+    assert done["line"] == ("reset 1 (b[0] sent no heartbeat for 5.0 s; hosts added meanwhile): 2 -> 2 worker(s), "
+                            "training again 100 ms after it")
+    assert "(1 after failures)" in r.summary([])
