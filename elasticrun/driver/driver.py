@@ -279,7 +279,8 @@ class ElasticDriver:
                 return self._conclude(ended)
             # (A job that failed meanwhile, its workers told by the same signal, was stopped by
             # it: 128+N, as a scheduler that requeues on it expects.)
-            log.warning("received %s: stopping %d worker(s)", exc, len(self.registry.live()))
+            log.warning("received %s: stopping %d worker(s) (any still running after %g s are killed)", exc,
+                        len(self.registry.live()), self.settings.stop_grace)
             self._shutdown()
             why = Reason(Cause.SIGNALLED, {"signal": str(exc)})
             self._journal.write(Kind.JOB_END, round=self.registry.round, ok=False, reason=words.reason(why),
