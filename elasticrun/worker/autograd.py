@@ -80,6 +80,9 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """The reduction of ``tensor`` over all ranks (``op=Average`` by default); the input is not
     modified. Differentiable. ``compression`` compresses what travels (e.g. fp16)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"hvd.allreduce takes a tensor, not {type(tensor).__name__}: reduce torch.tensor(value) "
+                        f"(hvd.allgather_object gathers any picklable object)")
     compressed, ctx = compression.compress(tensor)
     out = _apply(_Allreduce, (compressed,), compressed, average, name, op, prescale_factor, postscale_factor,
                  process_set)

@@ -283,7 +283,8 @@ def agree_to_sync() -> None:
     collective of its own instead (a ported script's broadcast_parameters before the elastic
     function) made the ranks wait on each other until --collective-timeout, and then its
     healthy host was blacklisted."""
-    collectives.agree(rounds.current(), SYNC_SIGNATURE, "hvd.elastic.run's state sync")
+    if runtime.is_initialized():  # (a state synced by a broadcast of its own, with no job: nothing to agree)
+        collectives.agree(rounds.current(), SYNC_SIGNATURE, "hvd.elastic.run's state sync")
 
 
 def _run(func: Callable[..., Any], state: State, rt: Any, args: Any, kwargs: Any) -> Any:

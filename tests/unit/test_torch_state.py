@@ -687,3 +687,9 @@ print("ok")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICRUN_")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_allreduce_of_a_python_number_says_what_to_pass() -> None:
+    """It raised AttributeError: 'float' object has no attribute 'requires_grad'."""
+    with pytest.raises(TypeError, match=r"takes a tensor, not float: reduce torch.tensor\(value\)"):
+        hvd.allreduce(1.5)
