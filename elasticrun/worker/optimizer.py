@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import operator
 import time
 import warnings
 import weakref
@@ -173,6 +174,9 @@ class _Bucket:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _carries_flags(b: _Bucket) -> bool:
@@ -541,7 +545,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         gradient had no bucket and no hook: each rank stepped with its own, and the replicas
         drifted apart silently. Frozen, its bucket gave it a zero gradient that momentum or
         weight decay still applied. (A look at each parameter's flag per step: microseconds.)"""
-        return any(p.requires_grad for p in self._dist_frozen) or any(not p.requires_grad for p in self._dist_trained)
+        return any(map(_REQUIRES_GRAD, self._dist_frozen)) or not all(map(_REQUIRES_GRAD, self._dist_trained))
 
     def _dist_synchronize(self) -> None:
         changed = self._dist_op != Adasum and self._dist_trainable_changed()
