@@ -119,6 +119,10 @@ _BEATING = (WorkerState.LAUNCHING, *_LIVE)
 #: How often a wait for slots is reported on the console.
 WAIT_REMINDER = 30.0
 
+#: How often a round that stands still on members outside every collective is reported again
+#: (as often as each waiting worker repeats its own stall line: worker/waiting.py).
+STALL_REPEAT = 300.0
+
 #: How long a worker whose script ended may take to exit (the interpreter's teardown: freeing
 #: memory, CUDA contexts, library destructors; seconds when many share a machine's cores)
 #: before it is killed as stuck.
@@ -149,6 +153,10 @@ class WorkerRecord:
     bye: str | None = None
     bye_at: float = 0.0
     leaving: bool = False  # it said it got SIGTERM: it leaves at its next commit; its host is going
+    # Its last heartbeat: how long it had waited in the collective it was in (None: in none),
+    # and whether that wait was past its stall warning.
+    waiting: float | None = None
+    stalled: bool = False
     # (host, slot): a plain attribute, not a property; every decision reads it for each worker.
     key: tuple[str, int] = field(init=False, repr=False, compare=False)
 
@@ -400,6 +408,10 @@ class Registry:
         # members that have not left it is due.
         self._aborted_at: float | None = None
         self._abort_reminder: float | None = None
+        # A member's heartbeat said it has waited in a collective past the stall warning; and
+        # the members then named as outside every collective, with when to name them again.
+        self._stalls = False
+        self._stall_said: tuple[frozenset[str], float] | None = None
         self._said: set[str] = set()  # one-time messages of the current round
         # The blacklistings that failures in an aborted round caused, said once the round has
         # settled (every member reported or failed): if every worker turned out to be lost at
@@ -520,10 +532,13 @@ class Registry:
         self._dirty = True
 
     def heartbeat(self, worker_id: str, now: float, pace: Pace | None = None, steps: int | None = None,
-                  bye: str | None = None) -> None:
+                  bye: str | None = None, waiting: float | None = None, stalled: bool = False) -> None:
         """A sign of life from a worker, with its step count and the pace of its recent steps in
         this round (a decision follows only when that pace may name a straggler, or when it stops).
-        ``bye``: its last one (see :attr:`WorkerRecord.bye`): silence is then no sign of a hang."""
+        ``bye``: its last one (see :attr:`WorkerRecord.bye`): silence is then no sign of a hang.
+        ``waiting``/``stalled``: how long it has waited in its current collective (None: in
+        none), and whether past the stall warning (a decision follows when that may name the
+        members the round waits for: see :meth:`_stalled`)."""
         w = self.workers.get(worker_id)
         if w is not None:
             w.last_seen = now
@@ -531,6 +546,11 @@ class Registry:
             self._first_contact()
             if steps is not None:
                 w.steps = steps
+            if stalled != w.stalled or (self._stalls and (waiting is None) != (w.waiting is None)):
+                self._dirty = True
+            w.waiting, w.stalled = waiting, stalled
+            if stalled:
+                self._stalls = True
             if bye in ("exit", "shutdown") and w.bye is None:
                 w.bye, w.bye_at = bye, now
                 self._now_floor = min(self._now_floor, now + EXIT_GRACE)
@@ -663,7 +683,7 @@ class Registry:
     #: The notes a Mark may set (and ``said``, which adds to the lines said this round; ``held``,
     #: which holds a blacklisting's line until the round settles; ``held_said``, which ends that).
     _MARKS = frozenset({"plain", "_wait_started", "_wait_reminder", "_notified_target", "_device_said", "said",
-                        "held", "held_said", "_aborted_at", "_abort_reminder"})
+                        "held", "held_said", "_aborted_at", "_abort_reminder", "_stalls", "_stall_said"})
 
     def _drive(self, decision: Decision) -> list[Action]:
         """Run a decision: apply each step it yields, send back the answer, collect the actions."""
@@ -717,6 +737,10 @@ class Registry:
             self._notified_target = None
             self._wait_started = self._wait_reminder = None
             self._aborted_at = self._abort_reminder = None
+            if self._stalls:  # what members said of the last round's collectives
+                for w in self.workers.values():
+                    w.stalled = False
+            self._stalls, self._stall_said = False, None
             self._said.clear()
         elif isinstance(step, Mark):
             if step.name not in self._MARKS:
@@ -810,6 +834,8 @@ class Registry:
             times.append(self._wait_reminder)
         if self._abort_reminder is not None and self.aborted and self._in[WorkerState.RUNNING]:
             times.append(self._abort_reminder)
+        if self._stall_said is not None and self._stalls and not self.aborted:
+            times.append(self._stall_said[1])
         expiry = self.hosts.next_expiry()
         if expiry is not None:
             times.append(expiry)
@@ -1135,6 +1161,7 @@ class Registry:
             # Wait for every member to report; the next round is decided then.
             yield from self._abort_pending(now)
             return
+        yield from self._stalled(now)
         current = set(self.members)
         target_keys = self._target_keys(target)
         yield from self._release_unneeded(target_keys | current)
@@ -1191,6 +1218,36 @@ class Registry:
             yield Event(Kind.ABORT_PENDING, {"round": self.round, "seconds": now - self._aborted_at, "why": self.abort_reason,
                                              "ranks": [[w.rank, w.label] for w in still[:8]],
                                              "more": max(0, len(still) - 8)}, level="warning")
+
+    def _stalled(self, now: float) -> Decision:
+        """Name the members outside every collective while another member has waited in one
+        past its stall warning, and again every STALL_REPEAT while the same ones hold it.
+
+        Why: a waiting worker knows only that it waits ("one of them is busy outside collectives
+        or stuck"); which one is the question the user has, and gloo cannot answer it. Each
+        heartbeat says whether its worker is in a collective, so the driver can: the round waits
+        for the members that are in none (a rank evaluating or saving alone, a data loader, a
+        print blocked on a console or SSH channel that nobody reads, a hang of the script's).
+        Judged by the last heartbeat of each (at most a heartbeat interval old)."""
+        if not self._stalls:
+            return
+        members = [w for w in self._live_members() if w.state is WorkerState.RUNNING and w.round == self.round]
+        stalled = [w for w in members if w.stalled]
+        if not stalled:  # the waits ended (or the stalled left): a new stall is a new episode
+            yield Mark("_stalls", False)
+            yield Mark("_stall_said", None)
+            return
+        outside = sorted((w for w in members if w.waiting is None), key=lambda w: w.rank)
+        named = frozenset(w.id for w in outside)
+        said = self._stall_said
+        if said is not None and said[0] == named and now < said[1]:
+            return
+        yield Mark("_stall_said", (named, now + STALL_REPEAT))
+        if outside:  # (all in collectives: each waiting worker's own line says what it waits in)
+            yield Event(Kind.ROUND_STALLED, {
+                "round": self.round, "waited": max(w.waiting or 0.0 for w in stalled),
+                "waiting": len(members) - len(outside), "ranks": [[w.rank, w.label] for w in outside[:8]],
+                "more": max(0, len(outside) - 8)}, level="warning")
 
     def _stop_waiting(self) -> Decision:
         """Enough slots: the wait for them (and its reminders) is over."""

@@ -8,6 +8,7 @@ raising: the loop's handlers (``ElasticDriver``'s dispatch table) get values, no
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -24,22 +25,33 @@ def _worker(body: Mapping[str, Any]) -> str:
     return str(body.get("worker"))[:200]
 
 
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return float(value)
+    return None
+
+
 @dataclass(frozen=True)
 class Heartbeat:
     """A sign of life: steps and commits so far, the pace of recent steps, and on the last one
-    of a process, ``bye`` ("exit" or "shutdown")."""
+    of a process, ``bye`` ("exit" or "shutdown"). ``waiting``: how long it has waited in the
+    collective it is in (None: in none); ``stalled``: that wait is past its stall warning."""
 
     worker: str
     steps: int | None = None
     commit: int | None = None
     pace: Pace | None = None
     bye: str | None = None
+    waiting: float | None = None
+    stalled: bool = False
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> "Heartbeat":
         bye = body.get("bye")
+        waiting = _seconds(body.get("waiting"))
         return cls(_worker(body), _int(body.get("steps")), _int(body.get("commit")), Pace.parse(body.get("pace")),
-                   bye[:20] if isinstance(bye, str) else None)
+                   bye[:20] if isinstance(bye, str) else None, waiting,
+                   waiting is not None and body.get("stalled") is True)
 
 
 @dataclass(frozen=True)

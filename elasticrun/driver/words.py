@@ -192,6 +192,14 @@ _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
                                    + (f" and {f['more']} more" if f.get("more") else "")
                                    + " to leave it, at their next collective or commit: one stuck where no "
                                      "abort reaches holds the job (see docs/troubleshooting.md)"),
+    Kind.ROUND_STALLED: lambda f: (f"round {f['round']}: {f['waiting']} rank(s) have waited {f['waited']:.0f} "
+                                   f"s in a collective for "
+                                   + ", ".join(f"rank {r} ({label})" for r, label in f["ranks"])
+                                   + (f" and {f['more']} more" if f.get("more") else "")
+                                   + (", which is" if len(f["ranks"]) == 1 and not f.get("more") else ", which are")
+                                   + " in none: busy alone (evaluating, saving or loading data on one rank, a print "
+                                     "blocked on a console or SSH channel nobody reads) or stuck; the round waits "
+                                     "(see docs/troubleshooting.md)"),
     Kind.ROUND_FORMED: lambda f: (f"round {f['round']}: {f['size']} worker(s) on {len(f['hosts'])} host(s)"),
     Kind.DEVICE_BACKEND: lambda f: (("CUDA tensors go over NCCL" if f["backend"] == "nccl" else "CUDA tensors go over gloo")
                                     + f" in round {f['round']} ({reason(f['why'])})"),

@@ -256,6 +256,13 @@ class Runtime:
         pace = self.pace.summary()  # medians of the recent steps: the driver names stragglers from them
         if pace is not None:
             body["pace"] = pace
+        r = self._round
+        since = r.waiting_since
+        if since is not None:  # in a collective: past the stall warning, the driver names who is not
+            waited = time.monotonic() - since
+            body["waiting"] = round(waited, 1)
+            if r.stall.warning is not None and waited >= r.stall.warning:
+                body["stalled"] = True
         return body
 
     # --- the current round ------------------------------------------------------------------

@@ -65,6 +65,17 @@ def wait(r: Round, work: Any, what: str) -> None:
     # about a second) holds throughout: the abort is looked for first, so that the training
     # thread hears it at once instead of after the abort.
     polled = isinstance(work, Polled) or (isinstance(work, Works) and any(isinstance(w, Polled) for w in work.works))
+    r.waiting_since = start  # read by the heartbeat (worker/runtime.py): who waits, who is outside
+    try:
+        _wait(r, work, what, start, deadline, check, stall, polled)
+    finally:
+        r.waiting_since = None
+    if r.awaiting_first_step:  # the first collective after a reset: training moves again
+        r.step_completed(what)
+
+
+def _wait(r: Round, work: Any, what: str, start: float, deadline: float, check: float, stall: float,
+          polled: bool) -> None:
     while not ((not polled or not r.abort_reason()) and work.is_completed()):
         reason = r.abort_reason()
         if reason:
@@ -94,8 +105,6 @@ def wait(r: Round, work: Any, what: str) -> None:
             # (this thread held up past both): still only this rank knows, so it must say so.
             raise _timeout(r, what, f" ({exc})") from exc
         raise HorovodInternalError(f"{what} failed: {exc}") from exc
-    if r.awaiting_first_step:  # the first collective after a reset: training moves again
-        r.step_completed(what)
 
 
 def _stalled(r: Round, what: str, waited: float) -> None:

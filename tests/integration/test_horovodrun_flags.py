@@ -8,10 +8,12 @@ import json
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from elasticrun.driver.cli import check
+from conftest import assert_nothing_left
 from elasticrun.driver.cli.command import parse_settings
 from elasticrun.driver.environment import shared_environment
 from elasticrun.driver.cli.parser import IGNORED_HOROVODRUN_FLAGS
@@ -197,6 +199,56 @@ def test_the_stall_check_flags_warn_then_end_a_stalled_collective(job):
                      r"--stall-check-shutdown-time-seconds 2 s", r.stderr), r.stderr
     assert re.search(r"The job failed after [\d.]+ s: .*allreduce metric .*waited 2 s for the other ranks, the stall "
                      r"check's shutdown time", r.stderr), r.stderr
+
+
+BUSY_ALONE = """
+import os
+import time
+import torch
+import elasticrun.torch as hvd
+
+hvd.init()
+hvd.allreduce(torch.ones(1), name="warmup")
+if hvd.rank() == 1:  # evaluating alone, until the test has seen the driver's line (at most 60 s)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.environ["RELEASE"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+hvd.allreduce(torch.ones(1), name="metric")
+print(f"done rank={hvd.rank()}", flush=True)
+"""
+
+
+def test_the_driver_names_the_rank_a_stalled_collective_waits_for(job):
+    """A waiting rank cannot tell which peer holds it; the driver can (each heartbeat says
+    whether its worker is in a collective): past the stall warning it names the rank in none.
+    Before, the only line was rank 0's "one of them is busy outside collectives ... or stuck"."""
+    script, release = job.tmp / "busy.py", job.tmp / "release"
+    script.write_text(BUSY_ALONE)
+    proc = job.start(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--stall-check-warning-time-seconds", "1"],
+                     [sys.executable, str(script)], RELEASE=str(release))
+    assert proc.stderr is not None
+    seen: list[str] = []
+    named = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            seen.append(line)
+            if "which is in none" in line:
+                named.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert named.wait(60), "".join(seen)
+    release.touch()
+    out, _ = proc.communicate(timeout=60)
+    reader.join(10)
+    err = "".join(seen)
+    assert proc.returncode == 0 and "done rank=0" in out and "done rank=1" in out, err
+    assert re.search(r"round 0: 1 rank\(s\) have waited \d+ s in a collective for rank 1 \(127\.0\.0\.1\[0\]\), "
+                     r"which is in none: busy alone .* or stuck; the round waits", err), err
+    assert err.count("which is in none") == 1, err  # said once (again only after 5 minutes)
+    assert_nothing_left(job.tag)
 
 
 LOGGING = """

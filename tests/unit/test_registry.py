@@ -820,6 +820,85 @@ class TestHeartbeat:
         assert "ghost" not in job.reg.workers
 
 
+class TestStalls:
+    """Members in no collective while another has waited in one past the stall warning are
+    named: a waiting worker cannot tell which rank holds it (gloo does not say)."""
+
+    @staticmethod
+    def beat(job, at, **waits):
+        """A heartbeat from each named worker: ``w0=61.0`` waiting 61 s (stalled past 60),
+        ``w1=0.2`` waiting briefly, ``w2=None`` in no collective."""
+        job._at(at)
+        for wid, waiting in waits.items():
+            job.reg.heartbeat(wid, job.now, waiting=waiting, stalled=waiting is not None and waiting >= 60)
+        return checked(job.reg.decide(job.now))
+
+    def test_the_members_outside_every_collective_are_named_once_then_every_300_s(self):
+        job = Job(np=3, min_np=1)
+        job.start({"a": 2, "b": 1}, at=0)
+        assert not events(self.beat(job, 10, w0=59.5, w1=59.0, w2=None), "round_stalled")
+        acts = self.beat(job, 11, w0=60.5, w1=60.0, w2=None)
+        assert [text(e) for e in events(acts, "round_stalled")] == [
+            "round 0: 2 rank(s) have waited 60 s in a collective for rank 2 (b[0]), which is in none: busy alone "
+            "(evaluating, saving or loading data on one rank, a print blocked on a console or SSH channel nobody "
+            "reads) or stuck; the round waits (see docs/troubleshooting.md)"]
+        assert events(acts, "round_stalled")[0].level == "warning"
+        assert not events(self.beat(job, 12, w0=61.5, w1=61.0, w2=None), "round_stalled")
+        assert job.reg.next_deadline() == pytest.approx(311.0)
+        [again] = events(self.beat(job, 311, w0=360.5, w1=360.0, w2=None), "round_stalled")
+        assert again.fields["ranks"] == [[2, "b[0]"]] and again.fields["waited"] == pytest.approx(360.5)
+        # It enters the collective: the round moves on, and nothing more is said or awaited.
+        assert not events(self.beat(job, 312, w2=0.1), "round_stalled")
+        assert not events(self.beat(job, 313, w0=None, w1=None, w2=None), "round_stalled")
+        assert job.reg.next_deadline() is None
+        # A new stall later is a new episode: said at once.
+        self.beat(job, 400, w0=None, w1=None, w2=None)
+        [new] = events(self.beat(job, 470, w0=None, w1=None, w2=65.0), "round_stalled")
+        assert new.fields["ranks"] == [[0, "a[0]"], [1, "a[1]"]] and new.fields["waiting"] == 1
+        assert "for rank 0 (a[0]), rank 1 (a[1]), which are in none" in text(new)
+
+    def test_no_line_before_the_stall_warning_nor_when_every_member_waits(self):
+        job = Job(np=3, min_np=1)
+        job.start({"a": 2, "b": 1}, at=0)
+        for t in range(1, 50):  # training: members in and out of collectives at every heartbeat
+            waits = {f"w{i}": (0.01 if (t + i) % 2 else None) for i in range(3)}
+            assert not events(self.beat(job, t, **waits), "round_stalled")
+        # Every member waits (their collectives do not match, or the network is stuck): each
+        # worker's own line says what it waits in; the driver has nobody to name.
+        assert not events(self.beat(job, 100, w0=70.0, w1=65.0, w2=61.0), "round_stalled")
+        assert job.reg.next_deadline() is not None  # (the line is due again if one leaves)
+        [e] = events(self.beat(job, 101, w1=None), "round_stalled")
+        assert e.fields["ranks"] == [[1, "a[1]"]]
+
+    def test_heartbeats_of_a_training_job_ask_for_no_decision(self):
+        """Membership of a collective flips at every heartbeat while a job trains: only a
+        stalled wait (or, during one, a member entering or leaving collectives) asks for a
+        decision, so that 4,096 workers' heartbeats cost no decision each."""
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.tick(1)
+        for t in range(2, 20):
+            job.reg.heartbeat("w0", float(t), waiting=0.01 if t % 2 else None)
+            job.reg.heartbeat("w1", float(t), waiting=None if t % 2 else 0.02)
+            assert not job.reg.dirty
+        job.reg.heartbeat("w0", 20.0, waiting=61.0, stalled=True)
+        assert job.reg.dirty
+
+    def test_an_aborted_round_says_who_has_not_left_it_instead(self):
+        job = Job(np=3, min_np=1)
+        job.start({"a": 2, "b": 1}, at=0)
+        self.beat(job, 61, w0=61.0, w1=None, w2=61.0)
+        acts = job.exit("w2", 1, at=62)
+        assert of(acts, AbortRound)
+        assert not events(self.beat(job, 63, w0=62.0, w1=None), "round_stalled")
+        acts = job.rdv("w0", at=64)
+        acts += job.rdv("w1", at=65)
+        assert of(acts, Assign) and job.reg.round == 1
+        # What they said of round 0's collectives is not held against round 1.
+        assert not events(job.tick(66), "round_stalled") and job.reg.next_deadline() is None
+        assert not any(w.stalled for w in job.reg.workers.values())
+
+
 class TestGoodbye:
     """A worker's last heartbeat says goodbye: its silence after it is no hang."""
 

@@ -22,6 +22,8 @@ def test_any_body_gives_typed_bounded_fields(body):
     assert isinstance(hb.worker, str) and len(hb.worker) <= 200
     assert hb.steps is None or (isinstance(hb.steps, int) and not isinstance(hb.steps, bool))
     assert hb.bye is None or len(hb.bye) <= 20
+    assert hb.waiting is None or (isinstance(hb.waiting, float) and hb.waiting >= 0)
+    assert isinstance(hb.stalled, bool) and (hb.waiting is not None or not hb.stalled)
     r = rt.Rendezvous.parse(body)
     assert r.error is None or len(r.error) <= 300
     assert isinstance(r.restored, bool) and isinstance(r.has_state, bool)
@@ -35,6 +37,13 @@ def test_well_formed_bodies_keep_their_values():
                              "pace": {"round": 1, "steps": 5, "step": 0.1, "wait": 0.01, "compute": 0.09}})
     assert (hb.worker, hb.steps, hb.commit, hb.bye) == ("w3", 12, 4, "exit") and hb.pace is not None
     assert rt.Heartbeat.parse({"worker": "w3", "steps": True}).steps is None  # a bool is no count
+    hb = rt.Heartbeat.parse({"worker": "w3", "waiting": 61.5, "stalled": True})
+    assert (hb.waiting, hb.stalled) == (61.5, True)
+    assert rt.Heartbeat.parse({"worker": "w3"}).waiting is None
+    for bad in (-1, float("nan"), float("inf"), "61", True, [1]):  # no wait: and so never stalled
+        hb = rt.Heartbeat.parse({"worker": "w3", "waiting": bad, "stalled": True})
+        assert (hb.waiting, hb.stalled) == (None, False)
+    assert rt.Heartbeat.parse({"worker": "w3", "waiting": 3, "stalled": "yes"}).stalled is False
     r = rt.Rendezvous.parse({"worker": "w1", "error": "peer died", "restored": True, "gpus": ["GPU-1"]})
     assert r == rt.Rendezvous("w1", "peer died", True, False, ("GPU-1",))
     assert rt.Rendezvous.parse({"worker": "w1", "restored": "yes"}).restored is False  # only true is true

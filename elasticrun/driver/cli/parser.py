@@ -453,7 +453,8 @@ def add_horovodrun_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stall-check", dest="stall_check", action="store_true", default=None, help=argparse.SUPPRESS)
     g.add_argument("--stall-check-warning-time-seconds", dest="stall_warning_s", type=positive_int,
                    metavar="S", help="warn when a collective has waited S s for other ranks (60, or half "
-                                     "--collective-timeout if shorter), then every 5 minutes")
+                                     "--collective-timeout if shorter), naming the ranks in no collective, "
+                                     "then every 5 minutes")
     g.add_argument("--stall-check-shutdown-time-seconds", dest="stall_shutdown_s", type=non_negative_int,
                    metavar="S", help="a collective that waited S s for other ranks raises HorovodInternalError "
                                      "on every rank, as one past --collective-timeout (0, the default: never; "
