@@ -202,6 +202,82 @@ def test_launch_failures_name_the_host_and_the_cause(sshd_clean, caplog):
             launcher.stop_all(1)
 
 
+class _Forward:
+    """A TCP port that forwards every connection to ``target``: sshd "starting" on another
+    address, once the test opens it."""
+
+    def __init__(self, listen: tuple[str, int], target: tuple[str, int]) -> None:
+        self.target = target
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(listen)
+        self.sock.listen()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            up = socket.create_connection(self.target, timeout=5)
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                b.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_newcomer_whose_sshd_is_still_starting_is_tried_again(sshd_clean, tmp_path, caplog):
+    """Discovery lists a spot node before its sshd is up: a newcomer's connection refused is
+    tried again within the connect time (before, it failed at once and the host was
+    blacklisted, by default for good). In the first round a refused host still fails at once."""
+    server = sshd_clean
+    known = tmp_path / "known_hosts"  # 127.0.0.9 answers with the test sshd's key, through the forward
+    key = server.known_hosts.read_text().splitlines()[0].split(" ", 1)[1]
+    known.write_text(server.known_hosts.read_text() + f"[127.0.0.9]:{server.port} {key}\n")
+    launcher, _, exits = _launcher(server, known_hosts=str(known), connect_timeout=20.0)
+    forward = None
+    try:
+        with caplog.at_level(logging.ERROR, logger="elasticrun"):
+            launcher.launch("newcomer", ["true"], _env(ELASTICRUN_JOINING="1"), host="127.0.0.9")
+            launcher.launch("first", ["true"], _env(), host="127.0.0.10")
+            assert exits.wait("first")["first"] != 0  # refused, and not tried again: its error is said
+            assert "127.0.0.10: could not start worker first over SSH: cannot connect to" in caplog.text
+            assert "newcomer" not in caplog.text  # still trying
+            forward = _Forward(("127.0.0.9", server.port), ("127.0.0.2", server.port))  # sshd is up
+            assert exits.wait("newcomer", timeout=30) == {"newcomer": 0}, caplog.text
+            # One whose sshd never comes is given up on at the connect time, saying so.
+            brief, _, brief_exits = _launcher(server, connect_timeout=1.5)
+            try:
+                started = time.monotonic()
+                brief.launch("never", ["true"], _env(ELASTICRUN_JOINING="1"), host="127.0.0.11")
+                assert brief_exits.wait("never")["never"] != 0
+                assert 1.0 < time.monotonic() - started < 5
+                assert (f"127.0.0.11: could not start worker never over SSH: cannot connect to "
+                        f"{server.user}@127.0.0.11:{server.port}: Connection refused, for 1 s of trying (is sshd "
+                        f"running there, on port {server.port}?)") in caplog.text, caplog.text
+            finally:
+                brief.stop_all(1)
+    finally:
+        if forward is not None:
+            forward.close()
+        launcher.stop_all(1)
+
+
 def test_unknown_host_key_only_with_the_flag_and_never_a_changed_one(sshd_clean, tmp_path, caplog):
     server = sshd_clean
     exits = _Exits()
@@ -297,15 +373,18 @@ def test_a_lost_ssh_session_is_a_failure_and_the_host_comes_back_after_its_coold
 
 def test_unusable_hosts_are_blacklisted_and_the_job_goes_on(job, sshd_clean):
     """Discovery adds a host nobody answers on and one that refuses our key: both fail like
-    workers (logged with the cause, blacklisted) while the two good hosts keep training."""
+    workers (logged with the cause, blacklisted) while the two good hosts keep training. The
+    refused connection is tried again first (9/10 of --start-timeout: its sshd may be starting);
+    the job trains for longer than that."""
     schedule = "0:127.0.0.2:1,127.0.0.3:1;1:127.0.0.2:1,127.0.0.3:1,127.0.0.9:1,nobody@127.0.0.4:1"
     r = job.run(["-np", "2", "--min-np", "2", *sshd_clean.ssh_args(), "--host-discovery-script",
-                 str(PROGRESS_DISCOVERY), "--discovery-interval", "0.2"],
-                job.train_cmd(epochs=4, sleep=0.1), HOSTS_SCHEDULE=schedule)
+                 str(PROGRESS_DISCOVERY), "--discovery-interval", "0.2", "--start-timeout", "6"],
+                job.train_cmd(epochs=16, sleep=0.1), HOSTS_SCHEDULE=schedule)
     assert r.returncode == 0, r.output
-    assert [e["size"] for e in r.log] == [2, 2, 2, 2], r.log
+    assert [e["size"] for e in r.log] == [2] * 16, r.log
     assert r.log[-1]["rendezvous"] == 1, r.log  # the failed launches never disturbed the round
-    assert "127.0.0.9: could not start worker" in r.stderr and "Connection refused" in r.stderr, r.stderr
+    assert "127.0.0.9: could not start worker" in r.stderr and "Connection refused, for 5 s of trying" in r.stderr, \
+        r.stderr
     assert "nobody@127.0.0.4: could not start worker" in r.stderr and "refused our key" in r.stderr
     assert "host 127.0.0.9 blacklisted" in r.stderr and "host nobody@127.0.0.4 blacklisted" in r.stderr
 

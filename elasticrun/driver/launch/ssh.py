@@ -59,6 +59,7 @@ with code 255, as ``ssh`` does.
 
 from __future__ import annotations
 
+import errno
 import functools
 import getpass
 import importlib.resources
@@ -153,6 +154,12 @@ def decode_exit_status(status: int) -> int:
 # --- SSH connections -------------------------------------------------------------------------
 #: The share of --start-timeout an SSH connection may take (see SSHOptions.connect_timeout).
 START_SHARE = 0.9
+#: A newcomer's host that refuses the connection or has no route yet (its sshd or network is
+#: still starting) is tried again after these pauses (doubling) until its connect deadline.
+_RETRY_FIRST = 0.25
+_RETRY_MAX = 1.0
+_RETRY_LAST = 0.1
+_NOT_UP_YET = frozenset({errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH})
 
 
 @dataclass(frozen=True)
@@ -224,8 +231,10 @@ class HostConnections:
     def _live(self) -> list["paramiko.SSHClient"]:
         return [c for c in self.clients if (t := c.get_transport()) is not None and t.is_active()]
 
-    def open_session(self, deadline: float) -> "paramiko.Channel":
-        """A new session channel, on an existing connection when one has room."""
+    def open_session(self, deadline: float, patient: bool = False) -> "paramiko.Channel":
+        """A new session channel, on an existing connection when one has room. ``patient``: a
+        host that refuses the connection (or has no route yet) is tried again until the
+        deadline, as a machine whose sshd is still starting does (see :meth:`_connect`)."""
         import paramiko
 
         asked_at = time.monotonic()
@@ -244,7 +253,7 @@ class HostConnections:
                 except (paramiko.ChannelException, paramiko.SSHException, EOFError):
                     continue
             try:
-                client = self._connect(deadline)
+                client = self._connect(deadline, patient)
             except LaunchError as exc:
                 self._failure = (time.monotonic(), exc)
                 raise
@@ -254,21 +263,40 @@ class HostConnections:
             except (paramiko.SSHException, EOFError) as exc:
                 raise LaunchError(f"connected to {self.target} but could not open a session: {exc}") from None
 
-    def _connect(self, deadline: float) -> "paramiko.SSHClient":
-        if self.closed or self._no_new:
-            raise LaunchError("the job is stopping")
-        timeout = deadline - time.monotonic()
-        if timeout <= 0:
-            raise LaunchError(f"no time left to connect to {self.target} (--start-timeout)")
-        try:
-            sock = socket.create_connection((self.name, self.opts.port), timeout=timeout)
-        except socket.gaierror as exc:
-            raise LaunchError(f"cannot resolve host name {self.name!r}: {exc.strerror}") from None
-        except socket.timeout:
-            raise LaunchError(f"cannot connect to {self.target}: no answer within {timeout:.3g} s "
-                              f"(--start-timeout)") from None
-        except OSError as exc:
-            raise LaunchError(f"cannot connect to {self.target}: {exc.strerror or exc}") from None
+    def _connect(self, deadline: float, patient: bool = False) -> "paramiko.SSHClient":
+        """Connect and authenticate. ``patient``: a refused connection, or no route to the host,
+        is tried again until the deadline. A host that discovery lists as soon as it is
+        provisioned (a spot node, an autoscaled group) often does not run sshd yet: failing it
+        at once would blacklist a healthy machine, by default for good. Only newcomers to a
+        running job are patient: the survivors train meanwhile, whereas in the first round a
+        refused host would hold every other one."""
+        began = time.monotonic()
+        pause = _RETRY_FIRST
+        while True:
+            if self.closed or self._no_new:
+                raise LaunchError("the job is stopping")
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                raise LaunchError(f"no time left to connect to {self.target} (--start-timeout)")
+            try:
+                sock = socket.create_connection((self.name, self.opts.port), timeout=timeout)
+                break
+            except socket.gaierror as exc:
+                raise LaunchError(f"cannot resolve host name {self.name!r}: {exc.strerror}") from None
+            except socket.timeout:
+                raise LaunchError(f"cannot connect to {self.target}: no answer within {timeout:.3g} s "
+                                  f"(--start-timeout)") from None
+            except OSError as exc:
+                why = exc.strerror or str(exc)
+                if not (patient and exc.errno in _NOT_UP_YET):
+                    raise LaunchError(f"cannot connect to {self.target}: {why}") from None
+                left = deadline - time.monotonic()
+                if left < _RETRY_LAST:
+                    raise LaunchError(f"cannot connect to {self.target}: {why}, for "
+                                      f"{time.monotonic() - began:.0f} s of trying (is sshd running there, on "
+                                      f"port {self.opts.port}?)") from None
+                time.sleep(min(pause, left - _RETRY_LAST / 2))  # (the last try: just before the deadline)
+                pause = min(_RETRY_MAX, pause * 2)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # 65 -> 20-25 ms per connect
         self._connecting = sock
         try:
@@ -472,7 +500,7 @@ class SSHLauncher:
         deadline = time.monotonic() + self.opts.connect_timeout
         if self._stopping or r.cancel is not None:
             return -(r.cancel or 15)
-        chan = conns.open_session(deadline)
+        chan = conns.open_session(deadline, patient=env.get(envvars.JOINING) == "1")
         r.channel = chan
         if self._stopping or r.cancel is not None:
             return -(r.cancel or 15)
