@@ -165,8 +165,10 @@ def worker_environment(settings: JobSettings, info: SlotInfo, *, job_id: str, wo
         env.LOG_LEVEL: s.worker_log_level, env.SIGTERM_GRACE: str(s.sigterm_grace), env.BACKEND: s.backend, "PYTHONUNBUFFERED": "1",
         env.PREFETCH: "1" if s.prefetch else "0",
     })
-    me = None if remote else _driver_process()
+    me = _driver_process()
     if me is not None:  # a worker on this machine waits for a driver that is only stopped
+        # (Given to every worker: where one runs is not always known here, a Ray node or an
+        # SSH "host" may be this machine; elsewhere the boot id in it differs, and it means nothing.)
         worker_env[env.DRIVER_PROCESS] = me
     # Horovod's names and torch.distributed's, for scripts and libraries that read them; the
     # worker updates them (and sets MASTER_ADDR/MASTER_PORT) whenever it enters a new round.

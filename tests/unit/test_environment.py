@@ -32,9 +32,10 @@ def _env(settings: JobSettings = SETTINGS, base: dict[str, str] = DRIVER_ENV, re
 
 
 def _job_part(settings: JobSettings = SETTINGS, remote: bool = False) -> dict[str, str]:
-    """What every worker gets from the job itself, whatever else it inherits (a local one also
-    the driver's process, to tell a stopped driver from a gone one: common/liveness.py)."""
-    mine = {} if remote else {env.DRIVER_PROCESS: liveness.identity()}
+    """What every worker gets from the job itself, whatever else it inherits (also the driver's
+    process, to tell a stopped driver from a gone one where the worker runs on the driver's
+    machine, whichever launcher started it: common/liveness.py)."""
+    mine = {env.DRIVER_PROCESS: liveness.identity()}
     return {**mine,
         env.HOSTNAME: "node2", env.RANK: "3", env.SIZE: "4", env.LOCAL_RANK: "1", env.LOCAL_SIZE: "2",
         env.CROSS_RANK: "1", env.CROSS_SIZE: "2", env.SLOT: "1", env.WORKER_ID: "w7", env.JOB_ID: "job1",

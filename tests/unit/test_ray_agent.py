@@ -158,7 +158,8 @@ def test_a_missing_directory_or_command_is_reported_not_raised(agents, tmp_path)
 AGENT_PROCESS = textwrap.dedent("""
     import os, sys, time
     from elasticrun.driver.launch.ray_agent import WorkerAgent, seal
-    agent = WorkerAgent("job", "w1", silence_limit=float(sys.argv[2]))
+    agent = WorkerAgent("job", "w1", silence_limit=float(sys.argv[2]),
+                        driver_process=sys.argv[4] if len(sys.argv) > 4 else None)
     hello = agent.hello()
     agent.start([sys.executable, "-c", sys.argv[1], "wait"],
                 {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path)}, "/", 2.0,
@@ -173,11 +174,11 @@ AGENT_PROCESS = textwrap.dedent("""
 """)
 
 
-def _agent_process(silence: float, mode: str) -> tuple[subprocess.Popen, int, int]:
+def _agent_process(silence: float, mode: str, driver: str | None = None) -> tuple[subprocess.Popen, int, int]:
     """An agent in a process of its own (as Ray runs it); (process, worker pid, worker's child)."""
     keyed = WORKER.replace("keys = secretpipe.receive()", "keys = secretpipe.receive()\nprint('worker', os.getpid(), flush=True)")
-    proc = subprocess.Popen([sys.executable, "-c", AGENT_PROCESS, keyed, str(silence), mode], stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", AGENT_PROCESS, keyed, str(silence), mode, *([driver] if driver else [])],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
     worker = child = 0
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -222,6 +223,32 @@ def test_an_agent_that_hears_nothing_from_the_driver_stops_its_worker_and_exits(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert _gone([worker, child], within=10)
+
+
+def test_an_agent_waits_for_a_driver_on_its_machine_that_is_only_stopped():
+    """Ctrl-Z on the driver (a Ray cluster on one machine, or the head node's agents) for
+    longer than the silence limit: the agents stopped every worker, and the job was lost with
+    every node blacklisted. A stopped driver is not gone: its agents wait, as local workers do,
+    and one that runs again but stays silent is gone as before."""
+    from elasticrun.common import liveness
+
+    driver = subprocess.Popen(["sleep", "60"])
+    proc = None
+    try:
+        os.kill(driver.pid, signal.SIGSTOP)
+        proc, worker, child = _agent_process(silence=1.0, mode="silent", driver=liveness.identity(driver.pid))
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=3)  # silent three times the limit, but the driver is only stopped
+        assert _alive(worker) and _alive(child)
+        os.kill(driver.pid, signal.SIGCONT)  # it runs again, and is still silent: gone
+        assert proc.wait(timeout=20) == 1
+        assert _gone([worker, child], within=10)
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        driver.kill()
+        driver.wait()
 
 
 ARMS = textwrap.dedent("""

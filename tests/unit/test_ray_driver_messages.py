@@ -50,3 +50,21 @@ def test_raylet_messages_go_to_rays_log_while_connected(capsys):
     finally:
         ray_worker.print_to_stdstream = original
         logging.getLogger("ray").removeHandler(caught)
+
+
+def test_an_address_where_nothing_listens_is_one_line_at_once_not_rays_minutes_of_retries():
+    """Ray retries a GCS address where nothing answers for many minutes, printing its C++
+    warnings meanwhile: elasticrun looked hung. A HOST:PORT that accepts no connection is
+    refused first, in one line."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    with pytest.raises(ConnectionError) as exc:
+        ray_launcher._probe(f"127.0.0.1:{port}")
+    assert str(exc.value) == (f"--ray-address 127.0.0.1:{port}: cannot join a Ray cluster there: Connection refused "
+                              f"(is the head node up? `ray start --head` prints its address)")
+    for left_to_ray in ("auto", "local", "ray://head:10001", "head"):
+        ray_launcher._probe(left_to_ray)

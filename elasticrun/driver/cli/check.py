@@ -273,7 +273,7 @@ def _ray_cluster(a: argparse.Namespace, say: Callable[[str], None]) -> None:
         say(f"FAIL  {' and '.join(ray_missing())}: not installed (pip install 'ray==2.60.0' 'pynacl>=1.5')")
         return
     from elasticrun.discovery.ray_nodes import Requirement, ask_ray, describe_node, host_list
-    from elasticrun.driver.launch.ray_launcher import connect
+    from elasticrun.driver.launch.ray_launcher import connect, disconnected
 
     try:
         connected = connect(a.ray_address)
@@ -298,8 +298,7 @@ def _ray_cluster(a: argparse.Namespace, say: Callable[[str], None]) -> None:
         say(f"{'OK  ' if total else 'FAIL'}  {total} slot(s) free on {len(hosts.hosts)} node(s)"
             + ("" if total else ": no node has the resources one worker needs"))
     finally:
-        if connected:
-            ray.shutdown()
+        disconnected(connected)
 
 
 def main(argv: list[str]) -> int:

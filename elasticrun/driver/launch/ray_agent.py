@@ -44,6 +44,7 @@ import time
 from collections import deque
 from typing import Any, Mapping
 
+from elasticrun.common import liveness
 from elasticrun.common.lines import lines
 
 #: The watchdog that starts one worker (the file the SSH launcher sends to remote hosts).
@@ -80,12 +81,15 @@ def seal(public_key: bytes, blob: bytes) -> bytes:
 class WorkerAgent:
     """Starts and watches one worker on this node (see the module docstring)."""
 
-    def __init__(self, job_id: str, worker_id: str, silence_limit: float):
+    def __init__(self, job_id: str, worker_id: str, silence_limit: float, driver_process: str | None = None):
         from nacl.public import PrivateKey
 
         self.job_id, self.worker_id = job_id, worker_id
         self._key = PrivateKey.generate()
         self._silence_limit = silence_limit
+        # The driver's process (common/liveness.py): on its machine, a driver that is only
+        # stopped (Ctrl-Z, SIGSTOP, a debugger) is waited for, as its local workers wait.
+        self._driver_process = driver_process
         self._last_contact = time.monotonic()
         self._cv = threading.Condition()
         self._lines: deque[tuple[str, str]] = deque()
@@ -236,6 +240,8 @@ class WorkerAgent:
             silent = time.monotonic() - self._last_contact
             if silent < self._silence_limit:
                 continue
+            if self._driver_process is not None and liveness.state(self._driver_process) == "stopped":
+                continue  # not gone: its polls come back when it is continued
             sys.stderr.write(f"elasticrun agent {self.worker_id}: no word from the driver for {silent:.0f} s; "
                              f"stopping the worker and this actor\n")
             self.stop()  # the watchdog stops the worker's group

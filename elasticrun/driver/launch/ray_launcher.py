@@ -29,12 +29,14 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from elasticrun.common import env as envvars
 from elasticrun.common.errors import JobFailed
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.ray_nodes import SETTLE_SECONDS, Held, RayDiscovery, Requirement
@@ -47,6 +49,8 @@ log = logging.getLogger("elasticrun")
 POLL_SECONDS = 1.0
 #: A poll that has not come back after this long means the agent (or its node) is gone.
 POLL_TIMEOUT = 30.0
+#: How long to wait before polling again an agent Ray calls temporarily unavailable.
+UNAVAILABLE_PAUSE = 0.5
 
 
 def requirement(settings: JobSettings) -> Requirement:
@@ -102,24 +106,54 @@ def ray_log_path() -> str | None:
     return next((h.baseFilename for h in logging.getLogger("ray").handlers if isinstance(h, PrivateLog)), None)
 
 
-def connect(address: str) -> bool:
-    """Join the Ray cluster at ``address`` as a driver (its own Ray job, whose actors Ray
-    destroys when this process ends); True if this call connected (then ``ray.shutdown``
-    is ours to call). Raises ConnectionError with one line when there is no cluster there."""
-    import ray
+#: How long a --ray-address of the form HOST:PORT has to accept a TCP connection before Ray is
+#: asked to join it: Ray itself retries an address where nothing answers for many minutes.
+PROBE_SECONDS = 5.0
 
-    if ray.is_initialized():  # elasticrun.run() from a program that is already a Ray driver
-        return False
-    # Ray's own logs (node deaths with a raylet's state dump, autoscaler chatter) go to a file:
-    # elasticrun's console says what happened to the job in its own words, once.
+
+def _probe(address: str) -> None:
+    """Raise ConnectionError (one line) when ``address`` is HOST:PORT and nothing accepts a
+    TCP connection there within PROBE_SECONDS. Other forms ("auto", "local", ...) are Ray's
+    to resolve."""
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not host or not port.isdigit():
+        return
+    host = host.strip("[]")
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_SECONDS).close()
+    except OSError as exc:
+        why = ("nothing answered within %g s" % PROBE_SECONDS if isinstance(exc, socket.timeout)
+               else exc.strerror or str(exc))
+        raise ConnectionError(f"--ray-address {address}: cannot join a Ray cluster there: {why} (is the head "
+                              f"node up? `ray start --head` prints its address)") from None
+
+
+def _private_log() -> None:
+    """Ray's own logs (node deaths with a raylet's state dump, autoscaler chatter) go to a
+    file: elasticrun's console says what happened to the job in its own words, once."""
     ray_log = logging.getLogger("ray")
     if not any(isinstance(h, PrivateLog) for h in ray_log.handlers):
         handler = PrivateLog(tempfile.gettempdir(), "elasticrun-ray")
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
         ray_log.addHandler(handler)
-    path = ray_log_path()
-    ray_log.propagate = False
-    log.debug("Ray's logs go to %s", path)
+    log.debug("Ray's logs go to %s", ray_log_path())
+
+
+def connect(address: str) -> bool:
+    """Join the Ray cluster at ``address`` as a driver (its own Ray job, whose actors Ray
+    destroys when this process ends); True if this call connected (then ``ray.shutdown``
+    is ours to call). Raises ConnectionError with one line when there is no cluster there.
+    Either way, until :func:`disconnected`, the messages Ray's driver prints for the cluster
+    go to Ray's log file, not to the console."""
+    import ray
+
+    if ray.is_initialized():  # elasticrun.run() from a program that is already a Ray driver
+        _private_log()  # (its own handlers on the "ray" logger still get Ray's records)
+        _quiet_driver_messages(True)
+        return False
+    _private_log()
+    logging.getLogger("ray").propagate = False
+    _probe(address)
     try:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, configure_logging=False,
                  namespace="elasticrun")
@@ -128,6 +162,18 @@ def connect(address: str) -> bool:
         raise ConnectionError(f"--ray-address {address}: cannot join a Ray cluster there: {first}") from None
     _quiet_driver_messages(True)
     return True
+
+
+def disconnected(connected: bool) -> None:
+    """The job is over: leave the cluster if :func:`connect` joined it, and give Ray back its
+    console either way."""
+    try:
+        if connected:
+            import ray
+
+            ray.shutdown()
+    finally:
+        _quiet_driver_messages(False)
 
 
 _ray_print: Any = None  # Ray's print_to_stdstream while _quiet_driver_messages has it replaced
@@ -178,6 +224,7 @@ class _Agent:
     cancel: int | None = None  # a signal asked for before the worker started
     killed: bool = False  # the actor was killed on purpose
     finished: threading.Event = field(default_factory=threading.Event)
+    ended_at: float | None = None  # when it finished (its actor is killed then; Ray frees its share later)
     reported: bool = False  # on_exit was called (once: on its agent's "dying" or at its end)
     thread: threading.Thread | None = None
 
@@ -217,9 +264,15 @@ class RayLauncher:
 
     def held(self) -> dict[str, Held]:
         """What the job's live workers hold on each node (for discovery's slot counts)."""
+        now = time.monotonic()
         with self._lock:
-            agents = [(a.node, a.started_at) for a in self._agents.values() if not a.finished.is_set()]
-        return held_on_nodes(agents, time.monotonic())
+            # A worker that ended still counts as live, not settled, for SETTLE_SECONDS: Ray's
+            # view of the node's free resources shows its share freed only a moment after its
+            # actor is killed, and meanwhile the node would show a slot fewer (at the job's end,
+            # none: "host removed" for a node that is there).
+            agents = [(a.node, a.started_at if a.ended_at is None else None) for a in self._agents.values()
+                      if a.ended_at is None or now - a.ended_at < SETTLE_SECONDS]
+        return held_on_nodes(agents, now)
 
     # --- launching --------------------------------------------------------------------------
     def launch(self, worker_id: str, command: list[str], env: dict[str, str], host: str,
@@ -234,7 +287,8 @@ class RayLauncher:
                 num_cpus=need.cpus, num_gpus=need.gpus, resources=dict(need.resources) or None,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=host, soft=False),
                 max_restarts=0, max_task_retries=0, max_concurrency=4,
-            ).remote(env.get("ELASTICRUN_JOB_ID", "-"), worker_id, agent_silence_limit(self.settings))
+            ).remote(env.get("ELASTICRUN_JOB_ID", "-"), worker_id, agent_silence_limit(self.settings),
+                     env.get(envvars.DRIVER_PROCESS))
         except Exception as exc:  # a bad node id, Ray shutting down
             raise OSError(f"Ray could not create the worker's actor: {type(exc).__name__}: {exc}") from None
         a = _Agent(worker_id, host, handle, time.monotonic())
@@ -251,6 +305,7 @@ class RayLauncher:
         except Exception as exc:
             code = self._lost(a, exc)
         finally:
+            a.ended_at = time.monotonic()
             a.finished.set()
             try:  # the driver hears of the exit first: recovery does not wait for Ray's bookkeeping
                 self._report_exit(a, code)
@@ -299,12 +354,22 @@ class RayLauncher:
         if a.cancel is not None:
             a.handle.signal.remote(a.cancel)
         assert self._sink is not None
+        unavailable = getattr(ray.exceptions, "ActorUnavailableError", None) or ray.exceptions.GetTimeoutError
+        answered = time.monotonic()
         while True:
             ref = a.handle.poll.remote(POLL_SECONDS)
             try:
                 reply = ray.get(ref, timeout=POLL_TIMEOUT)
             except ray.exceptions.GetTimeoutError:
                 raise ConnectionError(f"its agent did not answer for {POLL_TIMEOUT:g} s") from None
+            except unavailable:
+                # "temporarily unavailable" (a network blip, its node's raylet restarting): Ray
+                # says it may answer again, so a node is not lost, and blacklisted, for one.
+                if time.monotonic() - answered >= POLL_TIMEOUT or a.killed or self._stopping:
+                    raise
+                time.sleep(UNAVAILABLE_PAUSE)
+                continue
+            answered = time.monotonic()
             for stream, line in reply["lines"]:
                 self._sink.write(a.worker_id, stream, line)
             if reply.get("dropped"):
@@ -400,8 +465,4 @@ class RaySession:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._connected:
-            import ray
-
-            ray.shutdown()
-            _quiet_driver_messages(False)
+        disconnected(self._connected)
