@@ -48,7 +48,9 @@ def parse_host_entry(text: str, default_slots: int) -> tuple[str, int]:
     user, _, name = host.rpartition("@")
     if len(name) > 253 or len(user) > 64:  # DNS's limit, and far more than any login name
         raise HostSpecError(f"{shown(entry)}: host name too long (at most 253 characters, user 64)")
-    if not _HOST_RE.match(host):
+    # (Each dot-separated part 1-63 characters, as DNS has it: a name with an empty or longer
+    # part is refused by the resolver itself, with an exception no caller expects.)
+    if not _HOST_RE.match(host) or any(not 0 < len(part) <= 63 for part in name.split(".")):
         entry_named = f"{shown(entry)}: " if host != entry else ""  # only if it says more (its slots)
         raise HostSpecError(f"{entry_named}{shown(host)} is not a valid host name")
     if slots < 1:

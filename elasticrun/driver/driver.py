@@ -9,6 +9,7 @@ queue and wake the loop through a pipe that the ZeroMQ poller watches alongside 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import queue
@@ -115,6 +116,9 @@ def _receive(sock: zmq.Socket, keep: int = 2) -> tuple[list[bytes], int]:
 #: Descriptors the driver holds per worker: three connections (requests, heartbeats and
 #: notifications, durable copies) and, for a local worker, its output pipes and key pipe.
 FDS_PER_WORKER = 6
+
+#: How long discovery waits for the lookups of new host names before it lists the others.
+NAME_WAIT = 1.0
 
 
 def _raise_open_file_limit(workers: int) -> None:
@@ -376,9 +380,32 @@ class ElasticDriver:
         except OSError:
             pass  # the pipe is full (the loop is already awake), or closed (the job is over)
 
+    def _resolved(self, found: HostList) -> HostList:
+        """``found`` without the hosts whose names are still being looked up, or do not
+        resolve. The loop must never wait on DNS (a lookup can take the resolver's 5 s, as long
+        as workers wait for the driver before they give the job up): names are looked up here,
+        on the discovery thread, and a host is listed once its name resolves. A name that does
+        not (a node listed before its DNS record exists) is said once and tried again later,
+        instead of failing a worker there and blacklisting the host."""
+        prefetch = getattr(self._launcher, "prefetch", None)
+        if prefetch is None or not found.hosts:  # (Ray's hosts are nodes, not names)
+            return found
+        held = prefetch(found.hosts, NAME_WAIT)
+        if not held or self.settings.hosts is not None:
+            # (A fixed host list is listed once, before any worker runs: its launches may wait,
+            # and a name that does not resolve fails there, saying so.)
+            return found
+        kept = dataclasses.replace(found, hosts={h: n for h, n in found.hosts.items() if h not in held},
+                                   draining=found.draining - set(held), errors=list(found.errors),
+                                   warnings=list(found.warnings))
+        for host, why in held.items():
+            if why is not None:
+                kept.warn(f"{why}; {host} is not used until it resolves")
+        return kept
+
     def _first_discovery(self) -> HostList:
         try:
-            found = self.source.discover()
+            found = self._resolved(self.source.discover())
         except DiscoveryError as exc:
             what = "discovery script" if self.settings.discovery_script else self.source.describe()
             raise JobFailed(f"The {what} is misconfigured: its first run failed.\n{exc}", 2) from None
@@ -391,7 +418,7 @@ class ElasticDriver:
     def _discovery_loop(self) -> None:
         while not self._stop_discovery.wait(self.settings.discovery_interval):
             try:
-                self._post("discovered", self.source.discover())
+                self._post("discovered", self._resolved(self.source.discover()))
             except DiscoveryError as exc:
                 self._post("discovery_failed", str(exc))
             except Exception as exc:  # a bug here must not end discovery without a word

@@ -9,11 +9,15 @@ address for everyone, named with ``--driver-address`` or ``--network-interface``
 
 from __future__ import annotations
 
+import collections
 import errno
+import functools
 import ipaddress
 import os
 import socket
-from typing import TYPE_CHECKING, Any, Callable
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 if TYPE_CHECKING:
     from elasticrun.common.settings import JobSettings
@@ -23,16 +27,130 @@ class UnresolvedHost(OSError):
     """A host name that does not resolve here (DNS or /etc/hosts: no flag of the driver helps)."""
 
 
-def route_source_address(host: str) -> str:
-    """The address of this machine that the kernel uses to reach ``host`` (no packet is sent)."""
-    name = host.rpartition("@")[2]  # user@name: the name
+# --- host names, resolved off the driver's loop ----------------------------------------------
+#: A name that did not resolve is looked up again (by :func:`prefetch`) after this long.
+UNRESOLVED_RETRY = 30.0
+#: How many names :func:`prefetch` looks up at once.
+LOOKUPS_AT_ONCE = 8
+
+_Infos = tuple[tuple[int, Any], ...]  # (family, sockaddr) of each answer, port 9 (discard), UDP
+_names: dict[str, tuple[float, "_Infos | UnresolvedHost"]] = {}  # name -> (when looked up, answer)
+_names_lock = threading.Lock()
+
+
+def _look_up(name: str) -> "_Infos | UnresolvedHost":
     try:
         infos = socket.getaddrinfo(name, 9, type=socket.SOCK_DGRAM)
     except socket.gaierror as exc:
-        raise UnresolvedHost(f"cannot resolve host name {name!r}: {exc.strerror}") from None
+        return UnresolvedHost(f"cannot resolve host name {name!r}: {exc.strerror}")
+    except UnicodeError:  # a part of the name the resolver refuses (empty, over 63 characters)
+        return UnresolvedHost(f"cannot resolve host name {name!r}: not a valid name")
     infos.sort(key=lambda i: i[0] != socket.AF_INET)  # IPv4 first
+    return tuple((i[0], i[4]) for i in infos)
+
+
+#: Names kept at most (a discovery script may list new names at every run, without end).
+MAX_NAMES = 65_536
+
+
+def _keep(name: str, answer: "_Infos | UnresolvedHost") -> None:
+    """(Under _names_lock.)"""
+    _names.pop(name, None)
+    while len(_names) >= MAX_NAMES:
+        _names.pop(next(iter(_names)))  # the longest kept
+    _names[name] = (time.monotonic(), answer)
+
+
+def resolve(name: str) -> _Infos:
+    """The addresses of host name ``name`` (UnresolvedHost if it has none). Kept once looked
+    up: the driver's loop asks for every launch, and a lookup can take the resolver's whole
+    timeout (5 s by default, as long as workers wait for an answer from the driver before they
+    give the job up), so the loop must find the answer here, looked up by :func:`prefetch`
+    from the discovery thread. A name never looked up is looked up now."""
+    with _names_lock:
+        known = _names.get(name)
+    if known is None:
+        answer = _look_up(name)
+        with _names_lock:
+            _keep(name, answer)
+        known = (0.0, answer)
+    if isinstance(known[1], UnresolvedHost):
+        raise UnresolvedHost(str(known[1]))
+    return known[1]
+
+
+def unresolved(name: str) -> str | None:
+    """Why ``name`` did not resolve when last looked up (None: it did, or was never looked up)."""
+    with _names_lock:
+        known = _names.get(name)
+    return str(known[1]) if known is not None and isinstance(known[1], UnresolvedHost) else None
+
+
+def prefetch(names: Iterable[str], timeout: float) -> set[str]:
+    """Look up the names not known yet (and those that did not resolve UNRESOLVED_RETRY ago),
+    LOOKUPS_AT_ONCE at a time on threads of their own, waiting at most ``timeout`` seconds;
+    the names still never answered. A lookup that outlasts the wait goes on and is kept."""
+    wanted = list(dict.fromkeys(names))
+    now = time.monotonic()
+    with _names_lock:
+        for n in wanted:
+            known = _names.get(n)
+            stale = known is not None and isinstance(known[1], UnresolvedHost) and now - known[0] >= UNRESOLVED_RETRY
+            if (known is None or stale) and n not in _pending:
+                _pending.add(n)
+                _queue.append(n)
+        while len(_threads) < min(LOOKUPS_AT_ONCE, len(_queue)):
+            t = threading.Thread(target=_look_up_queued, name="elasticrun-lookup", daemon=True)
+            _threads.append(t)
+            t.start()
+        deadline = now + timeout
+        while True:
+            waiting = {n for n in wanted if n not in _names}
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
+                return waiting
+            _names_changed.wait(left)
+
+
+_pending: set[str] = set()  # queued or being looked up
+_queue: collections.deque[str] = collections.deque()
+_threads: list[threading.Thread] = []
+_names_changed = threading.Condition(_names_lock)
+
+
+def _look_up_queued() -> None:
+    """One of the lookup threads: takes names until none is left, then ends."""
+    me = threading.current_thread()
+    while True:
+        with _names_lock:
+            if not _queue:
+                _threads.remove(me)
+                return
+            name = _queue.popleft()
+        answer = _look_up(name)
+        with _names_lock:
+            _keep(name, answer)
+            _pending.discard(name)
+            _names_changed.notify_all()
+
+
+@functools.lru_cache(maxsize=1)
+def own_addresses() -> frozenset[str]:
+    """This machine's addresses by its names (asked once: getfqdn() may wait on DNS)."""
+    own: set[str] = set()
+    for candidate in (socket.gethostname(), socket.getfqdn()):
+        try:
+            own |= {str(sockaddr[0]) for _, sockaddr in resolve(candidate)}
+        except OSError:
+            pass
+    return frozenset(own)
+
+
+def route_source_address(host: str) -> str:
+    """The address of this machine that the kernel uses to reach ``host`` (no packet is sent)."""
+    name = host.rpartition("@")[2]  # user@name: the name
     last: OSError | None = None
-    for family, _, _, _, sockaddr in infos:
+    for family, sockaddr in resolve(name):
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             try:
                 s.connect(sockaddr)

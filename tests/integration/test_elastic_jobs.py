@@ -67,6 +67,21 @@ def test_survivors_train_while_a_newcomer_prepares(job):
     assert all(e["rank"] == 0 and e["host"] == "localhost" for e in r.log)
 
 
+def test_a_listed_host_whose_name_does_not_resolve_is_said_and_left_unused(job):
+    """A node listed before its DNS record exists: its name is looked up off the driver's loop
+    (a lookup can take the resolver's 5 s, and a loop that waited for one was taken for gone by
+    every worker), said once, and left out until it resolves: no worker fails there, nothing
+    is blacklisted, and the job trains on the others."""
+    r = job.run(["-np", "1", "--max-np", "2", "--host-discovery-script", str(PROGRESS_DISCOVERY),
+                 "--discovery-interval", "0.2"],
+                job.train_cmd(epochs=3), HOSTS_SCHEDULE="0:localhost:1,nosuch-node.invalid:1")
+    assert r.returncode == 0, r.output
+    assert r.stderr.count("cannot resolve host name 'nosuch-node.invalid'") == 1, r.stderr
+    assert "nosuch-node.invalid is not used until it resolves" in r.stderr, r.stderr
+    assert "blacklisted hosts: none" in r.stderr and "never started" not in r.stderr, r.stderr
+    assert {e["size"] for e in r.log} == {1}, r.log
+
+
 @pytest.mark.parametrize("mode", ["exception", "sigkill", "latekill"])
 @pytest.mark.parametrize("hosts", ["discovery", "fixed"])
 def test_one_rank_fails_and_survivors_continue(job, mode, hosts):

@@ -203,7 +203,7 @@ def test_a_node_that_dies_mid_run_fails_over_and_the_survivor_recovers_in_place(
     r = job.finish(timeout=180)
     assert r.returncode == 0, r.output
     log = entries(job.tmp / "samples")
-    assert {e["size"] for e in log} == {2, 1}
+    assert {e["size"] for e in log} == {2, 1}, r.stderr
     assert_exactly_once(log)
     assert "round 0 aborted" in r.stderr, r.stderr
     # Ray's own logs (a raylet's state dump when its node dies) go to a file, not the console.
@@ -228,7 +228,7 @@ def test_a_node_ray_drains_leaves_at_the_next_step_without_a_rollback(job, clust
     assert f"host {nodes[1].node_id} is about to go (discovery lists it draining)" in r.stderr, r.stderr
     assert "aborted" not in r.stderr and "exited with code" not in r.stderr, r.stderr  # no rollback, no failure
     log = entries(job.tmp / "samples")
-    assert {e["size"] for e in log} == {2, 1}
+    assert {e["size"] for e in log} == {2, 1}, r.stderr
     assert_exactly_once(log)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 
 import pytest
 
@@ -118,3 +120,66 @@ def test_a_containers_cpu_quota_caps_the_cores():
     assert network.quota_cores(None, "-1", "100000") is None  # v1: no limit
     assert network.quota_cores(None, None, None) is None  # no cgroup files
     assert network.quota_cores("garbage") is None and network.quota_cores("0 100000") is None
+
+
+class TestNames:
+    """Host names are looked up off the driver's loop (network.prefetch, from the discovery
+    thread) and kept: a lookup can take the resolver's 5 s, as long as workers wait for the
+    driver, and one slow name on the loop made every worker give the job up."""
+
+    @pytest.fixture(autouse=True)
+    def fresh(self, monkeypatch):
+        monkeypatch.setattr(network, "_names", {})
+        monkeypatch.setattr(network, "_pending", set())
+        self.calls: list[str] = []
+        self.release = threading.Event()
+        real = socket.getaddrinfo
+
+        def lookup(name, *args, **kwargs):
+            self.calls.append(name)
+            if name.startswith("slow"):
+                assert self.release.wait(10)
+            if name.endswith(".invalid"):
+                raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+            return real("127.0.0.1", *args, **kwargs)
+
+        monkeypatch.setattr(network.socket, "getaddrinfo", lookup)
+        yield
+        self.release.set()
+
+    def test_a_slow_name_is_held_back_and_the_others_are_kept_for_the_loop(self):
+        started = time.monotonic()
+        assert network.prefetch(["fast-a", "slow-b", "fast-c"], 0.3) == {"slow-b"}
+        assert 0.25 < time.monotonic() - started < 5
+        calls = len(self.calls)
+        assert network.route_source_address("fast-a").startswith("127.")  # from what was kept
+        assert len(self.calls) == calls
+        self.release.set()  # its lookup ends: it is kept too
+        assert network.prefetch(["slow-b"], 5) == set()
+        assert network.resolve("slow-b") and self.calls.count("slow-b") == 1
+
+    def test_a_name_that_does_not_resolve_is_said_and_looked_up_again_later(self, monkeypatch):
+        assert network.prefetch(["gone.invalid"], 5) == set()
+        assert network.unresolved("gone.invalid") == "cannot resolve host name 'gone.invalid': Name or service not known"
+        with pytest.raises(network.UnresolvedHost):
+            network.resolve("gone.invalid")
+        network.prefetch(["gone.invalid"], 5)
+        assert self.calls.count("gone.invalid") == 1  # not again before UNRESOLVED_RETRY
+        monkeypatch.setattr(network, "UNRESOLVED_RETRY", 0.0)
+        # Looked up again in the background: the answer so far stands meanwhile (never a wait).
+        network.prefetch(["gone.invalid"], 5)
+        deadline = time.monotonic() + 5
+        while self.calls.count("gone.invalid") < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.calls.count("gone.invalid") == 2
+        assert network.unresolved("fast-a") is None
+
+    def test_a_name_the_resolver_refuses_is_unresolved_not_an_exception(self, monkeypatch):
+        monkeypatch.setattr(network.socket, "getaddrinfo", lambda *a, **k: (_ for _ in ()).throw(UnicodeError("label")))
+        assert network.prefetch(["a..b"], 5) == set()
+        assert "not a valid name" in (network.unresolved("a..b") or "")
+
+    def test_the_names_kept_are_bounded(self, monkeypatch):
+        monkeypatch.setattr(network, "MAX_NAMES", 10)
+        network.prefetch([f"fast-{i}" for i in range(25)], 5)
+        assert len(network._names) == 10 and "fast-24" in network._names

@@ -14,11 +14,13 @@ import logging
 import os
 import threading
 import time
+from typing import Iterable
 
 from elasticrun.common import warmstart
 from elasticrun.common.settings import JobSettings
 from elasticrun.driver.environment import shared_environment
 from elasticrun.driver.launching import OnExit
+from elasticrun.driver import network
 from elasticrun.driver.launch.local import LocalLauncher, is_local_host
 from elasticrun.driver.output import Output
 from elasticrun.driver.launch.ssh import SSHLauncher, SSHOptions
@@ -102,6 +104,23 @@ class Launchers:
                 raise RuntimeError("Launchers.bind() must be called before launching")
             self._ssh = SSHLauncher(self._output, self._on_exit, SSHOptions.from_settings(self.settings))
         return self._ssh
+
+    def prefetch(self, hosts: Iterable[str], timeout: float) -> dict[str, str | None]:
+        """Resolve the names of ``hosts`` (and this machine's own, once) off the driver's loop,
+        which then finds them resolved (``network.prefetch``); the hosts not to use yet: those
+        whose lookup has not ended within ``timeout`` (None), and those whose name does not
+        resolve (why). Such a name is looked up again later (``network.UNRESOLVED_RETRY``)."""
+        network.own_addresses()
+        by_name: dict[str, list[str]] = {}
+        for h in hosts:
+            by_name.setdefault(h.rpartition("@")[2], []).append(h)
+        pending = network.prefetch(by_name, timeout)
+        held: dict[str, str | None] = {h: None for name in pending for h in by_name[name]}
+        for name, named in by_name.items():
+            why = None if name in pending else network.unresolved(name)
+            if why is not None:
+                held.update((h, why) for h in named)
+        return held
 
     def is_remote(self, host: str) -> bool:
         if self.mode == "ssh":

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from functools import lru_cache
 from typing import Callable
 
 from elasticrun.common import env as envvars, secretpipe, warmstart
+from elasticrun.driver import network
 from elasticrun.driver.output import Output, pump
 from elasticrun.driver.launch import remote_bootstrap
 from elasticrun.driver.launch.remote_bootstrap import DeathNotice, said_swept, sweep
@@ -34,19 +34,13 @@ log = logging.getLogger("elasticrun")
 
 @lru_cache(maxsize=256)
 def is_local_host(host: str) -> bool:
-    """True if ``host`` names this machine (a loopback address or one of its own addresses)."""
-    name = host.rsplit("@", 1)[-1]
+    """True if ``host`` names this machine (a loopback address or one of its own addresses).
+    Names are resolved once (``network.resolve``: the driver's loop asks at every launch)."""
     try:
-        addresses = {str(info[4][0]) for info in socket.getaddrinfo(name, None)}
-    except socket.gaierror:
+        addresses = {str(sockaddr[0]) for _, sockaddr in network.resolve(host.rsplit("@", 1)[-1])}
+    except OSError:
         return False
-    own: set[str] = set()
-    for candidate in (socket.gethostname(), socket.getfqdn()):
-        try:
-            own |= {str(info[4][0]) for info in socket.getaddrinfo(candidate, None)}
-        except socket.gaierror:
-            pass
-    return any(ipaddress.ip_address(a.split("%")[0]).is_loopback or a in own for a in addresses)
+    return any(ipaddress.ip_address(a.split("%")[0]).is_loopback or a in network.own_addresses() for a in addresses)
 
 
 _CLEAN_UP_AFTER_S = 0.25  # after a worker's exit, before what it left behind is stopped

@@ -224,7 +224,6 @@ class _Agent:
     cancel: int | None = None  # a signal asked for before the worker started
     killed: bool = False  # the actor was killed on purpose
     finished: threading.Event = field(default_factory=threading.Event)
-    ended_at: float | None = None  # when it finished (its actor is killed then; Ray frees its share later)
     reported: bool = False  # on_exit was called (once: on its agent's "dying" or at its end)
     thread: threading.Thread | None = None
 
@@ -264,15 +263,9 @@ class RayLauncher:
 
     def held(self) -> dict[str, Held]:
         """What the job's live workers hold on each node (for discovery's slot counts)."""
-        now = time.monotonic()
         with self._lock:
-            # A worker that ended still counts as live, not settled, for SETTLE_SECONDS: Ray's
-            # view of the node's free resources shows its share freed only a moment after its
-            # actor is killed, and meanwhile the node would show a slot fewer (at the job's end,
-            # none: "host removed" for a node that is there).
-            agents = [(a.node, a.started_at if a.ended_at is None else None) for a in self._agents.values()
-                      if a.ended_at is None or now - a.ended_at < SETTLE_SECONDS]
-        return held_on_nodes(agents, now)
+            agents = [(a.node, a.started_at) for a in self._agents.values() if not a.finished.is_set()]
+        return held_on_nodes(agents, time.monotonic())
 
     # --- launching --------------------------------------------------------------------------
     def launch(self, worker_id: str, command: list[str], env: dict[str, str], host: str,
@@ -305,7 +298,6 @@ class RayLauncher:
         except Exception as exc:
             code = self._lost(a, exc)
         finally:
-            a.ended_at = time.monotonic()
             a.finished.set()
             try:  # the driver hears of the exit first: recovery does not wait for Ray's bookkeeping
                 self._report_exit(a, code)
