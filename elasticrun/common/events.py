@@ -33,6 +33,7 @@ class Kind(str, enum.Enum):
     HOST_ADDED = "host_added"
     HOST_REMOVED = "host_removed"
     HOST_RESIZED = "host_resized"
+    HOSTS_MORE = "hosts_more"                # more hosts changed in one listing than are named, counted
     HOST_BLACKLISTED = "host_blacklisted"
     HOST_WHITELISTED = "host_whitelisted"    # back after its cooldown
     HOST_DRAINING = "host_draining"          # discovery says it is about to go
@@ -140,6 +141,7 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.DISCOVERY_EMPTY: ("round", "message"),
     Kind.HOST_ADDED: ("round", "message", "host", "slots"),
     Kind.HOST_REMOVED: ("round", "message", "host"),
+    Kind.HOSTS_MORE: ("round", "message", "added", "removed", "resized", "whitelisted"),
     Kind.HOST_RESIZED: ("round", "message", "host", "slots"),
     # seconds: how long (None: permanently); straggler: for dragging the job, not for a failure
     Kind.HOST_BLACKLISTED: ("round", "message", "host", "seconds", "straggler", "over"),

@@ -67,6 +67,7 @@ During a round, host changes do not stop it until they can take effect:
 
 from __future__ import annotations
 
+import collections
 import enum
 import signal
 from dataclasses import dataclass, field
@@ -115,6 +116,10 @@ _LIVE = (WorkerState.WAITING, WorkerState.RUNNING)
 # States whose silence is a hang: a launching worker that has reached the driver is preparing
 # (building its model before it asks for a place) and heartbeats meanwhile.
 _BEATING = (WorkerState.LAUNCHING, *_LIVE)
+
+#: Hosts named on the console per listing and kind of change (added, removed, resized, back
+#: after a cooldown); the rest are counted in one line.
+HOSTS_NAMED = 8
 
 #: How often a wait for slots is reported on the console.
 WAIT_REMINDER = 30.0
@@ -461,16 +466,32 @@ class Registry:
             if h not in was_draining:
                 self._outbox.append(Event(Kind.HOST_DRAINING, {"host": h}))
         served = set(self.hosts.blacklisted())  # every host ever blacklisted (entries outlive cooldowns)
+        # Each host is named up to HOSTS_NAMED a listing (per kind of change), the rest counted
+        # in one line: a listing of thousands of hosts, or one whose hosts come and go at every
+        # run, must not print a line per host per run.
+        named: collections.Counter[str] = collections.Counter()
+        unnamed: collections.Counter[str] = collections.Counter()
+
+        def say(event: Event, kind: str) -> None:
+            if named[kind] < HOSTS_NAMED:
+                named[kind] += 1
+                self._outbox.append(event)
+            else:
+                unnamed[kind] += 1
+
         for h in change.added:
             if h in served and h in before:  # its cooldown ended just before this listing came
-                self._outbox.append(Event(Kind.HOST_WHITELISTED, {"host": h, "because": "cooldown"}))
+                say(Event(Kind.HOST_WHITELISTED, {"host": h, "because": "cooldown"}), "whitelisted")
             else:
-                self._outbox.append(Event(Kind.HOST_ADDED, {"host": h, "slots": hosts[h]}))
+                say(Event(Kind.HOST_ADDED, {"host": h, "slots": hosts[h]}), "added")
         for h in change.removed:
             if h not in self.hosts.draining():
-                self._outbox.append(Event(Kind.HOST_REMOVED, {"host": h}))
+                say(Event(Kind.HOST_REMOVED, {"host": h}), "removed")
         for h in change.resized:
-            self._outbox.append(Event(Kind.HOST_RESIZED, {"host": h, "slots": hosts[h]}))
+            say(Event(Kind.HOST_RESIZED, {"host": h, "slots": hosts[h]}), "resized")
+        if unnamed:
+            self._outbox.append(Event(Kind.HOSTS_MORE, {k: unnamed[k] for k in ("added", "removed", "resized",
+                                                                                "whitelisted") if unnamed[k]}))
 
     def rendezvous(self, worker_id: str, now: float, error: str | None = None, restored: bool = False,
                    has_state: bool = False, gpus: tuple[str, ...] = ()) -> None:

@@ -155,6 +155,10 @@ _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
     Kind.HOST_ADDED: lambda f: f"host {f['host']} added ({f['slots']} slots)",
     Kind.HOST_REMOVED: lambda f: f"host {f['host']} removed",
     Kind.HOST_RESIZED: lambda f: f"host {f['host']} now has {f['slots']} slots",
+    Kind.HOSTS_MORE: lambda f: ("and in the same listing, not named: "
+                                + ", ".join(f"{f[k]} more host(s) {w}" for k, w in (
+                                    ("added", "added"), ("removed", "removed"), ("resized", "resized"),
+                                    ("whitelisted", "back after their cooldown")) if f.get(k))),
     Kind.HOST_LEAVING: lambda f: f"host {f['host']} leaving ({f['why']})",
     Kind.HOST_BLACKLISTED: _blacklisted,
     Kind.STRAGGLER: _straggler_event,

@@ -820,6 +820,27 @@ class TestHeartbeat:
         assert "ghost" not in job.reg.workers
 
 
+class TestManyHosts:
+    def test_a_listing_of_thousands_of_hosts_names_a_few_and_counts_the_rest(self):
+        """A line per host per listing: 5,000 hosts listed (or coming and going at every run)
+        printed 5,000 lines each time."""
+        job = Job(np=1, max_np=2)
+        acts = job.discover({f"n{i}": 1 for i in range(5000)}, at=0)
+        assert len(events(acts, "host_added")) == 8
+        [more] = events(acts, "hosts_more")
+        assert text(more) == "and in the same listing, not named: 4992 more host(s) added"
+        acts = job.discover({**{f"n{i}": 1 for i in range(2, 4000)}, "n0": 1, "n1": 2, "m": 1}, at=1)
+        assert len(events(acts, "host_removed")) == 8 and len(events(acts, "host_added")) == 1
+        assert [e.fields for e in events(acts, "host_resized")] == [{"host": "n1", "slots": 2}]
+        [more] = events(acts, "hosts_more")
+        assert text(more) == "and in the same listing, not named: 992 more host(s) removed"
+
+    def test_a_few_hosts_are_each_named_and_nothing_is_counted(self):
+        job = Job(np=1, max_np=2)
+        acts = job.discover({f"n{i}": 1 for i in range(8)}, at=0)
+        assert len(events(acts, "host_added")) == 8 and not events(acts, "hosts_more")
+
+
 class TestStalls:
     """Members in no collective while another has waited in one past the stall warning are
     named: a waiting worker cannot tell which rank holds it (gloo does not say)."""
