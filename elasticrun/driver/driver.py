@@ -32,6 +32,7 @@ from elasticrun.common.ratelimit import LimitedLog
 from elasticrun.common.settings import JobSettings
 from elasticrun.discovery.host_manager import HostManager
 from elasticrun.discovery.sources import DiscoveryError
+from elasticrun.discovery.streak import FailureStreak
 from elasticrun.driver import registry as reg
 from elasticrun.driver import request_types as requests
 from elasticrun.driver import words
@@ -178,6 +179,7 @@ class ElasticDriver:
         self._abort_said: tuple[Reason, str] | None = None  # the abort reason worded once, not per heartbeat
         self._notifications = Notifications()
         self._reported_problems: set[int] = set()  # hashes of discovery problems already said
+        self._discovery_streak = FailureStreak()  # runs failed in a row: said again every 10 minutes
         self._last_problems: int | None = None  # the previous discovery run's problems, hashed
         self._summarized = False
         events_path = settings.events_file or (
@@ -556,6 +558,9 @@ class ElasticDriver:
     def _on_event(self, kind: str, payload: Any) -> None:
         now = time.monotonic()
         if kind == "discovered":
+            line = self._discovery_streak.succeeded(now)
+            if line is not None:
+                log.info("%s", line)
             self._report_discovery_problems(payload)
             listing = (dict(payload.hosts), sorted(payload.draining))
             if listing != self._last_hosts:
@@ -564,6 +569,9 @@ class ElasticDriver:
             self.registry.discovered(payload.hosts, now, payload.draining)
         elif kind == "discovery_failed":
             self._warn_once(f"discovery failed, keeping the last known hosts: {payload}", "failed discovery runs")
+            line = self._discovery_streak.failed(now, str(payload))
+            if line is not None:
+                log.warning("%s", line)
         elif kind == "durable_written":
             durable, seconds = payload
             m = durable.manifest
