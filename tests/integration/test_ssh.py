@@ -212,7 +212,8 @@ class _Forward:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(listen)
         self.sock.listen()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
 
     def _accept(self) -> None:
         while True:
@@ -238,7 +239,15 @@ class _Forward:
                 pass
 
     def close(self) -> None:
+        """Stop listening. (A close() alone leaves the socket listening while the accepting
+        thread is blocked in accept(): a later test's connection there would be forwarded.)"""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        except OSError:
+            pass
         self.sock.close()
+        self.thread.join(5)
+        assert not self.thread.is_alive(), "the forward still accepts"
 
 
 def test_a_newcomer_whose_sshd_is_still_starting_is_tried_again(sshd_clean, tmp_path, caplog):
@@ -246,19 +255,19 @@ def test_a_newcomer_whose_sshd_is_still_starting_is_tried_again(sshd_clean, tmp_
     tried again within the connect time (before, it failed at once and the host was
     blacklisted, by default for good). In the first round a refused host still fails at once."""
     server = sshd_clean
-    known = tmp_path / "known_hosts"  # 127.0.0.9 answers with the test sshd's key, through the forward
+    known = tmp_path / "known_hosts"  # 127.0.0.12 answers with the test sshd's key, through the forward
     key = server.known_hosts.read_text().splitlines()[0].split(" ", 1)[1]
-    known.write_text(server.known_hosts.read_text() + f"[127.0.0.9]:{server.port} {key}\n")
+    known.write_text(server.known_hosts.read_text() + f"[127.0.0.12]:{server.port} {key}\n")
     launcher, _, exits = _launcher(server, known_hosts=str(known), connect_timeout=20.0)
     forward = None
     try:
         with caplog.at_level(logging.ERROR, logger="elasticrun"):
-            launcher.launch("newcomer", ["true"], _env(ELASTICRUN_JOINING="1"), host="127.0.0.9")
+            launcher.launch("newcomer", ["true"], _env(ELASTICRUN_JOINING="1"), host="127.0.0.12")
             launcher.launch("first", ["true"], _env(), host="127.0.0.10")
             assert exits.wait("first")["first"] != 0  # refused, and not tried again: its error is said
             assert "127.0.0.10: could not start worker first over SSH: cannot connect to" in caplog.text
             assert "newcomer" not in caplog.text  # still trying
-            forward = _Forward(("127.0.0.9", server.port), ("127.0.0.2", server.port))  # sshd is up
+            forward = _Forward(("127.0.0.12", server.port), ("127.0.0.2", server.port))  # sshd is up
             assert exits.wait("newcomer", timeout=30) == {"newcomer": 0}, caplog.text
             # One whose sshd never comes is given up on at the connect time, saying so.
             brief, _, brief_exits = _launcher(server, connect_timeout=1.5)
