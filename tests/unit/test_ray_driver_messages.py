@@ -68,3 +68,23 @@ def test_an_address_where_nothing_listens_is_one_line_at_once_not_rays_minutes_o
                               f"(is the head node up? `ray start --head` prints its address)")
     for left_to_ray in ("auto", "local", "ray://head:10001", "head"):
         ray_launcher._probe(left_to_ray)
+
+
+def test_a_callers_own_ray_connection_is_quieted_for_the_job_and_given_back(monkeypatch, capsys):
+    """The Horovod pattern: the program called ray.init() itself, then elasticrun.run(). Ray's
+    node messages reached the console (connect() returned before quieting them); now they go
+    to Ray's log during the job either way, and the caller's connection is left open."""
+    import ray
+
+    original = ray_worker.print_to_stdstream
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    shut: list[bool] = []
+    monkeypatch.setattr(ray, "shutdown", lambda: shut.append(True))
+    try:
+        assert ray_launcher.connect("127.0.0.1:1") is False  # (no probe either: already connected)
+        ray_worker.print_to_stdstream({"lines": ["Raylet is terminated."], "pid": "raylet", "is_err": False}, False)
+        assert capsys.readouterr().err == ""
+        ray_launcher.disconnected(False)
+        assert ray_worker.print_to_stdstream is original and shut == []  # theirs to shut down
+    finally:
+        ray_worker.print_to_stdstream = original
