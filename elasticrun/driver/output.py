@@ -82,21 +82,27 @@ class OutputSink:
             self._files.clear()
 
 
-def pump(pipe: IO[bytes], worker_id: str, stream: str, sink: Output) -> threading.Thread:
+def pump(pipe: IO[bytes], worker_id: str, stream: str, sink: Output,
+         done: Callable[[], None] | None = None) -> threading.Thread:
     """Copy ``pipe`` line by line into ``sink`` on a daemon thread (ends at EOF); a line over
-    :data:`~elasticrun.common.lines.LINE_LIMIT` bytes in pieces."""
+    :data:`~elasticrun.common.lines.LINE_LIMIT` bytes in pieces. ``done`` is called at its end,
+    once every line is out (the launcher then forgets the worker)."""
 
     def run() -> None:
         said = False
-        with pipe:
-            for line in lines(pipe):
-                try:
-                    sink.write(worker_id, stream, line)
-                except Exception:  # never stop reading: the worker would block on a full pipe, or die of EPIPE
-                    if not said:
-                        said = True
-                        log.exception("%s's %s: a line could not be written (later failures go unsaid)",
-                                      worker_id, stream)
+        try:
+            with pipe:
+                for line in lines(pipe):
+                    try:
+                        sink.write(worker_id, stream, line)
+                    except Exception:  # never stop reading: the worker would block on a full pipe, or die of EPIPE
+                        if not said:
+                            said = True
+                            log.exception("%s's %s: a line could not be written (later failures go unsaid)",
+                                          worker_id, stream)
+        finally:
+            if done is not None:
+                done()
 
     thread = threading.Thread(target=run, name=f"elasticrun-output-{worker_id}-{stream}", daemon=True)
     thread.start()

@@ -89,6 +89,10 @@ def test_output_env_connection_reuse_and_tree_kill(sshd_clean, tmp_path):
     assert exits.wait("w2") == {"w2": 3}
     # w2's orphan went with it: the watchdog kills what is left of the group when the worker exits
     _wait_for(lambda: not any(cmdline(p) == "sleep 301" for p in server.workload()), 2, "w2's orphan to die")
+    # and, its output out, the launcher forgets it (a job that replaces workers for days keeps no
+    # channel or thread of each one)
+    _wait_for(lambda: not launcher.knows("w2"), 5, "w2 to be forgotten")
+    assert ("w2", "stdout", "quick") in sink.lines and launcher.knows("w1")
     _wait_for(lambda: len(_sleepers(server)) == 2, 10, "w1's two sleeps")
     assert ("w1", "stdout", "out hello there") in sink.lines
     assert ("w1", "stdout", os.getcwd()) in sink.lines  # the driver's working directory

@@ -99,6 +99,37 @@ def test_local_workers_report_output_exit_and_get_the_keys_through_a_pipe():
     assert ("w1", "stdout", KEYS.decode()) in sink.lines and ("w1", "stderr", "err") in sink.lines
 
 
+
+def test_an_ended_worker_is_forgotten_and_the_stop_never_signals_its_group_again(monkeypatch):
+    """A job replacing workers for days must not keep each one's record (threads, pipes: ~8 KB a
+    worker), nor SIGKILL, at its stop, a process group id that an ended worker had: once that
+    group is empty the id is free, and pids wrap (at 32,768 on many machines)."""
+    import os
+
+    launchers, exits, sink = Launchers(_settings()), _Exits(), _Sink()
+    launchers.bind(exits, sink)
+    launchers.launch("w1", ["sh", "-c", "echo bye; exit 0"], {"PATH": "/bin:/usr/bin"}, host="localhost")
+    launchers.launch("w2", ["sleep", "300"], {"PATH": "/bin:/usr/bin"}, host="localhost")
+    ended = launchers.pid("w1")
+    assert ended is not None and exits.wait("w1") == 0
+    deadline = time.monotonic() + 10
+    while launchers.local.knows("w1"):  # reaped, swept (0.25 s after its exit), output read: forgotten
+        assert time.monotonic() < deadline, "w1 was not forgotten"
+        time.sleep(0.01)
+    assert ("w1", "stdout", "bye") in sink.lines
+    assert launchers.pid("w1") is None and launchers.local.knows("w2")
+    launchers.signal("w1", signal.SIGTERM)  # forgotten: nothing happens
+    signalled: list[int] = []
+    real = os.killpg
+    monkeypatch.setattr(os, "killpg", lambda pgid, sig: (signalled.append(pgid), real(pgid, sig)))
+    try:
+        launchers.stop_all(1)
+    finally:
+        launchers.drain(2)
+    assert exits.wait("w2") == -signal.SIGTERM
+    assert ended not in signalled and launchers.pid("w2") is None
+
+
 # --- the driver and its launcher ---------------------------------------------------------------------
 class _FailingLauncher:
     """Every worker it is asked for exits with code 1 at once, from another thread (as a

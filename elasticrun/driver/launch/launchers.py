@@ -50,7 +50,6 @@ class Launchers:
         self._output: Output | None = None
         self._local: LocalLauncher | None = None
         self._ssh: SSHLauncher | None = None
-        self._where: dict[str, LocalLauncher | SSHLauncher] = {}
         self.template: LocalTemplate | None = None
 
     def bind(self, on_exit: OnExit, output: Output) -> None:
@@ -133,22 +132,27 @@ class Launchers:
                keys: bytes | None = None) -> None:
         """``keys``: the job's key blob; the worker gets it through a pipe, never its environment."""
         if host is not None and self.is_remote(host):
-            self._where[worker_id] = self.ssh
             self.ssh.launch(worker_id, command, env, host=host, keys=keys)
             return
         if host is not None and self.mode == "local" and not is_local_host(host):
             raise OSError(f"host {host} is not this machine, and --launcher local never uses SSH")
-        self._where[worker_id] = self.local
         self.local.launch(worker_id, command, env, keys=keys)
 
+    def _of(self, worker_id: str) -> LocalLauncher | SSHLauncher | None:
+        """The launcher that started the worker, until it has forgotten it (once ended)."""
+        for launcher in (self._local, self._ssh):
+            if launcher is not None and launcher.knows(worker_id):
+                return launcher
+        return None
+
     def signal(self, worker_id: str, sig: int) -> None:
-        launcher = self._where.get(worker_id)
+        launcher = self._of(worker_id)
         if launcher is not None:
             launcher.signal(worker_id, sig)
 
     def pid(self, worker_id: str) -> int | None:
         """The worker's process (local) or process group (remote) id, once known."""
-        launcher = self._where.get(worker_id)
+        launcher = self._of(worker_id)
         return launcher.pid(worker_id) if launcher is not None else None
 
     def stop_all(self, grace: float) -> None:

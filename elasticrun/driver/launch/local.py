@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable
+from typing import IO, Callable
 
 from elasticrun.common import env as envvars, secretpipe, warmstart
 from elasticrun.driver import network
@@ -59,6 +59,7 @@ class _Proc:
     reported: bool = False  # on_exit was called (once: by the notice or by the reaper)
     job_id: str | None = None  # (its environment's ELASTICRUN_JOB_ID: what it left behind names it)
     cleaned: threading.Event = field(default_factory=threading.Event)  # what it left behind is stopped
+    open_streams: int = 0  # its output pipes not yet read to their end
 
 
 class LocalLauncher:
@@ -175,9 +176,32 @@ class LocalLauncher:
                 os.close(fd)  # the worker holds the only reference now
         proc.popen, proc.pid = popen, popen.pid
         assert popen.stdout is not None and popen.stderr is not None
-        proc.threads += [pump(popen.stdout, proc.worker_id, "stdout", self._sink),
-                         pump(popen.stderr, proc.worker_id, "stderr", self._sink)]
+        self._pump(proc, popen.stdout, popen.stderr)
         self._await_death(proc, notice)
+
+    def _pump(self, proc: _Proc, stdout: IO[bytes], stderr: IO[bytes]) -> None:
+        """Copy the worker's output out, each stream on a thread of its own."""
+        def closed() -> None:
+            with self._lock:
+                proc.open_streams -= 1
+                self._forget(proc)
+
+        with self._lock:
+            proc.open_streams += 2
+        proc.threads += [pump(stdout, proc.worker_id, "stdout", self._sink, closed),
+                         pump(stderr, proc.worker_id, "stderr", self._sink, closed)]
+
+    def _forget(self, proc: _Proc) -> None:
+        """(With the lock held.) A worker that has been reported, reaped and swept, and whose
+        output is all out, is forgotten: a job that replaces workers for days keeps no record of
+        each one (threads, pipes), and the job's stop never signals its process group id, which
+        may by then be another process's (pids wrap, at 32,768 on many machines)."""
+        if proc.cleaned.is_set() and proc.open_streams <= 0 and self._procs.get(proc.worker_id) is proc:
+            del self._procs[proc.worker_id]
+
+    def knows(self, worker_id: str) -> bool:
+        """The worker was started here and is not yet forgotten."""
+        return worker_id in self._procs
 
     def _await_death(self, proc: _Proc, notice: DeathNotice | None) -> None:
         """Start the thread that reports the worker's death from its notice, before it is reaped."""
@@ -211,6 +235,8 @@ class LocalLauncher:
             self._clean_up(proc)
         finally:
             proc.cleaned.set()
+            with self._lock:
+                self._forget(proc)
 
     def _clean_up(self, proc: _Proc) -> None:
         """After the driver has heard of the exit: stop what the worker left running, as a
@@ -315,8 +341,7 @@ class LocalLauncher:
                 if fd != notice_fd:
                     os.close(fd)
         proc.pid = warm.pid
-        proc.threads += [pump(os.fdopen(out_r, "rb"), proc.worker_id, "stdout", self._sink),
-                         pump(os.fdopen(err_r, "rb"), proc.worker_id, "stderr", self._sink)]
+        self._pump(proc, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
         self._await_death(proc, notice)
         return warm
 
@@ -355,8 +380,10 @@ class LocalLauncher:
         for proc in procs:
             proc.finished.wait(max(0.0, deadline - time.monotonic()))
         for proc in procs:
-            # Also reaches children that outlived their worker in the same group.
-            self._killpg(proc, signal.SIGKILL)
+            # Also reaches children that outlived their worker in the same group; not a group
+            # already swept after its worker's exit, whose id may be another process's by now.
+            if not proc.cleaned.is_set():
+                self._killpg(proc, signal.SIGKILL)
         deadline = time.monotonic() + 5.0
         for proc in procs:
             proc.finished.wait(max(0.0, deadline - time.monotonic()))

@@ -303,6 +303,8 @@ class RayLauncher:
                 self._report_exit(a, code)
             finally:
                 self._kill_actor(a)
+                with self._lock:  # its output is out (this thread copied it): forget it
+                    self._agents.pop(a.worker_id, None)
 
     def _report_exit(self, a: _Agent, code: int) -> None:
         """``on_exit`` exactly once per worker: when its agent says it is dying, or at its end."""

@@ -483,6 +483,22 @@ class SSHLauncher:
                 r.channel.close()
             r.finished.set()
             self._report_exit(r, code)
+            self._forget(r)
+
+    def _forget(self, r: _Remote) -> None:
+        """Once its output is all out (its channel is closed: the pumps are at its end), the
+        worker is forgotten: a job that replaces workers for days keeps no record (channel,
+        buffers, threads) of each one. If a pump is still copying, the worker is kept for drain()."""
+        for t in r.threads:
+            if t is not threading.current_thread():
+                t.join(2.0)
+        with self._lock:
+            if not any(t.is_alive() for t in r.threads if t is not threading.current_thread()):
+                self._remotes.pop(r.worker_id, None)
+
+    def knows(self, worker_id: str) -> bool:
+        """The worker was started here and is not yet forgotten."""
+        return worker_id in self._remotes
 
     def _report_exit(self, r: _Remote, code: int) -> None:
         """``on_exit`` exactly once per worker: when the watchdog's notice says it is dying
