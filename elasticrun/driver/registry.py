@@ -471,6 +471,11 @@ class Registry:
         before = self.hosts.discovered()
         was_draining = self.hosts.draining()
         change = self.hosts.update(hosts, now, draining)
+        if self.finished is not None or self._succeeded():
+            # The job is ending: its hosts no longer matter, and a line would read as news. (On
+            # Ray, a node shows a worker's slot again only once Ray has freed it, a moment after
+            # the worker's end: the last listings said "host removed" for a job that succeeded.)
+            return
         for h in sorted(set(draining) & set(hosts)):
             if h not in was_draining:
                 self._outbox.append(Event(Kind.HOST_DRAINING, {"host": h}))

@@ -2347,6 +2347,17 @@ class TestLifecycle:
         with pytest.raises(AssertionError, match="illegal_move"):
             _move(job.reg.workers["w0"], WorkerState.LEFT)
 
+    def test_host_changes_go_unsaid_once_the_job_is_ending(self):
+        """On Ray a node lists a worker's slot again only once Ray has freed it: the listings
+        right after the workers' ends said "host removed" for a job that succeeded."""
+        job = Job(np=2, min_np=1)
+        job.start({"a": 1, "b": 1}, at=0)
+        job.exit("w0", 0, at=1)
+        acts = job.discover({"a": 1}, at=2) + job.discover({"a": 1, "c": 2}, at=3)
+        assert not [a for a in acts if isinstance(a, Event) and a.kind.startswith("host")], acts
+        assert not of(acts, Launch)
+        assert of(job.exit("w1", 0, at=4), Finish)[0].ok
+
     def test_the_table_is_the_documented_lifecycle(self):
         gone = {WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.LEFT}
         assert set(MOVES) == set(WorkerState)
