@@ -1288,7 +1288,7 @@ class RegistryMachine(RuleBasedStateMachine):
         self.before: set[str] = set()  # holders alive before the event under test
         for name in ("discover", "rdv", "exit", "failing", "tick"):
             def snapshot(*args, _call=getattr(self.job, name), **kwargs):
-                self.before = {wid for wid in self.holders if self.reg.workers[wid].state in LIVE_STATES}
+                self.before = {wid for wid in self.holders if self._live(wid)}
                 return _call(*args, **kwargs)
             setattr(self.job, name, snapshot)
         # Usually start with enough slots for np (a job whose hosts never come is tested above).
@@ -1365,6 +1365,11 @@ class RegistryMachine(RuleBasedStateMachine):
         for wid in group:
             self._rdv(data, wid, dt)
 
+    def _live(self, wid):
+        """(A record of a worker that failed or left is forgotten a minute after its exit.)"""
+        w = self.reg.workers.get(wid)
+        return w is not None and w.state in LIVE_STATES
+
     @precondition(lambda self: any(not w.exited for w in self.reg.workers.values()))
     @rule(data=st.data(), dt=st.integers(0, 5))
     def exit(self, data, dt):
@@ -1401,7 +1406,7 @@ class RegistryMachine(RuleBasedStateMachine):
         wid = data.draw(st.sampled_from(sorted(w.id for w in self.reg.workers.values() if w.state in LIVE_STATES)),
                         label="sigterm")
         self.job._at(self.job.now + dt)
-        self.before = {w for w in self.holders if self.reg.workers[w].state in LIVE_STATES}
+        self.before = {w for w in self.holders if self._live(w)}
         self.reg.leaving(wid, "SIGTERM", self.job.now)
         self.step(checked(self.reg.decide(self.job.now)))
 
@@ -1411,7 +1416,7 @@ class RegistryMachine(RuleBasedStateMachine):
         """Discovery lists some hosts as draining."""
         draining = data.draw(st.sets(st.sampled_from(sorted(self.current_hosts))), label="draining")
         self.job._at(self.job.now + dt)
-        self.before = {w for w in self.holders if self.reg.workers[w].state in LIVE_STATES}
+        self.before = {w for w in self.holders if self._live(w)}
         self.reg.discovered(self.current_hosts, self.job.now, draining)
         self.step(checked(self.reg.decide(self.job.now)))
 
@@ -1421,7 +1426,7 @@ class RegistryMachine(RuleBasedStateMachine):
         """The members report their paces: one host computes 20x slower than the others."""
         slow = data.draw(st.sampled_from(sorted({self.reg.workers[wid].host for wid in self.reg.members.values()})),
                          label="straggler")
-        self.before = {w for w in self.holders if self.reg.workers[w].state in LIVE_STATES}
+        self.before = {w for w in self.holders if self._live(w)}
         acts = self.job.paces(slow={slow}, at=self.job.now + dt)
         self.step(acts)
         evicted = {e.fields["host"] for e in events(acts, "straggler") if e.fields["action"] == "evicted"}
