@@ -14,9 +14,16 @@ So, in a process forked from a worker:
 * a SIGTERM that reached the worker too (within :data:`WINDOW` of the worker's first one) is not
   the child's to die of: it goes on serving batches while the worker leaves, and ends with the
   worker (``PR_SET_PDEATHSIG``, SIGKILL), or earlier when the worker's DataLoader shuts it down;
-* any other SIGTERM (``Process.terminate()``, ``Pool.terminate()``, a ``kill PID``) ends it as
-  SIGTERM's default action would, once the worker has not got one within :data:`WINDOW`: that
-  wait is the price of telling the two apart;
+* a SIGTERM the worker sends it (``Process.terminate()``: a DataLoader shutting its workers
+  down, multiprocessing's exit handler ending its daemonic children, ``Pool.terminate()``) ends
+  it at once, as it would without elasticrun: a DataLoader worker exits 0, as torch's handler has
+  it when the parent sent the signal, any other child dies of it. The worker notes each child it
+  sends one (:func:`_note_sent`). Before it did, a leaving worker's exit, its children stopped by
+  multiprocessing within a second of its own SIGTERM, waited on children that took that signal
+  for the group's, until --sigterm-grace ended it; and every exit printed torch's
+  ``DataLoader worker (pid N) is killed by signal: Terminated`` a second later;
+* any other SIGTERM (a ``kill PID``) ends it as SIGTERM's default action would, once the worker
+  has not got one within :data:`WINDOW`: that wait is the price of telling the two apart;
 * the worker's excepthook and exit handler do nothing (:func:`in_forked_child`).
 
 Children started by ``spawn`` or ``forkserver`` (Python 3.14's default on Linux; Horovod's
@@ -53,7 +60,12 @@ _WINDOW_NS = int(WINDOW * 1e9)
 _POLL = 0.005
 _PR_SET_PDEATHSIG = 1
 
-_mark: mmap.mmap | None = None  # shared with every child forked later: CLOCK_MONOTONIC ns of the worker's SIGTERM
+# Shared with every child forked later: CLOCK_MONOTONIC ns of the worker's SIGTERM, then _SLOTS
+# slots of (pid, ns) of the SIGTERMs the worker sent its children, a child's at its pid's slot.
+_mark: mmap.mmap | None = None
+_SLOTS = 255
+_SIZE = 16 + 16 * _SLOTS  # one page
+_torch_worker = False  # this process is a DataLoader worker (torch set its signal handlers)
 _worker_pid = 0  # the armed worker's pid (0: not armed)
 _worker_handler: Any = None
 
@@ -68,14 +80,50 @@ def arm(handler: Any) -> None:
     _worker_handler = handler
     try:  # a forked child shares the mapping; a spawned one opens the memfd by its /proc path
         fd = os.memfd_create("elasticrun-sigterm-mark", os.MFD_CLOEXEC)  # never closed (children open it by path)
-        os.ftruncate(fd, 8)
-        _mark = mmap.mmap(fd, 8)
+        os.ftruncate(fd, _SIZE)
+        _mark = mmap.mmap(fd, _SIZE)
         os.environ[env.WORKER_MARK] = f"{_worker_pid}:{fd}"
     except (AttributeError, OSError):  # no memfd (not Linux): forked children only
-        _mark = mmap.mmap(-1, 8)
+        _mark = mmap.mmap(-1, _SIZE)
         os.environ.pop(env.WORKER_MARK, None)
     os.register_at_fork(after_in_child=_after_fork_in_child)
     _first_in_what_it_starts()
+    _note_what_it_sends()
+
+
+def _note_what_it_sends() -> None:
+    """Have multiprocessing's ``Popen._send_signal`` (``terminate()`` of a Process, of a Pool's
+    workers, of a DataLoader's) note, in the worker, which child it sends SIGTERM and when."""
+    try:
+        from multiprocessing import popen_fork
+    except ImportError:
+        return  # (not POSIX)
+    original = getattr(popen_fork.Popen, "_send_signal", None)
+    if original is None or getattr(original, "_elasticrun", False):
+        return
+
+    def _send_signal(self: Any, sig: int) -> Any:
+        if sig == signal.SIGTERM and getattr(self, "returncode", 0) is None and isinstance(self.pid, int):
+            _note_sent(self.pid)
+        return original(self, sig)
+
+    _send_signal._elasticrun = True  # type: ignore[attr-defined]  # (so a second arm() does not wrap it again)
+    popen_fork.Popen._send_signal = _send_signal  # type: ignore[method-assign]  # (a wrapper of the same signature)
+
+
+def _note_sent(pid: int) -> None:
+    """In the worker, just before it sends ``pid`` (its child) SIGTERM."""
+    if _mark is not None and os.getpid() == _worker_pid:
+        struct.pack_into("qq", _mark, 16 + 16 * (pid % _SLOTS), pid, time.monotonic_ns())
+
+
+def _sent_by_worker(got: int) -> bool:
+    """This process's SIGTERM, which came at ``got``, is one the worker noted sending it."""
+    if _mark is None:  # (its parent may be a forkserver: the pid the worker noted says it all)
+        return False
+    pid = os.getpid()
+    noted, at = struct.unpack_from("qq", _mark, 16 + 16 * (pid % _SLOTS))
+    return noted == pid and -_WINDOW_NS <= got - at <= _WINDOW_NS
 
 
 def worker_above() -> int | None:
@@ -142,7 +190,7 @@ def adopt(started: bool = False) -> None:
         # (O_NONBLOCK: were the pid another process's now, its descriptor could be a FIFO)
         handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            mark = mmap.mmap(handle, 8, access=mmap.ACCESS_READ)
+            mark = mmap.mmap(handle, _SIZE, access=mmap.ACCESS_READ)
         finally:
             os.close(handle)
         signal.signal(signal.SIGTERM, _child_sigterm)
@@ -218,7 +266,9 @@ def _after_torch_worker_handlers() -> None:
         return
 
     def set_worker_signal_handlers(*args: Any, **kwargs: Any) -> Any:
+        global _torch_worker
         result = original(*args, **kwargs)
+        _torch_worker = True
         try:
             signal.signal(signal.SIGTERM, _child_sigterm)
         except (ValueError, OSError):
@@ -233,6 +283,12 @@ def _child_sigterm(signum: int, frame: Any) -> None:
     """A forked child's SIGTERM: the worker's too (go on), or its own (die of it)."""
     got = time.monotonic_ns()
     parent = os.getppid()
+    if _sent_by_worker(got):  # its parent ends it: as without elasticrun, at once
+        if _torch_worker:
+            os._exit(0)  # (torch's own handler: exit 0 when the parent sent it)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
     while True:
         mark = _marked()
         if mark and abs(mark - got) <= _WINDOW_NS:

@@ -116,6 +116,48 @@ def test_a_sigterm_to_the_whole_group_leaves_the_child_working_until_the_worker_
         time.sleep(0.02)
 
 
+def _exit_with_persistent_loader(tmp_path, sigterm_first: bool) -> subprocess.CompletedProcess:
+    """A worker whose DataLoader keeps its workers (persistent_workers) ends: multiprocessing's
+    exit handler sends them SIGTERM and joins them. ``sigterm_first``: the worker got its own
+    SIGTERM just before (a graceful leave that ended at once)."""
+    script = tmp_path / "worker.py"
+    script.write_text(PRELUDE + textwrap.dedent(f"""
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+        if __name__ == "__main__":
+            loader = DataLoader(TensorDataset(torch.arange(100)), batch_size=4, num_workers=2,
+                                persistent_workers=True)
+            it = iter(loader)
+            next(it)
+            if {sigterm_first}:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.1)
+            say("exiting")
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, cwd=tmp_path)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=10)
+        raise AssertionError(f"the worker did not end within 30 s of its script: {out}{err}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("sigterm_first", [False, True], ids=["exit", "leave"])
+def test_children_the_worker_ends_at_its_exit_end_at_once_and_quietly(tmp_path, sigterm_first):
+    """multiprocessing ends a worker's DataLoader workers at its exit with SIGTERM. Taken for
+    the group's SIGTERM (within a second of the worker's own), they went on serving until the
+    worker died, which waited for them: a leaving worker hung until --sigterm-grace. Otherwise
+    they died of it a second later, and torch printed ``DataLoader worker (pid N) is killed by
+    signal: Terminated`` on the worker's stderr at every such exit."""
+    done = _exit_with_persistent_loader(tmp_path, sigterm_first)
+    assert done.returncode == 0 and "exiting" in done.stdout, done.stdout + done.stderr
+    assert ("worker: SIGTERM" in done.stdout) is sigterm_first
+    assert "killed by signal" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 def test_a_real_dataloader_serves_every_batch_through_a_sigterm_to_the_group(tmp_path, context):
     """The case that failed: a DataLoader's workers (torch sets its own C SIGTERM handler in
