@@ -25,7 +25,14 @@ __all__ = ["CollectiveMismatch", "words", "message"]
 class CollectiveMismatch(RuntimeError):
     """The ranks called one collective with different arguments. Raised on every rank at the
     same call (as Horovod raises its error on every rank); nothing was exchanged, so the
-    process and its group stay usable for the next collective."""
+    process and its group stay usable for the next collective. ``signatures``: each rank's
+    (by ``ranks``), for a caller that decides who was off the script."""
+
+    def __init__(self, text: str, signatures: Sequence[Mapping[str, Any] | None] = (),
+                 ranks: Sequence[int] = ()):
+        super().__init__(text)
+        self.signatures = list(signatures)
+        self.ranks = list(ranks)
 
 
 def words(signature: Mapping[str, Any]) -> tuple[int, int]:
@@ -44,6 +51,8 @@ def message(signatures: Sequence[Mapping[str, Any] | None], ranks: Sequence[int]
     kinds = {s.get("collective") for _, s in given}
     what = str(kinds.pop()) if len(kinds) == 1 else "a collective"
     keys = sorted({k for _, s in given for k in s} - {"hint"})
+    if len({_show(s.get("collective")) for _, s in given}) > 1:
+        keys = ["collective"]  # different collectives: their arguments differ too, and say nothing
     parts = []
     for key in keys:
         values = [s.get(key) for _, s in given]
@@ -56,9 +65,10 @@ def message(signatures: Sequence[Mapping[str, Any] | None], ranks: Sequence[int]
     detail = ", ".join(parts) if parts else "their arguments (the digests differ)"
     # A signature may carry advice for the case it is typically mismatched in (said in full).
     hints = sorted({str(s["hint"]) for _, s in given if s.get("hint")})
-    return (f"{what}: the ranks called it with different arguments, so it did not run: {detail}. Every rank must "
-            f"call the same collectives, in the same order, with the same dtype, shape (or split count), root "
-            f"and process set" + "".join(f". {h}" for h in hints))
+    # The advice first: the driver's line of a failure keeps its first 500 characters.
+    return (f"{what}: the ranks called it with different arguments, so it did not run: {detail}. "
+            + "".join(f"{h}. " for h in hints) + "Every rank must call the same collectives, in the same order, "
+            "with the same dtype, shape (or split count), root and process set")
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 from elasticrun.common.events import Kind
 from elasticrun.worker import collectives, durable, join, rounds, runtime, trace
+from elasticrun.worker.agreement import CollectiveMismatch
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError, HostsUpdatedInterrupt
 
 log = logging.getLogger("elasticrun.worker")
@@ -283,8 +284,33 @@ def agree_to_sync() -> None:
     collective of its own instead (a ported script's broadcast_parameters before the elastic
     function) made the ranks wait on each other until --collective-timeout, and then its
     healthy host was blacklisted."""
-    if runtime.is_initialized():  # (a state synced by a broadcast of its own, with no job: nothing to agree)
+    if not runtime.is_initialized():  # (a state synced by a broadcast of its own, with no job: nothing to agree)
+        return
+    try:
         collectives.agree(rounds.current(), SYNC_SIGNATURE, "hvd.elastic.run's state sync")
+    except CollectiveMismatch as exc:
+        off = off_script(exc.signatures, exc.ranks, runtime.get().rank)
+        if not off:
+            raise
+        # Rank 0 holds the job's newest state and is here: the others are off the script (a
+        # ported newcomer's broadcast_parameters); they fail with the mismatch, and this rank
+        # goes on without them from its last commit, as after any failed collective. The job
+        # ended before, with every rank failed and every host blacklisted.
+        if len(off) == 1:
+            raise HorovodInternalError(f"rank {off[0]} is not at the state's sync (its error says why); going on "
+                                       f"without it") from None
+        raise HorovodInternalError(f"ranks {', '.join(map(str, off))} are not at the state's sync (their errors "
+                                   f"say why); going on without them") from None
+
+
+def off_script(signatures: list[Any], ranks: list[int], rank: int) -> list[int]:
+    """The ranks elsewhere than the state's sync, when rank 0 and ``rank`` are at it (none
+    otherwise: then this rank is no better placed than the others, and raises the mismatch)."""
+    sync = SYNC_SIGNATURE["collective"]
+    at = {r for r, s in zip(ranks, signatures) if s is None or s.get("collective") == sync}  # (None: in join())
+    if 0 not in at or rank not in at:
+        return []
+    return sorted(set(ranks) - at)
 
 
 def _run(func: Callable[..., Any], state: State, rt: Any, args: Any, kwargs: Any) -> Any:

@@ -187,7 +187,7 @@ def disagreed(r: Round, signature: dict[str, Any] | None, process_set: ProcessSe
     signatures = allgather_object(signature, name="collective signatures",
                                   process_set=process_set if process_set is not None else global_process_set)
     members = process_sets.members(process_set, r)
-    raise CollectiveMismatch(agreement.message(signatures, members))
+    raise CollectiveMismatch(agreement.message(signatures, members), signatures, members)
 
 
 def check_name(r: Round, name: str | None, what: str) -> None:

@@ -67,6 +67,24 @@ def test_survivors_train_while_a_newcomer_prepares(job):
     assert all(e["rank"] == 0 and e["host"] == "localhost" for e in r.log)
 
 
+def test_a_newcomer_off_the_script_fails_alone_and_the_survivors_train_on(job):
+    """A ported script kept Horovod's broadcast_parameters before the elastic function: round 0
+    runs it together, but a newcomer calls it while the survivors sync the state. Every rank
+    raised CollectiveMismatch, the job ended and every host was blacklisted; now the newcomer
+    fails with the advice, its host is blacklisted, and the survivors go on from their commit."""
+    schedule = f"0:{TWO.format(s=1)};2:{THREE.format(s=1)}"
+    r = job.run(["-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", str(PROGRESS_DISCOVERY),
+                 "--discovery-interval", "0.2"],
+                job.train_cmd("--ported-broadcast", "--await-size=4:2", epochs=6), **discovery(schedule))
+    assert r.returncode == 0, r.output
+    assert sizes(r.log) == [2] * 6, r.log
+    assert all(e["rank"] == 0 and e["host"] == "localhost" for e in r.log)
+    failed = [line for line in r.stderr.splitlines() if "127.0.0.2[0]" in line and "failed: CollectiveMismatch" in line]
+    assert failed and "broadcast_parameters" in failed[0] and "remove those calls" in failed[0], r.stderr
+    assert "host 127.0.0.2 blacklisted" in r.stderr, r.stderr
+    assert "host localhost blacklisted" not in r.stderr and "host 127.0.0.1 blacklisted" not in r.stderr, r.stderr
+
+
 def test_a_listed_host_whose_name_does_not_resolve_is_said_and_left_unused(job):
     """A node listed before its DNS record exists: its name is looked up off the driver's loop
     (a lookup can take the resolver's 5 s, and a loop that waited for one was taken for gone by

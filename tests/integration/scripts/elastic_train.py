@@ -29,6 +29,8 @@ p.add_argument("--fail", action="append", default=[],
 p.add_argument("--marker-dir", default=None)
 p.add_argument("--await-size", action="append", default=[],
                help="EPOCH:SIZE: at the start of EPOCH, wait (checking for host updates) until size() == SIZE")
+p.add_argument("--ported-broadcast", action="store_true",
+               help="call Horovod's broadcast_parameters before the elastic function, as a ported script may")
 p.add_argument("--prepare-epochs", type=int, default=0,
                help="a worker joining the running job waits after hvd.init() until rank 0 has trained this "
                     "many more epochs (a slow model build the survivors must not wait for)")
@@ -56,6 +58,8 @@ if args.prepare_epochs and rt.joining:
     print(f"prepared while the survivors trained epochs {first} to {epoch_now()} "
           f"(launched as rank {launched_for[0]} of {launched_for[1]})", flush=True)
 state = hvd.elastic.ObjectState(epoch=0, batch=0, total=0.0)
+if args.ported_broadcast:  # every rank of round 0 together; a newcomer alone, while the others sync
+    hvd.broadcast_parameters({"w": torch.zeros(4)}, root_rank=0)
 
 
 def maybe_fail(epoch: int) -> None:
