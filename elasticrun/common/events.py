@@ -108,7 +108,7 @@ class Cause(str, enum.Enum):
     ALL_FAILED = "all_failed"                # failed: [(label, why)]
     ALL_BLACKLISTED = "all_blacklisted"      # hosts
     RESET_LIMIT = "reset_limit"              # limit, resets
-    TIMED_OUT = "timed_out"                  # limit, flag, need, hosts
+    TIMED_OUT = "timed_out"                  # limit, flag, need, hosts, ready
     NEVER_ENOUGH = "never_enough"            # flag, need, hosts, blacklisted
     NCCL_CANNOT_RUN = "nccl_cannot_run"      # round, why (a device cause)
     CANNOT_RESUME = "cannot_resume"          # error

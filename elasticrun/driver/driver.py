@@ -1071,8 +1071,8 @@ class ElasticDriver:
     _status_last: tuple[float, int] | None = None  # (when, steps) at the last status line
 
     def _status(self, now: float) -> None:
-        """Every --status-interval while a round trains: one line saying the job is alive and
-        how it goes, so that a quiet job is not a silent one."""
+        """Every --status-interval while a round trains (or resets: then since when): one line
+        saying the job is alive and how it goes, so that a quiet job is not a silent one."""
         self._status_due = now + self.settings.status_interval
         r = self.registry
         if r.round < 0 or r.finished is not None or r.aborted:
@@ -1093,8 +1093,15 @@ class ElasticDriver:
         copy = "" if self._durable is None else (
             f", durable copy {time.time() - durable.manifest.saved_at:.0f} s old" if durable is not None
             else ", no durable copy yet")
-        joining = r.joining()
-        coming = f" (+{joining} joining)" if joining else ""
+        coming = ", ".join(f"+{n} {what}" for n, what in ((r.starting(), "starting"), (r.joining(), "joining")) if n)
+        coming = f" ({coming})" if coming else ""
+        since = self._resets.open_since()
+        if since is not None:  # the round formed and has not trained yet (a sync, reset callbacks)
+            self._status_last = None  # (its pace starts again with training)
+            log.info("status: round %d, %d worker(s) on %d host(s)%s, resetting for %.0f s (not training yet), at "
+                     "step %d, %d reset(s)%s%s", r.round, len(members), hosts, coming, max(0.0, time.time() - since),
+                     steps, r.reset_count, commit, copy)
+            return
         log.info("status: round %d, %d worker(s) on %d host(s)%s, step %d%s, %d reset(s)%s%s", r.round, len(members),
                  hosts, coming, steps, pace, r.reset_count, commit, copy)
 
@@ -1133,8 +1140,12 @@ class ElasticDriver:
                 log.info("summary: %d process(es) that never called hvd.init(), %d failed", len(r.workers), failed)
             else:
                 blocked = r.hosts.blocked()
+                # A reset still open when a job that did not succeed ended (it timed out waiting
+                # for workers, or was stopped) counts, and so does its time: it was all recovery.
+                ended_ok = r.finished is not None and r.finished.ok
                 log.info("summary: %s", self._resets.summary(
-                    blocked, [h for h in r.hosts.blacklisted() if h not in blocked]))
+                    blocked, [h for h in r.hosts.blacklisted() if h not in blocked],
+                    end=None if ended_ok else time.time()))
 
     def _wait_for_exits(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -845,9 +845,15 @@ class Registry:
         return sorted((self.workers[wid] for wid in self.members.values()), key=lambda w: w.rank)
 
     def joining(self) -> int:
-        """Workers launched into the running job that have not asked for a place yet (starting,
-        or building their model before their first sync): the status line counts them."""
-        return 0 if self.round < 0 else sum(1 for w in self.workers.values() if w.state is WorkerState.LAUNCHING)
+        """Workers launched into the running job that reached the driver and have not asked for
+        a place yet (building their model before their first sync): the status line counts them."""
+        return 0 if self.round < 0 else sum(1 for w in self.workers.values()
+                                            if w.state is WorkerState.LAUNCHING and w.last_seen is not None)
+
+    def starting(self) -> int:
+        """Workers launched into the running job that have not reached the driver yet."""
+        return 0 if self.round < 0 else sum(1 for w in self.workers.values()
+                                            if w.state is WorkerState.LAUNCHING and w.last_seen is None)
 
     @property
     def handover_pending(self) -> bool:
@@ -1472,18 +1478,19 @@ class Registry:
             yield Mark("_wait_started", now)
         assert self._wait_started is not None  # (applied above)
         waited = now - self._wait_started
+        # Only those a round could take: a survivor on a blacklisted host waits too, for nothing.
+        where = {h for h, _ in usable}
+        ready = sum(1 for w in self.workers.values() if w.state is WorkerState.WAITING and w.key[0] in where)
         if waited >= self._wait_limit():
             yield Mark("_wait_reminder", None)
+            # (``ready``: with slots enough, what was missing is workers that asked for a place)
             yield Finish(False, Reason(Cause.TIMED_OUT, {"limit": self._wait_limit(), "flag": flag, "need": need,
-                                                         "usable": usable, "out": self._held_out()}))
+                                                         "usable": usable, "out": self._held_out(), "ready": ready}))
             return
         if self._wait_reminder is not None and now < self._wait_reminder:
             return
         yield Mark("_wait_reminder", now + WAIT_REMINDER)
         left = self._wait_limit() - waited
-        # Only those a round could take: a survivor on a blacklisted host waits too, for nothing.
-        where = {h for h, _ in usable}
-        ready = sum(1 for w in self.workers.values() if w.state is WorkerState.WAITING and w.key[0] in where)
         yield Event(Kind.WAITING_FOR_SLOTS, {"need": need, "ready": ready, "usable": usable, "left_s": left,
                                              "flag": flag, "out": self._held_out()},
                     level="warning" if self.round >= 0 or waited > 0 else "info")

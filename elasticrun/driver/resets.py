@@ -88,15 +88,26 @@ class ResetTracker:
         return {"line": line, "cause": o.cause, "trigger": o.kind, "round": round_, "from_size": o.from_size,
                 "to_size": o.to_size, "seconds": seconds}
 
-    def summary(self, blacklisted: list[str], back: list[str] | None = None) -> str:
+    def open_since(self) -> float | None:
+        """When the oldest reset not closed yet began (None: training goes on)."""
+        return self._open[0].start if self._open else None
+
+    def summary(self, blacklisted: list[str], back: list[str] | None = None, end: float | None = None) -> str:
         """``blacklisted``: hosts still kept out at the end; ``back``: hosts that were, and came
-        back after their cooldown (named apart: the job used them again)."""
-        resets = sum(self.by_kind.values())
+        back after their cooldown (named apart: the job used them again). ``end``: when the job
+        ended; a reset still open then (its round never trained, or never formed: the job timed
+        out or was stopped meanwhile) counts, with its time up to the end."""
+        kinds_n = self.by_kind.copy()
+        unformed = [o for o in self._open if o.round is None] if end is not None else []
+        for o in unformed:  # (the formed ones are counted in by_kind already)
+            kinds_n[o.kind] += 1
+        resets = sum(kinds_n.values())
         names = {"failure": "after failures", "hosts": "after host changes", "other": "other"}
-        kinds = ", ".join(f"{n} {names.get(k, k)}" for k, n in sorted(self.by_kind.items())) or "none"
+        kinds = ", ".join(f"{n} {names.get(k, k)}" for k, n in sorted(kinds_n.items())) or "none"
         black = ", ".join(blacklisted) or "none"
         untimed = resets - self.timed
         note = f" ({untimed} ended before training resumed)" if untimed > 0 else ""
+        recovering = self.recovering + (sum(max(0.0, end - o.start) for o in self._open) if end is not None else 0.0)
         returned = f" (back after a cooldown: {', '.join(back)})" if back else ""
-        return (f"{self.rounds} round(s), {resets} reset(s) ({kinds}), {self.recovering:.2f} s spent "
+        return (f"{self.rounds} round(s), {resets} reset(s) ({kinds}), {recovering:.2f} s spent "
                 f"recovering{note}; blacklisted hosts: {black}{returned}")

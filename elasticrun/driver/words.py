@@ -74,6 +74,15 @@ def _never_enough(f: Mapping[str, Any]) -> str:
             f"{f['flag']} lets the job go on with fewer)")
 
 
+def _timed_out(f: Any) -> str:
+    """A wait that ran out: for slots, or (slots enough) for workers to ask for a place."""
+    head = f"timed out after {f['limit']:g} s ({f['flag']}) waiting for {f['need']} "
+    if sum(s for _, s in f["usable"]) >= f["need"] and "ready" in f:
+        return (head + f"ready worker(s) (had {f['ready']}: the others started did not ask for a place in time: "
+                f"still starting, or preparing before their first sync); usable hosts: {_usable(f['usable'])}{_held(f)}")
+    return head + f"slots; usable hosts: {_usable(f['usable'])}{_held(f)}"
+
+
 def _usable(available: Any) -> str:
     """``[(host, slots), ...]`` as "a:2, b:1" ("none" when empty)."""
     return _some([f"{h}:{s}" for h, s in available]) or "none"
@@ -260,8 +269,7 @@ _REASONS: dict[Cause, Callable[[Mapping[str, Any]], str]] = {
     Cause.ALL_BLACKLISTED: lambda f: f"every host is blacklisted after failures: {_hosts(f['hosts'])}",
     Cause.RESET_LIMIT: lambda f: (f"reset limit {f['limit']} exceeded: the job needed another reset after "
                                   f"{f['resets']} (raise --reset-limit to allow more)"),
-    Cause.TIMED_OUT: lambda f: (f"timed out after {f['limit']:g} s ({f['flag']}) waiting for {f['need']} "
-                                f"slots; usable hosts: {_usable(f['usable'])}{_held(f)}"),
+    Cause.TIMED_OUT: lambda f: _timed_out(f),
     Cause.NEVER_ENOUGH: lambda f: _never_enough(f),
     Cause.NCCL_CANNOT_RUN: lambda f: (f"--backend nccl cannot run round {f['round']}: {reason(f['why'])} (NCCL needs "
                                       f"a GPU of its own per worker; use --backend auto or gloo)"),

@@ -181,8 +181,12 @@ def summary(a: Analysis) -> str:
     recovering = sum(r.seconds for r in a.resets)
     share = f" ({100 * recovering / a.duration:.1f}% of the job)" if a.duration > 0 else ""
     status = "" if a.ok is None else (" succeeded" if a.ok else " failed")
-    lines = [f"job{status} in {a.duration:.1f} s: {len(a.rounds)} round(s), {len(a.resets)} reset(s), "
-             f"{recovering:.2f} s recovering{share}"]
+    # Every round after the first is a reset, as the console counts them; the listed resets are
+    # those whose round trained (a signal or a failure may end the job before it does).
+    untimed = max(0, len(a.rounds) - 1 - len(a.resets))
+    note = f" ({untimed} ended before training resumed)" if untimed else ""
+    lines = [f"job{status} in {a.duration:.1f} s: {len(a.rounds)} round(s), {len(a.resets) + untimed} reset(s)"
+             f"{note}, {recovering:.2f} s recovering{share}"]
     if a.end_reason:
         lines.append(f"  end: {a.end_reason}")
     if a.rounds:

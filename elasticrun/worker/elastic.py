@@ -55,6 +55,7 @@ class State:
         """Save the state, then check (collectively) whether hosts changed; with
         ``--checkpoint-dir``, the same agreement may hand the commit off as a durable copy."""
         self.save()
+        self._note_steps()
         timeline = trace.active()
         if timeline is not None and runtime.is_initialized():  # --timeline-mark-cycles: a step's end
             timeline.mark("commit", runtime.get().round)
@@ -63,6 +64,16 @@ class State:
             self.check_host_updates()
         finally:
             self._just_saved = False
+
+    def _note_steps(self) -> None:
+        """The job's optimizer steps at this commit: a restore puts the count back, so that
+        the driver's ``status:`` never counts the steps trained again after a rollback."""
+        if runtime.is_initialized():
+            self.__dict__["_steps_at_commit"] = runtime.get().steps
+
+    def restored_steps(self) -> int | None:
+        """The job's optimizer steps at the last commit this rank made (None: none yet)."""
+        return self.__dict__.get("_steps_at_commit")
 
     @property
     def commit_seq(self) -> int:
@@ -115,6 +126,7 @@ class State:
         except HostsUpdatedInterrupt:
             if not just_saved:
                 self.save()
+                self._note_steps()
             self.mark_committed()
             raise
 
@@ -345,6 +357,9 @@ def _run(func: Callable[..., Any], state: State, rt: Any, args: Any, kwargs: Any
             rt.emit(Kind.FAILURE_DETECTED, error=str(exc)[:300])
             started = time.monotonic()
             state.restore()
+            steps = state.restored_steps()
+            if steps is not None:
+                rt.steps = steps
             rt.emit(Kind.RESTORE, ms=round((time.monotonic() - started) * 1000, 2))
             skip_sync = False
             restored = True

@@ -492,7 +492,7 @@ class Runtime:
         """Exit: the driver is gone (a worker must not outlive its job)."""
         try:  # stderr is often a pipe to the dead driver: the message is best effort, the exit is not
             sys.stderr.write(f"elasticrun: {self.hostname}[{self.slot}]: the driver has not answered for "
-                             f"{silence:.0f} s, so the job is gone; this worker exits.\n")
+                             f"{silence:.0f} s: the job is gone or stopping; this worker exits.\n")
             sys.stderr.flush()
         finally:
             os._exit(1)

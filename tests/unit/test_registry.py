@@ -361,15 +361,19 @@ class TestHostAdded:
         job.rdv_all([l.worker_id for l in launches], at=1)
         assert [l.joining for l in of(job.discover({"a": 2, "b": 1}, at=2), Launch)] == [True]
 
-    def test_newcomers_count_as_joining_until_they_ask_for_a_place(self):
+    def test_newcomers_count_as_starting_then_joining_until_they_ask_for_a_place(self):
+        """The status line's "+N joining" are those that reached the driver (as
+        docs/troubleshooting.md says); one that has not is "+N starting"."""
         job = Job(np=1, min_np=1)
         job.discover({"a": 1}, at=0)
-        assert job.reg.joining() == 0  # round 0's workers are starting, not joining
+        assert job.reg.joining() == job.reg.starting() == 0  # round 0 has not formed
         job.rdv("w0", at=1)
         job.discover({"a": 1, "b": 2}, at=2)
-        assert job.reg.joining() == 2
+        assert (job.reg.starting(), job.reg.joining()) == (2, 0)
+        job.reg.heartbeat("w1", 2.5)
+        assert (job.reg.starting(), job.reg.joining()) == (1, 1)
         job.rdv("w1", at=3)
-        assert job.reg.joining() == 1
+        assert (job.reg.starting(), job.reg.joining()) == (1, 0)
 
     def test_a_preparing_newcomer_is_bounded_by_its_heartbeats_not_start_timeout(self):
         """A newcomer that reached the driver builds its model before it asks for a place: it
@@ -1919,7 +1923,8 @@ class TestDurableCopies:
         job.reg.heartbeat(launch.worker_id, 50.0)
         assert not of(job.tick(61), Finish)
         [finish] = of(job.tick(70), Finish)
-        assert why(finish).startswith("timed out after 60 s (--elastic-timeout) waiting for 2 slots"), why(finish)
+        assert why(finish).startswith("timed out after 60 s (--elastic-timeout) waiting for 2 ready worker(s) (had 1: "
+                                  "the others started did not ask for a place in time"), why(finish)
 
     def test_the_wait_promised_after_every_worker_is_lost_counts_from_then(self):
         """Two hosts reclaimed; the survivor waits for --min-np; 490 s later it is lost too. The

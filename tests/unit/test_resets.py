@@ -115,3 +115,27 @@ def test_a_failure_while_a_host_update_is_pending_makes_it_a_failures_reset():
     assert done["line"] == ("reset 1 (b[0] sent no heartbeat for 5.0 s; hosts added meanwhile): 2 -> 2 worker(s), "
                             "training again 100 ms after it")
     assert "(1 after failures)" in r.summary([])
+
+
+def test_a_reset_whose_round_never_formed_counts_when_the_job_does_not_succeed():
+    """An abort whose recovery timed out (too few workers came back) or was stopped: the summary
+    said "1 round(s), 0 reset(s) (none), 0.00 s spent recovering" after 10 s without training."""
+    r = ResetTracker()
+    r.round_formed(0, 2)
+    r.trigger("failure", "b[0] exited with code -9", t=3.7)
+    assert r.open_since() == 3.7
+    text = r.summary([], end=13.8)  # the job timed out at 13.8
+    assert text.startswith("1 round(s), 1 reset(s) (1 after failures), 10.10 s spent recovering "
+                           "(1 ended before training resumed)"), text
+    assert r.summary([]).startswith("1 round(s), 0 reset(s) (none), 0.00 s")  # (a job that succeeded meanwhile)
+
+
+def test_a_reset_is_open_from_its_trigger_until_training_resumes():
+    r = ResetTracker()
+    r.round_formed(0, 3)
+    assert r.open_since() is None
+    r.trigger("failure", "x", t=5.0)
+    r.round_formed(1, 2)
+    assert r.open_since() == 5.0  # formed, not training yet (the sync, the reset callbacks)
+    r.first_step(1, t=9.0)
+    assert r.open_since() is None

@@ -92,6 +92,15 @@ def test_rounds_resets_and_phases_of_a_hand_written_log():
     assert "  hosts added: 1 reset(s), 350 ms in all" in text
 
 
+def test_a_round_that_never_trained_is_a_reset_as_the_console_counts_it():
+    """A signal during a reset: the console said "2 round(s), 1 reset(s) (1 ended before training
+    resumed)", the timeline "2 round(s), 0 reset(s)"."""
+    ev = [e for e in hand_written() if e["t"] < 1003.3 and e.get("kind") != "first_step"]
+    ev.append(_d(1003.5, "job_end", round=1, ok=False, reason="stopped by SIGTERM"))
+    text = timeline.summary(timeline.analyze(ev))
+    assert "job failed in 3.5 s: 2 round(s), 1 reset(s) (1 ended before training resumed)" in text, text
+
+
 def test_phases_are_clamped_when_a_worker_notices_before_the_driver():
     ev = hand_written()
     for e in ev:

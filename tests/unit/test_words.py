@@ -83,6 +83,10 @@ def test_hosts_held_out_or_going_say_why_each():
     assert timed_out.startswith("timed out after 8 s (--elastic-timeout) waiting for 2 slots; usable hosts: a:1; "
                                 "listed but not used: b leaving (a worker there got SIGTERM"), timed_out
     assert timed_out.endswith("; d blacklisted"), timed_out
+    workers = words.reason(Reason(Cause.TIMED_OUT, {"limit": 8.0, "flag": "--elastic-timeout", "need": 2, "ready": 1,
+                                                    "usable": [("a", 1), ("b", 1)], "out": {}}))
+    assert workers.startswith("timed out after 8 s (--elastic-timeout) waiting for 2 ready worker(s) (had 1: the "
+                              "others started did not ask for a place in time"), workers  # slots enough: not "2 slots"
     handover = words.event(Event(Kind.HANDOVER_PENDING, {"hosts": ["a"], "why": {"a": "draining"}}))
     assert handover.startswith("the workers holding the job's state are on host(s) a listed draining by discovery: ")
 

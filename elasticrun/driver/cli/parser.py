@@ -249,9 +249,9 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
                         "every host of a round has a GPU per worker and NCCL, else gloo). Also "
                         "HOROVOD_GPU_OPERATIONS=NCCL (see docs/gpu.md)")
     p.add_argument("--status-interval", type=seconds_or_zero, default=DEFAULT_STATUS_INTERVAL, metavar="SECONDS",
-                   help="while a round trains, a status line this often: round, workers and hosts (and new workers "
-                        "still joining), steps and steps/s, resets, the age of the last commit and of the durable "
-                        "copy (default 60; 0: never)")
+                   help="while a round trains or resets, a status line this often: round, workers and hosts (and "
+                        "new workers still starting or joining), steps and steps/s, resets, the age of the last "
+                        "commit and of the durable copy (default 60; 0: never)")
     p.add_argument("--output-filename", metavar="DIR",
                    help="also append each rank's output to DIR/rank.N/stdout and stderr")
     p.add_argument("--events", metavar="FILE", dest="events_file",
