@@ -108,7 +108,7 @@ def _note_what_it_sends() -> None:
         return original(self, sig)
 
     _send_signal._elasticrun = True  # type: ignore[attr-defined]  # (so a second arm() does not wrap it again)
-    popen_fork.Popen._send_signal = _send_signal  # type: ignore[method-assign]  # (a wrapper of the same signature)
+    setattr(popen_fork.Popen, "_send_signal", _send_signal)  # (private, so not in typeshed's stubs)
 
 
 def _note_sent(pid: int) -> None:
