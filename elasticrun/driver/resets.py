@@ -89,8 +89,12 @@ class ResetTracker:
                 "to_size": o.to_size, "seconds": seconds}
 
     def open_since(self) -> float | None:
-        """When the oldest reset not closed yet began (None: training goes on)."""
-        return self._open[0].start if self._open else None
+        """When the oldest reset not closed yet began, once its next round has formed and not
+        trained yet (None otherwise: before the round forms, the workers train on to their next
+        commit, which may be minutes away)."""
+        if not any(o.round is not None for o in self._open):
+            return None
+        return self._open[0].start
 
     def summary(self, blacklisted: list[str], back: list[str] | None = None, end: float | None = None) -> str:
         """``blacklisted``: hosts still kept out at the end; ``back``: hosts that were, and came
