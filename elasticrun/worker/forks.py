@@ -47,6 +47,7 @@ import os
 import signal
 import struct
 import sys
+import threading
 import time
 from typing import Any
 
@@ -61,10 +62,13 @@ _POLL = 0.005
 _PR_SET_PDEATHSIG = 1
 
 # Shared with every child forked later: CLOCK_MONOTONIC ns of the worker's SIGTERM, then _SLOTS
-# slots of (pid, ns) of the SIGTERMs the worker sent its children, a child's at its pid's slot.
+# slots of (pid, ns) of the SIGTERMs the worker sent its children, a child's at its pid's slot
+# or one of the next ones (:func:`_note_sent`).
 _mark: mmap.mmap | None = None
 _SLOTS = 255
 _SIZE = 16 + 16 * _SLOTS  # one page
+_PROBE = 8  # slots a pid may take: its own (pid % _SLOTS) and the next ones, while taken
+_noting = threading.RLock()  # (a DataLoader's __del__ may end its workers from a collection in here)
 _torch_worker = False  # this process is a DataLoader worker (torch set its signal handlers)
 _worker_pid = 0  # the armed worker's pid (0: not armed)
 _worker_handler: Any = None
@@ -112,9 +116,28 @@ def _note_what_it_sends() -> None:
 
 
 def _note_sent(pid: int) -> None:
-    """In the worker, just before it sends ``pid`` (its child) SIGTERM."""
-    if _mark is not None and os.getpid() == _worker_pid:
-        struct.pack_into("qq", _mark, 16 + 16 * (pid % _SLOTS), pid, time.monotonic_ns())
+    """In the worker, just before it sends ``pid`` (its child) SIGTERM: in the first of the
+    pid's :data:`_PROBE` slots that holds this pid, nothing, or a note older than :data:`WINDOW`
+    (so a note stays readable for as long as its child may look for it, even when the worker
+    sends SIGTERM to children whose pids share a slot within that time); all taken: its own."""
+    if _mark is None or os.getpid() != _worker_pid:
+        return
+    now = time.monotonic_ns()
+    with _noting:  # (a DataLoader's shutdown and the exit handler may run in two threads)
+        slots = _probe(pid)
+        for slot in slots:
+            noted, at = struct.unpack_from("qq", _mark, slot)
+            if noted in (pid, 0) or now - at > _WINDOW_NS:
+                break
+        else:
+            slot = slots[0]
+        struct.pack_into("q", _mark, slot + 8, now)  # the time first: a reader that sees the
+        struct.pack_into("q", _mark, slot, pid)      # pid sees its time
+
+
+def _probe(pid: int) -> list[int]:
+    """The offsets of ``pid``'s slots, in the order they are tried."""
+    return [16 + 16 * ((pid + i) % _SLOTS) for i in range(_PROBE)]
 
 
 def _sent_by_worker(got: int) -> bool:
@@ -122,8 +145,11 @@ def _sent_by_worker(got: int) -> bool:
     if _mark is None:  # (its parent may be a forkserver: the pid the worker noted says it all)
         return False
     pid = os.getpid()
-    noted, at = struct.unpack_from("qq", _mark, 16 + 16 * (pid % _SLOTS))
-    return noted == pid and -_WINDOW_NS <= got - at <= _WINDOW_NS
+    for slot in _probe(pid):
+        noted, at = struct.unpack_from("qq", _mark, slot)
+        if noted == pid and -_WINDOW_NS <= got - at <= _WINDOW_NS:
+            return True
+    return False
 
 
 def worker_above() -> int | None:

@@ -240,3 +240,27 @@ def test_hvd_init_in_a_process_a_worker_started_joins_nothing_and_says_why_colle
     assert r.returncode == 0, r.stdout + r.stderr
     assert "place 3 4 1 2" in r.stdout, r.stdout + r.stderr
     assert f"is not a worker of the job: worker pid {os.getpid()} started it" in r.stdout, r.stdout
+
+
+def test_children_whose_pids_share_a_slot_each_find_the_sigterm_the_worker_sent_them(monkeypatch):
+    """The worker notes each SIGTERM it sends a child in a slot chosen by the child's pid. Two
+    children 255 pids apart shared one: the second note overwrote the first, and the first
+    child, not finding its own, took the old path (waited up to a second, or for the worker to
+    die when the worker had its own SIGTERM too)."""
+    import mmap
+
+    from elasticrun.worker import forks
+
+    monkeypatch.setattr(forks, "_mark", mmap.mmap(-1, forks._SIZE))
+    monkeypatch.setattr(forks, "_worker_pid", os.getpid())
+    first, pids = 4000, [4000 + forks._SLOTS * i for i in range(forks._PROBE)]
+    for pid in pids:  # within a second of each other: every note must stay readable
+        forks._note_sent(pid)
+    got = time.monotonic_ns()
+    for pid in pids:
+        monkeypatch.setattr(forks.os, "getpid", lambda pid=pid: pid)
+        assert forks._sent_by_worker(got), f"child {pid} finds no note of its SIGTERM"
+    monkeypatch.setattr(forks.os, "getpid", lambda: first + 1)  # a child the worker never signalled
+    assert not forks._sent_by_worker(got)
+    monkeypatch.setattr(forks.os, "getpid", lambda: first)  # its note, over a second later: not it
+    assert not forks._sent_by_worker(got + 2 * forks._WINDOW_NS)
