@@ -102,8 +102,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         waiting.solo(r, f"broadcast_object {name or ''}")
         return obj
     # Sealed with the job's secret: gloo's connections are not authenticated (worker/sealing.py).
-    context = f"broadcast_object|round {r.number}|root {root_rank}|set {issuing.ps_id(process_set)}|{name}"
-    size = len(process_sets.members(process_set, r))
+    ranks = process_sets.members(process_set, r)  # (the set by its ranks: see issuing.allgather_object)
+    context = f"broadcast_object|round {r.number}|root {root_rank}|set {','.join(map(str, ranks))}|{name}"
+    size = len(ranks)
     payload = sealing.seal(cloudpickle.dumps(obj), context, size) if is_root else b""
     # One broadcast carries the length and, when they fit, the bytes too (an object is usually
     # small, and every sync broadcasts one: a round trip saved); a second carries the rest.

@@ -284,8 +284,9 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     members = process_sets.members(process_set, r)
     me = members.index(r.rank) if r.rank in members else -1
 
-    def context(i: int) -> str:
-        return f"allgather_object|round {r.number}|set {ps_id(process_set)}|member {i}|{name}"
+    def context(i: int) -> str:  # (the set by its ranks, not its id: ranks that registered it under different
+        # ids then open each other's signatures and raise CollectiveMismatch naming both ids)
+        return f"allgather_object|round {r.number}|set {','.join(map(str, members))}|member {i}|{name}"
 
     data = torch.frombuffer(bytearray(sealing.seal(cloudpickle.dumps(obj), context(me), len(members))),
                             dtype=torch.uint8)

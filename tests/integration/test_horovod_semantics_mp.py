@@ -69,6 +69,14 @@ def mistakes(rank: int, size: int, workdir: Path) -> dict[str, Any]:
         model(torch.ones(1, 3)).sum().backward()
         opt.step()
     attempt("models differ", step)
+
+    # The same set registered in a different order on each rank: two ids for it. Each rank
+    # sealed its signature for the set under its own id, so the other's seemed a stranger's
+    # ("do not carry the job's seal ... did someone else connect"), and an elastic job reset
+    # without end.
+    pair, alone = ((hvd.add_process_set([0, 1]), hvd.add_process_set([0])) if rank == 0
+                   else (hvd.add_process_set([0]), hvd.add_process_set([0, 1]))[::-1])
+    attempt("process set order", lambda: hvd.allreduce(torch.ones(2), process_set=pair))
     return out
 
 
@@ -90,6 +98,8 @@ def errors(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     ("reducescatter shape", "shape (rank 0: (2, 3); rank 1: (4, 3))"),
     ("name", "name (rank 0: loss0; rank 1: loss1)"),
     ("models differ", "buckets"),
+    ("process set order", "process_set (rank 0: (1, (0, 1)); rank 1: (2, (0, 1))). A process set's id is its place in the order of "
+                          "registration: register process sets in the same order on every rank. Every rank"),
 ])
 def test_a_mismatch_is_the_same_error_on_every_rank_at_once_and_the_group_lives_on(errors, case, says):
     kinds = {w[case][0] for w in errors}
