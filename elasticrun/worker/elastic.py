@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Iterable, TypeVar
 
 from elasticrun.common.events import Kind
-from elasticrun.worker import collectives, durable, join, rounds, runtime, trace
+from elasticrun.worker import collectives, durable, join, join_news, rounds, runtime, trace
 from elasticrun.worker.agreement import CollectiveMismatch
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError, HostsUpdatedInterrupt
 
@@ -351,6 +351,7 @@ def _run(func: Callable[..., Any], state: State, rt: Any, args: Any, kwargs: Any
                 rt.current_round.mark_reset()
                 log.info("rank %d/%d: reset to round %d took %.1f ms", rt.rank, rt.size, rt.round,
                          (time.monotonic() - started) * 1000)
+            join_news.pending_from(getattr(state, "_sampler_news", None))  # (what a join() publishes)
             return func(state, *args, **kwargs)
         except HorovodInternalError as exc:
             log.warning("rank %d: %s; restoring the last commit", rt.rank, exc)

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from elasticrun.worker import collectives, devices, optimizer, rounds
+from elasticrun.worker import collectives, devices, join_news, optimizer, rounds
 from elasticrun.worker import descriptors as ops
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError, HostsUpdatedInterrupt
 from elasticrun.worker.rounds import Round
@@ -177,6 +177,7 @@ def join(device: int = -1) -> int:
     gen = r.join_gen
     seq = r.calls
     try:
+        join_news.publish(r, gen)  # (before it counts as joined: the others' commits read it)
         count = store.add(collectives.join_key(f"{gen}/count"), 1)
         if count == 1:
             store.set(collectives.join_key(f"{gen}/first"), str(seq))

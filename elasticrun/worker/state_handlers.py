@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from elasticrun.worker import collectives, process_sets, rounds
+from elasticrun.worker import collectives, join_news, process_sets, rounds
 from elasticrun.worker.broadcast import broadcast_parameters, sync_optimizer_state
 from elasticrun.worker.copier import CopyPlan, DeviceCopy, Watch, WatchedPlan, commit_buffers
 from elasticrun.worker.optimizer import abandon_step
@@ -47,6 +47,9 @@ class StateHandler:
     ``sync(root)`` after a reset (bring every rank to rank ``root``'s live value). ``on_reset``
     runs locally after every reset, before any sync.
     """
+
+    #: The attribute of the state it handles (set by ``TorchState``).
+    name: str = ""
 
     def __init__(self, value: Any) -> None:
         self.value = value
@@ -685,15 +688,22 @@ class SamplerStateHandler(StateHandler):
         self._epoch = self.value.epoch
         self._processed = set(self.value.processed_indices)
 
-    def merge(self) -> None:
+    def news(self) -> tuple[int, list[int]]:
+        """(epoch, what this rank recorded since the last save)."""
         s = self.value
         if s.epoch == self._epoch and self._processed <= s.processed_indices:
-            news = sorted(s.processed_indices - self._processed)
-        else:  # a new epoch since the last save: send everything
-            news = sorted(s.processed_indices)
-        for item in collectives.allgather_object((s.epoch, news), "sampler.processed_indices"):
-            if item is None:  # a rank in hvd.join() takes part without a sampler
-                continue
+            return s.epoch, sorted(s.processed_indices - self._processed)
+        return s.epoch, sorted(s.processed_indices)  # a new epoch since the last save: everything
+
+    def merge(self) -> None:
+        s = self.value
+        r = rounds.current()
+        for rank, item in enumerate(collectives.allgather_object(self.news(), "sampler.processed_indices")):
+            if item is None:  # a rank in hvd.join(): what it recorded before it joined (its batches'
+                # gradients are in this commit), as it published them then (worker/join_news.py)
+                item = join_news.published(r, rank).get(self.name)
+                if item is None:
+                    continue
             epoch, part = item
             if epoch == s.epoch:
                 s.merge_processed(part)

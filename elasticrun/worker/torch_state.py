@@ -76,6 +76,15 @@ def _call_all(functions: list[Callable[[], None]]) -> None:
         f()
 
 
+
+def _named(handler: StateHandler, name: str) -> StateHandler:
+    """``handler``, told the attribute it handles (a sampler's joined ranks publish by it)."""
+    try:
+        handler.name = name
+    except AttributeError:  # (a user's handler with __slots__: it has no sampler's join to follow)
+        pass
+    return handler
+
 class TorchState(ObjectState):
     """``TorchState(model, optimizer, sampler=..., epoch=0, batch=0)``: every keyword is an
     attribute; handled types go through their handlers, the rest is ObjectState.
@@ -118,7 +127,7 @@ class TorchState(ObjectState):
             if factory is None:
                 plain[name] = value
             else:
-                handlers[name] = factory(value)
+                handlers[name] = _named(factory(value), name)
                 object.__setattr__(self, name, value)
         object.__setattr__(self, "_handlers", handlers)
         object.__setattr__(self, "_constructed", False)
@@ -180,12 +189,17 @@ class TorchState(ObjectState):
                     del handlers[name]
                     self._object_keys.append(name)
                 else:
-                    handlers[name] = factory(value)  # a new object: new handler, new buffers
+                    handlers[name] = _named(factory(value), name)  # a new object: new handler, new buffers
             elif name in self._object_keys and factory is not None:
                 self._object_keys.remove(name)
                 self._saved_state.pop(name, None)
-                handlers[name] = factory(value)
+                handlers[name] = _named(factory(value), name)
         super().__setattr__(name, value)
+
+    def _sampler_news(self) -> dict[str, tuple[int, list[int]]]:
+        """What each sampler recorded since the last commit, by attribute: what ``hvd.join()``
+        publishes for the others' commits (worker/join_news.py)."""
+        return {name: h.news() for name, h in self._handlers.items() if isinstance(h, SamplerStateHandler)}
 
     def _handlers_in_order(self) -> list[StateHandler]:
         # Collectives must be issued in the same order on every rank: sort by name.

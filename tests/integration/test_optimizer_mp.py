@@ -350,6 +350,50 @@ def test_a_newcomer_in_its_own_broadcast_while_the_others_sync_is_told_so(tmp_pa
     assert "rank 1 is not at the state's sync" in holder["error"], holder
 
 
+def joined_batches_world(rank: int, size: int, workdir: Path) -> dict[str, Any]:
+    """Uneven data: rank 1 trains two batches past the commit, then joins; rank 0 trains two
+    more and commits while rank 1 sits in join(), then joins too. What each committed."""
+    import elasticrun.torch as hvd
+    from elasticrun.worker import join_news
+
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    sampler = hvd.ElasticSampler(range(40), shuffle=False)
+    state = hvd.elastic.TorchState(model, opt, sampler=sampler)
+    join_news.pending_from(state._sampler_news)  # (as hvd.elastic.run does around the user's function)
+    state.sync()
+    mine = list(sampler)  # this rank's part of the epoch, in batches of 2
+
+    def train(batch: int) -> None:
+        opt.zero_grad()
+        loss_fn(model, *data(batch)).backward()
+        opt.step()
+        sampler.record_batch(batch, 2)
+
+    train(0)
+    state.commit()
+    train(1)
+    train(2)
+    if rank == 0:
+        train(3)
+        train(4)
+        state.commit()  # rank 1 is in join(): its batches 1 and 2 are in this commit's model
+    hvd.join()
+    return {"mine": mine, "committed": sorted(state._handlers["sampler"]._processed)}
+
+
+def test_a_commit_while_a_rank_sits_in_join_records_the_batches_it_trained_before(tmp_path: Path) -> None:
+    """The commit made while rank 1 sat in join() merged only rank 0's batches, though rank 1's
+    last two were in its model (their gradients were averaged): a reset back to it, rank 1's
+    host removed or any host lost, handed those batches out again, trained twice."""
+    ranks = gloo_world.run_world(HERE, "joined_batches_world", 2, tmp_path, timeout=60, collective_timeout=30)
+    before_join = set(ranks[1]["mine"][:6])  # rank 1's batches 0, 1 and 2
+    committed = set(ranks[0]["committed"])
+    assert before_join <= committed, sorted(before_join - committed)
+    assert set(ranks[0]["mine"][:10]) <= committed
+    assert len(committed) == 16  # nothing else: rank 0's five batches and rank 1's three
+
+
 def shrink_world(rank: int, size: int, workdir: Path) -> dict[str, Any]:
     """Rank 1 leaves after one step; rank 0 sees the error, resets to a world of one and
     keeps training with the same optimizer object."""
