@@ -134,3 +134,48 @@ def test_a_rank_in_join_when_a_host_is_removed_gets_the_others_replica(job):
     assert any("size=2" in line for line in entries), r.stdout  # the removal happened in the first epoch
     assert all(line.endswith("replicas=same") for line in entries), r.stdout
     assert r.seconds < 40, r.seconds  # not after a collective timeout
+
+
+def test_batches_a_rank_trained_before_join_stay_processed_when_its_host_is_removed(job):
+    """Rank 2 trains a batch past its last commit, then joins; the others commit while it sits
+    in join(), and its host is removed. Those commits merged only the stepping ranks' batches,
+    though rank 2's last one was in their model: after the removal the survivors' sampler
+    handed it out again (trained twice)."""
+    marker = job.tmp / "shrink"
+    discover = job.tmp / "discover.sh"
+    discover.write_text(f"#!/bin/sh\nprintf 'localhost:1\\n127.0.0.1:1\\n'\n[ -f {marker} ] || echo 127.0.0.2:1\n")
+    discover.chmod(0o755)
+    script = job.tmp / "join_sampler.py"
+    script.write_text(PRELUDE +
+        "sampler = hvd.elastic.ElasticSampler(range(60), shuffle=False)\n"
+        "state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, batch=0)\n"
+        "@hvd.elastic.run\n"
+        "def train(state):\n"
+        "    print(f'entry rank={hvd.rank()} size={hvd.size()} processed={sorted(sampler.processed_indices)}', "
+        "flush=True)\n"
+        "    if hvd.size() < 3:\n"
+        "        return\n"
+        "    limit = 4 if hvd.rank() == 2 else 10\n"
+        "    while state.batch < limit:\n"
+        "        opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()\n"
+        "        sampler.record_batch(state.batch, 2)\n"
+        "        state.batch += 1\n"
+        f"        if hvd.rank() == 0 and state.batch == 7:\n"
+        f"            open({str(marker)!r}, 'w').close()\n"
+        "            time.sleep(3)  # the driver hears of the change\n"
+        "        if state.batch % 3 == 0:\n"
+        "            state.commit()\n"
+        "    if hvd.rank() == 2:\n"
+        "        print(f'joins rank=2 trained={sorted(sampler.get_indices(0, 8))}', flush=True)\n"
+        "    hvd.join()\n"
+        "train(state)\n")
+    r = job.run(["-np", "3", "--min-np", "2", "--host-discovery-script", str(discover), "--discovery-interval", "1",
+                 "--collective-timeout", "40"], [sys.executable, str(script)], timeout=120)
+    assert "round 1: 2 worker(s)" in r.stderr, r.output
+    [joined] = [line for line in r.stdout.splitlines() if "joins rank=2 " in line]
+    trained = set(eval(joined.split("trained=")[1]))  # rank 2's four batches: all in the model
+    after = [line for line in r.stdout.splitlines() if "entry" in line and "size=2" in line]
+    assert after, r.stdout
+    for line in after:
+        processed = set(eval(line.split("processed=")[1]))
+        assert trained <= processed, (sorted(trained - processed), line)
