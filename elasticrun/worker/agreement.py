@@ -65,9 +65,6 @@ def message(signatures: Sequence[Mapping[str, Any] | None], ranks: Sequence[int]
     detail = ", ".join(parts) if parts else "their arguments (the digests differ)"
     # A signature may carry advice for the case it is typically mismatched in (said in full).
     hints = sorted({str(s["hint"]) for _, s in given if s.get("hint")})
-    if any(part.startswith("process_set (") for part in parts):  # (the same ranks, or they would not meet)
-        hints.append("A process set's id is its place in the order of registration: register process sets in the "
-                     "same order on every rank")
     # The advice first: the driver's line of a failure keeps its first 500 characters.
     return (f"{what}: the ranks called it with different arguments, so it did not run: {detail}. "
             + "".join(f"{h}. " for h in hints) + "Every rank must call the same collectives, in the same order, "

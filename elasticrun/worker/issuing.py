@@ -143,9 +143,15 @@ def is_global(process_set: ProcessSet | None) -> bool:
 
 
 def ps_id(process_set: ProcessSet | None) -> Any:
+    """A process set as the ranks must agree on it: by its ranks in this round (its group is
+    formed from them), not by its id, which is the order this process registered it in. Ranks
+    that registered the same ranks in another order (or a newcomer that registered fewer sets
+    than the survivors, which re-register theirs in a reset callback) use one group, and
+    their collectives on it run as they should."""
     if process_set is None or is_global(process_set):
         return 0
-    return (process_set.process_set_id, tuple(process_set.ranks or ()))
+    r = rounds.installed()
+    return tuple(process_sets.members(process_set, r)) if r is not None else tuple(process_set.ranks or ())
 
 
 def agree(r: Round, signature: dict[str, Any], what: str, process_set: ProcessSet | None = None) -> None:
