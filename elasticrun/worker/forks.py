@@ -23,7 +23,10 @@ So, in a process forked from a worker:
   for the group's, until --sigterm-grace ended it; and every exit printed torch's
   ``DataLoader worker (pid N) is killed by signal: Terminated`` a second later;
 * any other SIGTERM (a ``kill PID``) ends it as SIGTERM's default action would, once the worker
-  has not got one within :data:`WINDOW`: that wait is the price of telling the two apart;
+  has not got one within :data:`WINDOW`: that wait is the price of telling the two apart. (The
+  child's handler may run seconds after the signal, once a long C call returns: a SIGTERM that
+  comes after the worker's, by up to :data:`LATE`, is taken for the worker's; the worker is
+  leaving then, and the child ends with it.)
 * the worker's excepthook and exit handler do nothing (:func:`in_forked_child`).
 
 Children started by ``spawn`` or ``forkserver`` (Python 3.14's default on Linux; Horovod's
@@ -58,6 +61,14 @@ from elasticrun.common import env
 #: leave a C call (a kernel, a collective): a child waits this long for it before dying.
 WINDOW = 1.0
 _WINDOW_NS = int(WINDOW * 1e9)
+#: How much later than the signal a child's handler may run and still count it as the worker's
+#: (sent with the worker's, or by it): Python runs a handler only once the call it is in returns,
+#: and a DataLoader worker may be in one C call for seconds (a decode, a transform). Measured
+#: from the handler alone, such a child took the group's SIGTERM for its own and died (the
+#: worker's next batch failed: a rollback and a blacklisted host instead of a leave), or waited
+#: a second more after the worker's terminate().
+LATE = 120.0
+_LATE_NS = int(LATE * 1e9)
 _POLL = 0.005
 _PR_SET_PDEATHSIG = 1
 
@@ -147,7 +158,7 @@ def _sent_by_worker(got: int) -> bool:
     pid = os.getpid()
     for slot in _probe(pid):
         noted, at = struct.unpack_from("qq", _mark, slot)
-        if noted == pid and -_WINDOW_NS <= got - at <= _WINDOW_NS:
+        if noted == pid and -_WINDOW_NS <= got - at <= _LATE_NS:
             return True
     return False
 
@@ -317,7 +328,7 @@ def _child_sigterm(signum: int, frame: Any) -> None:
         return
     while True:
         mark = _marked()
-        if mark and abs(mark - got) <= _WINDOW_NS:
+        if mark and -_WINDOW_NS <= got - mark <= _LATE_NS:  # (its handler may run late: see LATE)
             _end_with_parent(parent)
             return
         if mark or time.monotonic_ns() - got > _WINDOW_NS or os.getppid() != parent:

@@ -262,5 +262,68 @@ def test_children_whose_pids_share_a_slot_each_find_the_sigterm_the_worker_sent_
         assert forks._sent_by_worker(got), f"child {pid} finds no note of its SIGTERM"
     monkeypatch.setattr(forks.os, "getpid", lambda: first + 1)  # a child the worker never signalled
     assert not forks._sent_by_worker(got)
-    monkeypatch.setattr(forks.os, "getpid", lambda: first)  # its note, over a second later: not it
-    assert not forks._sent_by_worker(got + 2 * forks._WINDOW_NS)
+    monkeypatch.setattr(forks.os, "getpid", lambda: first)  # its note, long before: not it
+    assert not forks._sent_by_worker(got + 2 * forks._LATE_NS)
+
+
+#: A child's one long C call: Python runs its signal handlers only after it returns.
+BUSY = """
+    def busy(path, n):
+        open(path, "w").close()
+        while True:
+            t = time.monotonic()
+            sum(range(n))  # one C call, no handler runs inside it
+            with open(path + ".took.tmp", "w") as f:
+                f.write(str(time.monotonic() - t))
+            os.replace(path + ".took.tmp", path + ".took")
+
+    def calibrated(seconds):  # an n for which sum(range(n)) takes about that long here
+        sum(range(2_000_000))
+        t = time.monotonic(); sum(range(20_000_000))
+        return int(20_000_000 * seconds / max(1e-3, time.monotonic() - t))
+"""
+
+
+def test_a_group_sigterm_reaching_a_child_in_a_long_c_call_still_leaves_it_working(tmp_path):
+    """Its handler ran once the call returned, over a second after the worker's: it took the
+    signal for its own and died, and the worker's next batch failed (a rollback and a
+    blacklisted host instead of a graceful leave)."""
+    out = run_worker(BUSY + """
+    p = ctx.Process(target=busy, args=("busy", calibrated(2.5))); p.start()
+    while not os.path.exists("busy"): time.sleep(0.01)
+    time.sleep(0.1)  # inside its first long call
+    os.killpg(os.getpgid(0), signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while not os.path.exists("busy.took") and time.monotonic() < deadline: time.sleep(0.02)
+    time.sleep(0.5)  # its handler has run by now
+    say(f"child alive {p.is_alive()} took {open('busy.took').read()}; pid {p.pid}")
+    os._exit(0)
+    """, tmp_path)
+    assert "worker: SIGTERM" in out, out
+    took = float(out.split(" took ")[1].split(";")[0])
+    assert took > 1.6, f"the child's C call took {took:.2f} s: not long enough to test this"
+    assert "child alive True" in out, out
+    pid = int(out.rsplit("pid ", 1)[1])
+    deadline = time.monotonic() + 5
+    while not gone(pid):
+        assert time.monotonic() < deadline, f"the child {pid} outlived its worker"
+        time.sleep(0.02)
+
+
+def test_a_child_the_worker_terminates_in_a_long_c_call_ends_when_the_call_returns(tmp_path):
+    """It waited a second more for the worker's mark: its handler ran over a second after the
+    worker noted sending it SIGTERM."""
+    out = run_worker(BUSY + """
+    n = calibrated(2.0)
+    t = time.monotonic(); sum(range(n)); say(f"one call {time.monotonic() - t:.2f}")
+    p = ctx.Process(target=busy, args=("busy", n)); p.start()
+    while not os.path.exists("busy"): time.sleep(0.01)
+    time.sleep(0.3)  # inside its first long call
+    t = time.monotonic(); p.terminate(); p.join(20)
+    say(f"exitcode {p.exitcode} after {time.monotonic() - t:.2f}")
+    """, tmp_path)
+    call = float(out.split("one call ")[1].split()[0])
+    code, _, seconds = out.split("exitcode ")[1].partition(" after ")
+    assert int(code) == -signal.SIGTERM, out
+    # the rest of its call (call - 0.3 s), not that and a second's wait
+    assert float(seconds) < call + 0.35, out
