@@ -43,5 +43,6 @@ DRIVER_TIMEOUT = "ELASTICRUN_DRIVER_TIMEOUT"
 DRIVER_PROCESS = "ELASTICRUN_DRIVER_PROCESS"  # the driver's process, for workers on its machine (common/liveness.py)
 LOG_LEVEL = "ELASTICRUN_LOG_LEVEL"
 SIGTERM_GRACE = "ELASTICRUN_SIGTERM_GRACE"  # a worker told to stop leaves gracefully within this
+EXIT_GRACE = "ELASTICRUN_EXIT_GRACE"  # a dismissed worker still running this long after is ended (30 s)
 BACKEND = "ELASTICRUN_BACKEND"  # --backend: auto, gloo or nccl (what carries CUDA tensors)
 

@@ -248,7 +248,8 @@ _REASONS: dict[Cause, Callable[[Mapping[str, Any]], str]] = {
     Cause.SCRIPT_ERROR: lambda f: f"failed: {f['error']}",
     Cause.NEVER_CONTACTED: lambda f: f"did not contact the driver within --start-timeout {f['limit']:g} s",
     Cause.STUCK_EXITING: lambda f: (f"ended its script but its process did not exit within {f['grace']:g} s "
-                                    f"(stuck in the interpreter's teardown); killed"),
+                                    f"(stuck in the interpreter's teardown: Python waits at exit for the non-daemon "
+                                    f"threads and multiprocessing children the script started); killed"),
     Cause.SILENT: lambda f: (f"sent no heartbeat for {f['silent_s']:.1f} s (--heartbeat-timeout {f['limit']:g} s); "
                              f"it is hung or unreachable"),
     Cause.NOT_IN_JOB: lambda f: "this process is not part of the job",

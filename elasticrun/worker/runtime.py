@@ -530,6 +530,7 @@ class Runtime:
             if msg.type == "dismiss":  # a graceful end: the driver says it on its console
                 log.debug("%s[%s]: %s; exiting", self.hostname, self.slot, msg.body.get("reason"))
                 self.shutdown(exiting=True)
+                _end_within(_seconds(env.EXIT_GRACE, EXIT_GRACE), f"{self.hostname}[{self.slot}]")
                 raise SystemExit(0)
             a = msg.body
             self.enter_round(int(a["round"]), int(a["rank"]), int(a["size"]))
@@ -830,6 +831,28 @@ def warm_up() -> None:
     once, before it forks any worker.
     """
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+
+
+#: How long a dismissed worker may take to end. Its SystemExit comes from inside the elastic
+#: function, so the script's code after that function (where it stops a helper process it
+#: started) never runs; Python then waits at exit for every non-daemon thread and
+#: multiprocessing child, for good: the process lingered until the job's end, holding its slot
+#: (the job could not grow back onto it) and the driver's word "exits 0" untrue.
+EXIT_GRACE = 30.0
+
+
+def _end_within(grace: float, where: str) -> None:
+    """End this dismissed process after ``grace`` seconds if it has not ended by then (its
+    launcher then stops what it left running in its process group)."""
+    def end() -> None:
+        _say(f"elasticrun: {where}: dismissed {grace:g} s ago and still running: Python waits at exit for "
+             f"the non-daemon threads and multiprocessing children the script started (stop them in a "
+             f"'finally:' around the elastic function, or make them daemon); exiting now\n")
+        os._exit(0)
+
+    timer = threading.Timer(grace, end)
+    timer.daemon = True
+    timer.start()
 
 
 def _say(text: str) -> None:

@@ -133,6 +133,48 @@ def test_a_slow_teardown_after_the_script_is_no_hang(job):
     assert "no heartbeat" not in r.stderr and "training finished" in r.stderr, r.stderr
 
 
+def test_a_dismissed_worker_whose_script_stops_its_helper_after_training_still_ends(job):
+    """The dismissal's SystemExit comes from inside the elastic function, so the script's
+    code after it, which stops a non-daemon helper process, never ran, and Python waited for
+    the helper at exit: the worker the console said "exits 0" lived on until the job's end,
+    holding its slot. Now it ends within its grace (ELASTICRUN_EXIT_GRACE, 30 s by default),
+    says why, and its launcher stops the helper."""
+    marker = job.tmp / "shrink"
+    discover = job.tmp / "discover.sh"
+    discover.write_text(f"#!/bin/sh\necho localhost:1\n[ -f {marker} ] || echo 127.0.0.1:1\n")
+    discover.chmod(0o755)
+    script = job.tmp / "helper.py"
+    script.write_text(
+        "import multiprocessing as mp, os, sys, time\nimport torch\nimport elasticrun.torch as hvd\n"
+        "def helper():\n    time.sleep(3600)\n"
+        "if __name__ == '__main__':\n"
+        "    hvd.init()\n"
+        "    p = mp.get_context('fork').Process(target=helper); p.start()\n"
+        f"    open(os.path.join({str(job.tmp)!r}, f'helper-{{hvd.rank()}}'), 'w').write(str(p.pid))\n"
+        "    state = hvd.elastic.ObjectState(step=0)\n"
+        "    @hvd.elastic.run\n"
+        "    def train(state):\n"
+        "        while state.step < 2000:\n"
+        "            hvd.allreduce(torch.ones(1)); state.step += 1; time.sleep(0.01)\n"
+        f"            if state.step == 20 and hvd.size() == 2:\n"
+        f"                open({str(marker)!r}, 'w').close()\n"
+        f"            other = os.path.join({str(job.tmp)!r}, 'helper-1')\n"
+        "            if hvd.size() == 1 and state.step % 10 == 0 and os.path.exists(other):\n"
+        "                try:\n                    os.kill(int(open(other).read()), 0)\n"
+        "                except ProcessLookupError:\n"
+        "                    print(f'the dismissed worker\\'s helper is gone at step {state.step}', flush=True)\n"
+        "                    return\n"
+        "            state.commit()\n"
+        "    train(state)\n"
+        "    p.terminate(); p.join()  # (after training: never reached by a dismissed worker)\n")
+    r = job.run(["-np", "2", "--min-np", "1", "--host-discovery-script", str(discover), "--discovery-interval", "0.5"],
+                [sys.executable, str(script)], timeout=120, ELASTICRUN_EXIT_GRACE="3")
+    assert r.returncode == 0, r.output
+    assert "127.0.0.1[0] exits 0: no place" in r.stderr, r.stderr
+    assert "dismissed 3 s ago and still running" in r.stderr, r.stderr
+    assert "helper is gone at step" in r.stdout, r.output
+
+
 @pytest.mark.parametrize("where", ["local", "local, no warm start", "ssh"])
 def test_what_a_worker_starts_in_a_session_of_its_own_ends_with_it(job, where, request):
     """A worker's child in a new session (`setsid`, `start_new_session=True`, a daemon) is out of
