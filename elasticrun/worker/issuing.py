@@ -290,8 +290,7 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     members = process_sets.members(process_set, r)
     me = members.index(r.rank) if r.rank in members else -1
 
-    def context(i: int) -> str:  # (the set by its ranks, not its id: ranks that registered it under different
-        # ids then open each other's signatures and raise CollectiveMismatch naming both ids)
+    def context(i: int) -> str:  # (the set by its ranks, not its id: see ps_id)
         return f"allgather_object|round {r.number}|set {','.join(map(str, members))}|member {i}|{name}"
 
     data = torch.frombuffer(bytearray(sealing.seal(cloudpickle.dumps(obj), context(me), len(members))),

@@ -76,7 +76,6 @@ def _call_all(functions: list[Callable[[], None]]) -> None:
         f()
 
 
-
 def _named(handler: StateHandler, name: str) -> StateHandler:
     """``handler``, told the attribute it handles (a sampler's joined ranks publish by it)."""
     try:
@@ -84,6 +83,7 @@ def _named(handler: StateHandler, name: str) -> StateHandler:
     except AttributeError:  # (a user's handler with __slots__: it has no sampler's join to follow)
         pass
     return handler
+
 
 class TorchState(ObjectState):
     """``TorchState(model, optimizer, sampler=..., epoch=0, batch=0)``: every keyword is an
