@@ -21,6 +21,7 @@ import json
 import zlib
 from typing import Any, Callable
 
+from elasticrun.worker.exceptions import HorovodInternalError
 from elasticrun.worker.rounds import Round
 from elasticrun.worker.waiting import join_key
 
@@ -58,10 +59,14 @@ def published(r: Round, rank: int) -> dict[str, tuple[int, list[int]]]:
     if got is None:
         assert r.store is not None
         gen = r.join_gen
-        count = int(r.store.get(join_key(f"{gen}/news/{rank}")))
-        blob = b"".join(bytes(r.store.get(join_key(f"{gen}/news/{rank}/{n}"))) for n in range(count))
-        data: Any = json.loads(zlib.decompress(blob)) if blob else {}
-        got = {str(k): (int(v[0]), [int(i) for i in v[1]]) for k, v in data.items()}
+        try:
+            count = int(r.store.get(join_key(f"{gen}/news/{rank}")))
+            blob = b"".join(bytes(r.store.get(join_key(f"{gen}/news/{rank}/{n}"))) for n in range(count))
+            data: Any = json.loads(zlib.decompress(blob)) if blob else {}
+            got = {str(k): (int(v[0]), [int(i) for i in v[1]]) for k, v in data.items()}
+        except Exception as exc:  # (an aborted round's store, the driver gone): this commit cannot complete
+            raise HorovodInternalError(f"what rank {rank} recorded before it joined could not be read from the "
+                                       f"round's store: {exc}") from exc
         for old in [k for k in _read if k[:2] != key[:2]]:  # (only the current join is read again)
             del _read[old]
         _read[key] = got
