@@ -58,6 +58,7 @@ class Kind(str, enum.Enum):
     ROUND_ABORTED = "round_aborted"
     ABORT_PENDING = "abort_pending"          # members have not left an aborted round for a while
     ROUND_STALLED = "round_stalled"          # members wait past the stall warning for others in no collective
+    ROUND_DIVERGED = "round_diverged"        # every member waits past the stall warning, not in the same collective
     ROUND_FORMED = "round_formed"
     DEVICE_BACKEND = "device_backend"        # what carries CUDA tensors in this round, and why
     RESET = "reset"                          # a reset closed: cause, sizes and cost
@@ -174,6 +175,7 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.ABORT_PENDING: ("round", "message", "seconds", "why", "ranks", "more"),
     # waited: the longest wait (s); waiting: how many members are in a collective; ranks: [[rank, label], ...]
     Kind.ROUND_STALLED: ("round", "message", "waited", "waiting", "ranks", "more"),
+    Kind.ROUND_DIVERGED: ("round", "message", "waited", "groups", "more"),
     Kind.ROUND_FORMED: ("round", "message", "size", "hosts"),
     Kind.DEVICE_BACKEND: ("round", "message", "backend", "why"),
     Kind.RESET: ("cause", "trigger", "round", "from_size", "to_size", "seconds"),

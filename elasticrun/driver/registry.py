@@ -170,6 +170,7 @@ class WorkerRecord:
     # and whether that wait was past its stall warning.
     waiting: float | None = None
     stalled: bool = False
+    waiting_in: str | None = None  # the collective it waits in, as its last heartbeat named it once stalled
     # (host, slot): a plain attribute, not a property; every decision reads it for each worker.
     key: tuple[str, int] = field(init=False, repr=False, compare=False)
 
@@ -567,13 +568,14 @@ class Registry:
         self._dirty = True
 
     def heartbeat(self, worker_id: str, now: float, pace: Pace | None = None, steps: int | None = None,
-                  bye: str | None = None, waiting: float | None = None, stalled: bool = False) -> None:
+                  bye: str | None = None, waiting: float | None = None, stalled: bool = False,
+                  op: str | None = None) -> None:
         """A sign of life from a worker, with its step count and the pace of its recent steps in
         this round (a decision follows only when that pace may name a straggler, or when it stops).
         ``bye``: its last one (see :attr:`WorkerRecord.bye`): silence is then no sign of a hang.
         ``waiting``/``stalled``: how long it has waited in its current collective (None: in
         none), and whether past the stall warning (a decision follows when that may name the
-        members the round waits for: see :meth:`_stalled`)."""
+        members the round waits for: see :meth:`_stalled`); ``op``: which collective, once stalled."""
         w = self.workers.get(worker_id)
         if w is not None:
             w.last_seen = now
@@ -581,9 +583,10 @@ class Registry:
             self._first_contact()
             if steps is not None:
                 w.steps = steps
-            if stalled != w.stalled or (self._stalls and (waiting is None) != (w.waiting is None)):
+            if (stalled != w.stalled or (self._stalls and (waiting is None) != (w.waiting is None))
+                    or op != w.waiting_in):
                 self._dirty = True
-            w.waiting, w.stalled = waiting, stalled
+            w.waiting, w.stalled, w.waiting_in = waiting, stalled, op
             if stalled:
                 self._stalls = True
             if bye in ("exit", "shutdown") and w.bye is None:
@@ -1295,7 +1298,16 @@ class Registry:
             yield Mark("_stall_said", None)
             return
         outside = sorted((w for w in members if w.waiting is None), key=lambda w: w.rank)
-        named = frozenset(w.id for w in outside)
+        # Every member in a collective, past its stall warning, and they name different ones:
+        # their scripts diverged (no agreement caught it: an internal collective, or one whose
+        # layout was agreed earlier in the round), and gloo pairs what it is given until the
+        # collective timeout. Each worker's own line says only that it waits.
+        ops: dict[str, list[int]] = {}
+        if not outside and all(w.stalled and w.waiting_in for w in members):
+            for w in sorted(members, key=lambda w: w.rank):
+                ops.setdefault(str(w.waiting_in), []).append(w.rank)
+        diverged = len(ops) > 1
+        named = frozenset(w.id for w in outside) | frozenset(f"{op} @ {ranks}" for op, ranks in ops.items() if diverged)
         said = self._stall_said
         if said is not None and said[0] == named and now < said[1]:
             return
@@ -1305,6 +1317,12 @@ class Registry:
                 "round": self.round, "waited": max(w.waiting or 0.0 for w in stalled),
                 "waiting": len(members) - len(outside), "ranks": [[w.rank, w.label] for w in outside[:8]],
                 "more": max(0, len(outside) - 8)}, level="warning")
+        elif diverged:
+            groups = sorted(ops.items(), key=lambda g: g[1][0])
+            yield Event(Kind.ROUND_DIVERGED, {
+                "round": self.round, "waited": max(w.waiting or 0.0 for w in stalled),
+                "groups": [[op, ranks[:8]] for op, ranks in groups[:4]], "more": max(0, len(groups) - 4)},
+                level="warning")
 
     def _stop_waiting(self) -> Decision:
         """Enough slots: the wait for them (and its reminders) is over."""

@@ -35,7 +35,8 @@ def _seconds(value: Any) -> float | None:
 class Heartbeat:
     """A sign of life: steps and commits so far, the pace of recent steps, and on the last one
     of a process, ``bye`` ("exit" or "shutdown"). ``waiting``: how long it has waited in the
-    collective it is in (None: in none); ``stalled``: that wait is past its stall warning."""
+    collective it is in (None: in none); ``stalled``: that wait is past its stall warning; ``op``:
+    which collective, once stalled."""
 
     worker: str
     steps: int | None = None
@@ -44,14 +45,16 @@ class Heartbeat:
     bye: str | None = None
     waiting: float | None = None
     stalled: bool = False
+    op: str | None = None  # the collective it waits in, once stalled (its name, cut to 80 characters)
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> "Heartbeat":
-        bye = body.get("bye")
+        bye, op = body.get("bye"), body.get("in")
         waiting = _seconds(body.get("waiting"))
+        stalled = waiting is not None and body.get("stalled") is True
         return cls(_worker(body), _int(body.get("steps")), _int(body.get("commit")), Pace.parse(body.get("pace")),
-                   bye[:20] if isinstance(bye, str) else None, waiting,
-                   waiting is not None and body.get("stalled") is True)
+                   bye[:20] if isinstance(bye, str) else None, waiting, stalled,
+                   op[:80] if stalled and isinstance(op, str) and op else None)
 
 
 @dataclass(frozen=True)

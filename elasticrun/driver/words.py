@@ -88,6 +88,15 @@ def _usable(available: Any) -> str:
     return _some([f"{h}:{s}" for h, s in available]) or "none"
 
 
+def _rank_list(ranks: list[int]) -> str:
+    """``rank 2``, ``ranks 0, 1``, ``ranks 0, 1, ... (9 ranks)``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) > 4:
+        return f"ranks {ranks[0]}, {ranks[1]}, ... ({len(ranks)} ranks)"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
 def _ranks(n: int) -> str:
     return f"{n} rank{'s' if n != 1 else ''} {'was' if n == 1 else 'were'}"
 
@@ -213,6 +222,13 @@ _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
                                    + " in none: busy alone (evaluating, saving or loading data on one rank, a print "
                                      "blocked on a console or SSH channel nobody reads) or stuck; the round waits "
                                      "(see docs/troubleshooting.md)"),
+    Kind.ROUND_DIVERGED: lambda f: (f"round {f['round']}: every rank has waited {f['waited']:.0f} "
+                                    f"s in a collective, but not the same one: "
+                                    + "; ".join(f"{_rank_list(ranks)} in {op}" for op, ranks in f["groups"])
+                                    + (f" and {f['more']} more" if f.get("more") else "")
+                                    + ". The ranks' scripts took different paths (a commit or a collective on some "
+                                      "ranks only, steps counted apart after join()); each waits until "
+                                      "--collective-timeout (see docs/troubleshooting.md)"),
     Kind.ROUND_FORMED: lambda f: (f"round {f['round']}: {f['size']} worker(s) on {len(f['hosts'])} host(s)"),
     Kind.DEVICE_BACKEND: lambda f: (("CUDA tensors go over NCCL" if f["backend"] == "nccl" else "CUDA tensors go over gloo")
                                     + f" in round {f['round']} ({reason(f['why'])})"),

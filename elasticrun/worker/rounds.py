@@ -106,7 +106,7 @@ class Round:
     __slots__ = ("number", "rank", "size", "pg", "collective_timeout", "stall", "host_updates", "copy_requests", "copy_busy",
                  "step_done", "awaiting_first_step", "store", "subgroups", "calls", "log", "join_gen", "join_active",
                  "joined", "capacities", "device_backend", "device_groups", "form_device_group", "in_flight",
-                 "works", "waiting_since", "_aborted", "_emit", "__weakref__")
+                 "works", "waiting_since", "waiting_in", "_aborted", "_emit", "__weakref__")
 
     def __init__(self, number: int, rank: int, size: int, *, collective_timeout: float,
                  host_updates: HostUpdates, aborted: Mapping[int, str],
@@ -163,6 +163,7 @@ class Round:
         #: none). Heartbeats carry it: when one rank's wait grows past the stall warning, the
         #: driver names the members outside every collective, whom the others wait for.
         self.waiting_since: float | None = None
+        self.waiting_in: str = ""  # the collective waited in then (the heartbeat names it once stalled)
         self._aborted = aborted  # round number -> reason, written by the runtime's control thread
         self._emit = emit
 

@@ -263,6 +263,7 @@ class Runtime:
             body["waiting"] = round(waited, 1)
             if r.stall.warning is not None and waited >= r.stall.warning:
                 body["stalled"] = True
+                body["in"] = r.waiting_in[:80]  # (ranks stalled in different ones took different paths)
         return body
 
     # --- the current round ------------------------------------------------------------------

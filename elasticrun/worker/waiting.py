@@ -65,6 +65,7 @@ def wait(r: Round, work: Any, what: str) -> None:
     # about a second) holds throughout: the abort is looked for first, so that the training
     # thread hears it at once instead of after the abort.
     polled = isinstance(work, Polled) or (isinstance(work, Works) and any(isinstance(w, Polled) for w in work.works))
+    r.waiting_in = what
     r.waiting_since = start  # read by the heartbeat (worker/runtime.py): who waits, who is outside
     try:
         _wait(r, work, what, start, deadline, check, stall, polled)

@@ -896,6 +896,33 @@ class TestStalls:
         [e] = events(self.beat(job, 101, w1=None), "round_stalled")
         assert e.fields["ranks"] == [[1, "a[1]"]]
 
+    def test_ranks_stalled_in_different_collectives_are_named_with_what_each_waits_in(self):
+        """Every member in a collective past its stall warning, but not the same one (a commit
+        on some ranks only, steps counted apart after join()): each worker's own line said only
+        that "one of them is busy outside collectives", which none was."""
+        job = Job(np=3, min_np=1)
+        job.start({"a": 2, "b": 1}, at=0)
+        waits = {"w0": "sampler.processed_indices.size", "w1": "allreduce gradient bucket 0",
+                 "w2": "allreduce gradient bucket 0"}
+
+        def beat(at, waited):
+            job._at(at)
+            for wid, op in waits.items():
+                job.reg.heartbeat(wid, job.now, waiting=waited, stalled=True, op=op)
+            return checked(job.reg.decide(job.now))
+
+        [e] = events(beat(100, 70.0), "round_diverged")
+        assert text(e) == (
+            "round 0: every rank has waited 70 s in a collective, but not the same one: rank 0 in "
+            "sampler.processed_indices.size; ranks 1, 2 in allreduce gradient bucket 0. The ranks' scripts took "
+            "different paths (a commit or a collective on some ranks only, steps counted apart after join()); each "
+            "waits until --collective-timeout (see docs/troubleshooting.md)")
+        assert e.level == "warning" and not events([e], "round_stalled")
+        assert not events(beat(101, 71.0), "round_diverged")  # said once, then every 300 s
+        assert events(beat(401, 371.0), "round_diverged")
+        waits["w0"] = "allreduce gradient bucket 0"  # all in the same one: nobody to name
+        assert not events(beat(402, 5.0), "round_diverged")
+
     def test_heartbeats_of_a_training_job_ask_for_no_decision(self):
         """Membership of a collective flips at every heartbeat while a job trains: only a
         stalled wait (or, during one, a member entering or leaving collectives) asks for a

@@ -13,7 +13,8 @@ values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | 
                       lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
                       max_leaves=20)
 bodies = st.dictionaries(st.sampled_from(["worker", "steps", "commit", "pace", "bye", "error", "restored",
-                                          "has_state", "gpus", "why", "req"]) | st.text(max_size=5), values)
+                                          "has_state", "gpus", "why", "req", "waiting", "stalled", "in"])
+                         | st.text(max_size=5), values)
 
 
 @given(bodies)
@@ -24,6 +25,7 @@ def test_any_body_gives_typed_bounded_fields(body):
     assert hb.bye is None or len(hb.bye) <= 20
     assert hb.waiting is None or (isinstance(hb.waiting, float) and hb.waiting >= 0)
     assert isinstance(hb.stalled, bool) and (hb.waiting is not None or not hb.stalled)
+    assert hb.op is None or (isinstance(hb.op, str) and 0 < len(hb.op) <= 80 and hb.stalled)
     r = rt.Rendezvous.parse(body)
     assert r.error is None or len(r.error) <= 300
     assert isinstance(r.restored, bool) and isinstance(r.has_state, bool)
@@ -44,6 +46,9 @@ def test_well_formed_bodies_keep_their_values():
         hb = rt.Heartbeat.parse({"worker": "w3", "waiting": bad, "stalled": True})
         assert (hb.waiting, hb.stalled) == (None, False)
     assert rt.Heartbeat.parse({"worker": "w3", "waiting": 3, "stalled": "yes"}).stalled is False
+    hb = rt.Heartbeat.parse({"worker": "w3", "waiting": 61.5, "stalled": True, "in": "allreduce loss" + "x" * 100})
+    assert hb.op == ("allreduce loss" + "x" * 100)[:80]
+    assert rt.Heartbeat.parse({"worker": "w3", "waiting": 1.5, "in": "allreduce loss"}).op is None  # not stalled
     r = rt.Rendezvous.parse({"worker": "w1", "error": "peer died", "restored": True, "gpus": ["GPU-1"]})
     assert r == rt.Rendezvous("w1", "peer died", True, False, ("GPU-1",))
     assert rt.Rendezvous.parse({"worker": "w1", "restored": "yes"}).restored is False  # only true is true
