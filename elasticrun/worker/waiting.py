@@ -113,7 +113,8 @@ def _stalled(r: Round, what: str, waited: float) -> None:
     until = (f"--stall-check-shutdown-time-seconds {shutdown:g}" if shutdown is not None and shutdown < r.collective_timeout
              else f"--collective-timeout {r.collective_timeout:g}")
     log.warning("rank %d: %s has waited %.0f s for the other ranks: one of them is busy outside collectives "
-                "(evaluating or saving alone?) or stuck; waiting up to %s s", r.rank, what, waited, until)
+                "(evaluating or saving alone?), in another collective (the driver's line says which) or stuck; "
+                "waiting up to %s s", r.rank, what, waited, until)
 
 
 def solo(r: Round, what: str) -> None:
