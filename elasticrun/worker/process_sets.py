@@ -13,6 +13,7 @@ Horovod; :meth:`ProcessSet.rank` is the position within the set (the order of an
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -165,6 +166,15 @@ def group(process_set: ProcessSet, r: Round) -> tuple[Any, int, int, tuple[int, 
         if r.store is None:
             raise ValueError("process sets need the round's store; this round has none")
         store = dist.PrefixStore("elasticrun/ps/" + ",".join(map(str, ranks)), r.store)
-        pg = dist.ProcessGroupGloo(store, ranks.index(r.rank), len(ranks), rounds.group_timeout(r.collective_timeout))
+        # Counted as a collective's wait: a member that registered the set with other ranks
+        # (a newcomer's [0, 2, 4] beside the survivors' [0, 2]) waits here for ranks that never
+        # come, and the driver's stall line names what each rank waits in.
+        r.waiting_in = f"forming process set {list(ranks)}"
+        r.waiting_since = time.monotonic()
+        try:
+            pg = dist.ProcessGroupGloo(store, ranks.index(r.rank), len(ranks),
+                                       rounds.group_timeout(r.collective_timeout))
+        finally:
+            r.waiting_since = None
         r.subgroups[ranks] = pg
     return pg, ranks.index(r.rank), len(ranks), ranks
