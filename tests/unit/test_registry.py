@@ -915,8 +915,8 @@ class TestStalls:
         assert text(e) == (
             "round 0: every rank has waited 70 s in a collective, but not the same one: rank 0 in "
             "sampler.processed_indices.size; ranks 1, 2 in allreduce gradient bucket 0. The ranks' scripts took "
-            "different paths (a commit or a collective on some ranks only, steps counted apart after join()); each "
-            "waits until --collective-timeout (see docs/troubleshooting.md)")
+            "different paths (a commit or a collective on some ranks only, steps counted apart after join(), a process "
+            "set registered with other ranks); each waits until --collective-timeout (see docs/troubleshooting.md)")
         assert e.level == "warning" and not events([e], "round_stalled")
         assert not events(beat(101, 71.0), "round_diverged")  # said once, then every 300 s
         assert events(beat(401, 371.0), "round_diverged")
