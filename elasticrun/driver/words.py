@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Protocol
 
 from elasticrun.common.events import Cause, Kind, Reason
+from elasticrun.common.ranks import rank_list
 
 
 class Said(Protocol):
@@ -86,15 +87,6 @@ def _timed_out(f: Any) -> str:
 def _usable(available: Any) -> str:
     """``[(host, slots), ...]`` as "a:2, b:1" ("none" when empty)."""
     return _some([f"{h}:{s}" for h, s in available]) or "none"
-
-
-def _rank_list(ranks: list[int]) -> str:
-    """``rank 2``, ``ranks 0, 1``, ``ranks 0, 1, ... (9 ranks)``."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if len(ranks) > 4:
-        return f"ranks {ranks[0]}, {ranks[1]}, ... ({len(ranks)} ranks)"
-    return "ranks " + ", ".join(map(str, ranks))
 
 
 def _ranks(n: int) -> str:
@@ -224,7 +216,7 @@ _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
                                      "(see docs/troubleshooting.md)"),
     Kind.ROUND_DIVERGED: lambda f: (f"round {f['round']}: every rank has waited {f['waited']:.0f} "
                                     f"s in a collective, but not the same one: "
-                                    + "; ".join(f"{_rank_list(ranks)} in {op}" for op, ranks in f["groups"])
+                                    + "; ".join(f"{rank_list(ranks)} in {op}" for op, ranks in f["groups"])
                                     + (f" and {f['more']} more" if f.get("more") else "")
                                     + ". The ranks' scripts took different paths (a commit or a collective on some "
                                       "ranks only, steps counted apart after join(), a process set registered with "

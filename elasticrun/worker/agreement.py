@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Mapping, Sequence
 
+from elasticrun.common.ranks import rank_list
+
 __all__ = ["CollectiveMismatch", "words", "message"]
 
 
@@ -60,7 +62,7 @@ def message(signatures: Sequence[Mapping[str, Any] | None], ranks: Sequence[int]
             groups: dict[str, list[int]] = {}
             for (r, s) in given:
                 groups.setdefault(_show(s.get(key)), []).append(r)
-            shown = "; ".join(f"{_ranks(rs)}: {v}" for v, rs in groups.items())
+            shown = "; ".join(f"{rank_list(rs)}: {v}" for v, rs in groups.items())
             parts.append(f"{key} ({shown})")
     detail = ", ".join(parts) if parts else "their arguments (the digests differ)"
     # A signature may carry advice for the case it is typically mismatched in (said in full).
@@ -69,14 +71,6 @@ def message(signatures: Sequence[Mapping[str, Any] | None], ranks: Sequence[int]
     return (f"{what}: the ranks called it with different arguments, so it did not run: {detail}. "
             + "".join(f"{h}. " for h in hints) + "Every rank must call the same collectives, in the same order, "
             "with the same dtype, shape (or split count), root and process set")
-
-
-def _ranks(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if len(ranks) > 4:
-        return f"ranks {ranks[0]}, {ranks[1]}, ... ({len(ranks)} ranks)"
-    return "ranks " + ", ".join(map(str, ranks))
 
 
 def _show(value: Any) -> str:
