@@ -109,7 +109,8 @@ def age(cycles: int) -> dict:
     if reg.round < 2 * cycles - 1:
         raise SystemExit(f"the job did not reset at every flap (round {reg.round} after {cycles} cycles)")
     window = min(200, cycles)
-    return {"early_ms": statistics.mean(per_cycle[:window]) * 1e3, "late_ms": statistics.mean(per_cycle[-window:]) * 1e3,
+    return {"early_ms": statistics.mean(per_cycle[:window]) * 1e3,
+            "late_ms": statistics.mean(per_cycle[-window:]) * 1e3,
             "records": len(reg.workers), "resets": reg.reset_count}
 
 
