@@ -175,7 +175,7 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.ABORT_PENDING: ("round", "message", "seconds", "why", "ranks", "more"),
     # waited: the longest wait (s); waiting: how many members are in a collective; ranks: [[rank, label], ...]
     Kind.ROUND_STALLED: ("round", "message", "waited", "waiting", "ranks", "more"),
-    Kind.ROUND_DIVERGED: ("round", "message", "waited", "groups", "more"),
+    Kind.ROUND_DIVERGED: ("round", "message", "waited", "groups", "more", "until"),
     Kind.ROUND_FORMED: ("round", "message", "size", "hosts"),
     Kind.DEVICE_BACKEND: ("round", "message", "backend", "why"),
     Kind.RESET: ("cause", "trigger", "round", "from_size", "to_size", "seconds"),

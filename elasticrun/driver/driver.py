@@ -644,7 +644,7 @@ class ElasticDriver:
         if hb.worker in self.registry.workers:  # only the job's own: the table stays bounded
             self._listeners[hb.worker] = identity
         self.registry.heartbeat(hb.worker, time.monotonic(), hb.pace, hb.steps, hb.bye, hb.waiting, hb.stalled,
-                                hb.op)
+                                hb.op, hb.until)
         self._progress(hb.steps, hb.commit)
         self._reply(identity, msg, "heartbeat_ack", {
             "round": self.registry.round, "aborted": self.registry.aborted,

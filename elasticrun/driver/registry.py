@@ -171,6 +171,7 @@ class WorkerRecord:
     waiting: float | None = None
     stalled: bool = False
     waiting_in: str | None = None  # the collective it waits in, as its last heartbeat named it once stalled
+    waiting_until: str | None = None  # and the flag that ends that wait (its collective timeout or stall shutdown)
     # (host, slot): a plain attribute, not a property; every decision reads it for each worker.
     key: tuple[str, int] = field(init=False, repr=False, compare=False)
 
@@ -569,13 +570,14 @@ class Registry:
 
     def heartbeat(self, worker_id: str, now: float, pace: Pace | None = None, steps: int | None = None,
                   bye: str | None = None, waiting: float | None = None, stalled: bool = False,
-                  op: str | None = None) -> None:
+                  op: str | None = None, until: str | None = None) -> None:
         """A sign of life from a worker, with its step count and the pace of its recent steps in
         this round (a decision follows only when that pace may name a straggler, or when it stops).
         ``bye``: its last one (see :attr:`WorkerRecord.bye`): silence is then no sign of a hang.
         ``waiting``/``stalled``: how long it has waited in its current collective (None: in
         none), and whether past the stall warning (a decision follows when that may name the
-        members the round waits for: see :meth:`_stalled`); ``op``: which collective, once stalled."""
+        members the round waits for: see :meth:`_stalled`); ``op``: which collective, and
+        ``until``: the flag that ends its wait, once stalled."""
         w = self.workers.get(worker_id)
         if w is not None:
             w.last_seen = now
@@ -586,7 +588,7 @@ class Registry:
             if (stalled != w.stalled or (self._stalls and (waiting is None) != (w.waiting is None))
                     or op != w.waiting_in):
                 self._dirty = True
-            w.waiting, w.stalled, w.waiting_in = waiting, stalled, op
+            w.waiting, w.stalled, w.waiting_in, w.waiting_until = waiting, stalled, op, until
             if stalled:
                 self._stalls = True
             if bye in ("exit", "shutdown") and w.bye is None:
@@ -1321,7 +1323,8 @@ class Registry:
             groups = sorted(ops.items(), key=lambda g: g[1][0])
             yield Event(Kind.ROUND_DIVERGED, {
                 "round": self.round, "waited": max(w.waiting or 0.0 for w in stalled),
-                "groups": [[op, ranks[:8]] for op, ranks in groups[:4]], "more": max(0, len(groups) - 4)},
+                "groups": [[op, ranks[:8]] for op, ranks in groups[:4]], "more": max(0, len(groups) - 4),
+                "until": sorted({w.waiting_until for w in members if w.waiting_until})[:3]},
                 level="warning")
 
     def _stop_waiting(self) -> Decision:

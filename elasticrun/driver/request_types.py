@@ -36,7 +36,8 @@ class Heartbeat:
     """A sign of life: steps and commits so far, the pace of recent steps, and on the last one
     of a process, ``bye`` ("exit" or "shutdown"). ``waiting``: how long it has waited in the
     collective it is in (None: in none); ``stalled``: that wait is past its stall warning; ``op``:
-    which collective, once stalled."""
+    which collective, and ``until``: the flag that ends the wait (its collective timeout or
+    stall shutdown, as the worker keeps it), once stalled."""
 
     worker: str
     steps: int | None = None
@@ -46,15 +47,17 @@ class Heartbeat:
     waiting: float | None = None
     stalled: bool = False
     op: str | None = None  # the collective it waits in, once stalled (its name, cut to 80 characters)
+    until: str | None = None  # what ends that wait, once stalled ("--collective-timeout 1800"; 60 characters)
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> "Heartbeat":
-        bye, op = body.get("bye"), body.get("in")
+        bye, op, until = body.get("bye"), body.get("in"), body.get("until")
         waiting = _seconds(body.get("waiting"))
         stalled = waiting is not None and body.get("stalled") is True
         return cls(_worker(body), _int(body.get("steps")), _int(body.get("commit")), Pace.parse(body.get("pace")),
                    bye[:20] if isinstance(bye, str) else None, waiting, stalled,
-                   op[:80] if stalled and isinstance(op, str) and op else None)
+                   op[:80] if stalled and isinstance(op, str) and op else None,
+                   until[:60] if stalled and isinstance(until, str) and until else None)
 
 
 @dataclass(frozen=True)

@@ -220,8 +220,10 @@ _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
                                     + (f" and {f['more']} more" if f.get("more") else "")
                                     + ". The ranks' scripts took different paths (a commit or a collective on some "
                                       "ranks only, steps counted apart after join(), a process set registered with "
-                                      "other ranks); each waits until --collective-timeout (see "
-                                      "docs/troubleshooting.md)"),
+                                      "other ranks); each waits up to "
+                                    + (" or ".join(f"{u} s" for u in f["until"]) if f.get("until")
+                                       else "its --collective-timeout")
+                                    + " (see docs/troubleshooting.md)"),
     Kind.ROUND_FORMED: lambda f: (f"round {f['round']}: {f['size']} worker(s) on {len(f['hosts'])} host(s)"),
     Kind.DEVICE_BACKEND: lambda f: (("CUDA tensors go over NCCL" if f["backend"] == "nccl" else "CUDA tensors go over gloo")
                                     + f" in round {f['round']} ({reason(f['why'])})"),

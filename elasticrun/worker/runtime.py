@@ -41,7 +41,7 @@ import zmq
 from elasticrun.common.events import Kind
 from elasticrun.common import deathnotice, env, limits, liveness, settings
 from elasticrun.common.protocol import Message, copy_id
-from elasticrun.worker import collectives, devices, durable, forks, join, prefetch, rounds, trace
+from elasticrun.worker import collectives, devices, durable, forks, join, prefetch, rounds, trace, waiting
 from elasticrun.worker.client import ControlChannel, DriverClient, DriverTimeout, job_keys
 from elasticrun.worker.exceptions import DeviceGroupError, HorovodInternalError, HostsUpdatedInterrupt
 from elasticrun.worker.durable import CommittedState, CopyRequests, DurableSender, HandOff
@@ -264,6 +264,7 @@ class Runtime:
             if r.stall.warning is not None and waited >= r.stall.warning:
                 body["stalled"] = True
                 body["in"] = r.waiting_in[:80]  # (ranks stalled in different ones took different paths)
+                body["until"] = waiting.gives_up(r)  # (so the driver's line names the limit kept)
         return body
 
     # --- the current round ------------------------------------------------------------------

@@ -108,13 +108,20 @@ def _wait(r: Round, work: Any, what: str, start: float, deadline: float, check: 
         raise HorovodInternalError(f"{what} failed: {exc}") from exc
 
 
-def _stalled(r: Round, what: str, waited: float) -> None:
+def gives_up(r: Round) -> str:
+    """What ends a wait in round ``r`` that nothing else ends, as the flag that set it: the stall
+    shutdown when it comes first, else the collective timeout. The heartbeat carries it once
+    stalled, so the driver's line names the limit the workers keep, not the one it assumes."""
     shutdown = r.stall.shutdown
-    until = (f"--stall-check-shutdown-time-seconds {shutdown:g}" if shutdown is not None and shutdown < r.collective_timeout
-             else f"--collective-timeout {r.collective_timeout:g}")
+    if shutdown is not None and shutdown < r.collective_timeout:
+        return f"--stall-check-shutdown-time-seconds {shutdown:g}"
+    return f"--collective-timeout {r.collective_timeout:g}"
+
+
+def _stalled(r: Round, what: str, waited: float) -> None:
     log.warning("rank %d: %s has waited %.0f s for the other ranks: one of them is busy outside collectives "
                 "(evaluating or saving alone?), in another collective (the driver's line says which) or stuck; "
-                "waiting up to %s s", r.rank, what, waited, until)
+                "waiting up to %s s", r.rank, what, waited, gives_up(r))
 
 
 def solo(r: Round, what: str) -> None:

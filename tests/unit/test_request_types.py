@@ -13,7 +13,8 @@ values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | 
                       lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
                       max_leaves=20)
 bodies = st.dictionaries(st.sampled_from(["worker", "steps", "commit", "pace", "bye", "error", "restored",
-                                          "has_state", "gpus", "why", "req", "waiting", "stalled", "in"])
+                                          "has_state", "gpus", "why", "req", "waiting", "stalled", "in",
+                                          "until"])
                          | st.text(max_size=5), values)
 
 
@@ -26,6 +27,7 @@ def test_any_body_gives_typed_bounded_fields(body):
     assert hb.waiting is None or (isinstance(hb.waiting, float) and hb.waiting >= 0)
     assert isinstance(hb.stalled, bool) and (hb.waiting is not None or not hb.stalled)
     assert hb.op is None or (isinstance(hb.op, str) and 0 < len(hb.op) <= 80 and hb.stalled)
+    assert hb.until is None or (isinstance(hb.until, str) and 0 < len(hb.until) <= 60 and hb.stalled)
     r = rt.Rendezvous.parse(body)
     assert r.error is None or len(r.error) <= 300
     assert isinstance(r.restored, bool) and isinstance(r.has_state, bool)
