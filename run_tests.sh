@@ -43,4 +43,4 @@ fi
 
 # -rs: every skipped test says why (a missing sshd, not root, no Ray); --durations: the slowest
 # tests are named at the end, so that a suite creeping past CI's time says where.
-exec "$PYTHON" -m pytest -q -rs --durations=15 -p no:cacheprovider "$@"
+exec "$PYTHON" -m pytest -q -rs --durations=40 -p no:cacheprovider "$@"
