@@ -428,6 +428,11 @@ class Registry:
         self._stalls = False
         self._stall_said: tuple[frozenset[str], float] | None = None
         self._said: set[str] = set()  # one-time messages of the current round
+        # Hosts the round keeps although they are going (discovery dropped them, a notice, a
+        # blacklisting), and why: "handover" (every holder of the state is on them and no
+        # newcomer is ready) or "min_np" (without them fewer than --min-np would train). The
+        # line saying so comes once a round; the status line repeats it while it holds.
+        self.kept: tuple[str, tuple[str, ...]] | None = None
         # The blacklistings that failures in an aborted round caused, said once the round has
         # settled (every member reported or failed): if every worker turned out to be lost at
         # once, they are lifted instead, and the console never said otherwise.
@@ -725,7 +730,7 @@ class Registry:
     #: The notes a Mark may set (and ``said``, which adds to the lines said this round; ``held``,
     #: which holds a blacklisting's line until the round settles; ``held_said``, which ends that).
     _MARKS = frozenset({"plain", "_wait_started", "_wait_reminder", "_notified_target", "_device_said", "said",
-                        "held", "held_said", "_aborted_at", "_abort_reminder", "_stalls", "_stall_said"})
+                        "held", "held_said", "_aborted_at", "_abort_reminder", "_stalls", "_stall_said", "kept"})
 
     def _drive(self, decision: Decision) -> list[Action]:
         """Run a decision: apply each step it yields, send back the answer, collect the actions."""
@@ -784,6 +789,7 @@ class Registry:
                     w.stalled = False
             self._stalls, self._stall_said = False, None
             self._said.clear()
+            self.kept = None
         elif isinstance(step, Mark):
             if step.name not in self._MARKS:
                 raise AssertionError("unknown_mark", step.name)
@@ -1076,6 +1082,11 @@ class Registry:
         listed = [h for h in self.hosts.discovered() if h not in usable]
         return self._why_gone(sorted(listed)) if listed else {}
 
+    def _keep(self, kept: tuple[str, tuple[str, ...]] | None) -> Decision:
+        """Note which going hosts the round keeps, and why (:attr:`kept`), when that changed."""
+        if kept != self.kept:
+            yield Mark("kept", kept)
+
     def _say_once(self, key: str, event: Event) -> Decision:
         """An event said once per round (decisions run often; the console hears it once)."""
         if key not in self._said:
@@ -1228,6 +1239,7 @@ class Registry:
         target_keys = self._target_keys(target)
         yield from self._release_unneeded(target_keys | current)
         if target_keys == current:
+            yield from self._keep(None)
             return
         yield from self._stop_waiting()
         yield from self._launch_missing(target, now)
@@ -1241,14 +1253,18 @@ class Registry:
             if gone:
                 yield from self._say_once("handover", Event(Kind.HANDOVER_PENDING, {
                     "hosts": gone, "why": self._why_gone(gone)}))
+            yield from self._keep(("handover", tuple(gone)) if gone else None)
             return
         if keys == current:
+            yield from self._keep(None)
             return
         if len(plan) < self.config.min_np:
             if gone:
                 yield from self._say_once("below_min_np", Event(Kind.REMOVAL_HELD, {
                     "hosts": gone, "why": self._why_gone(gone), "min_np": self.config.min_np}, level="warning"))
+            yield from self._keep(("min_np", tuple(gone)) if gone else None)
             return
+        yield from self._keep(None)
         by_key = self._by_key()
         starting = any(i.key not in by_key or by_key[i.key].state is WorkerState.LAUNCHING for i in target)
         handover = not any(w.id in {h.id for h in holders} for k, w in plan if k in target_keys)

@@ -63,6 +63,17 @@ def _hosts(hosts: Any) -> str:
     return _some(list(hosts))
 
 
+def kept(kept: tuple[str, tuple[str, ...]] | None, min_np: int) -> str:
+    """The status line's words for the going hosts a round keeps (``Registry.kept``): the
+    warning said so once, and a user who looks later sees them still in the round."""
+    if kept is None:
+        return ""
+    why, hosts = kept
+    if why == "min_np":
+        return f"; host(s) {_hosts(hosts)} still in, for --min-np {min_np}, until enough new workers are ready"
+    return f"; host(s) {_hosts(hosts)} still in: their workers hold the state until new workers can take it over"
+
+
 def _never_enough(f: Mapping[str, Any]) -> str:
     """A fixed host list short of slots for good: what is left, what went, and what would help
     (a host that is leaving, reclaimed, is not helped by a cooldown)."""

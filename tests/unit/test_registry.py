@@ -1769,15 +1769,33 @@ class TestGoingAway:
         job.reg.leaving("w0", "SIGTERM", 1.1)
         acts = job.tick(1.1)
         assert len(events(acts, "handover_pending")) == 1 and job.reg.handover_pending
+        assert job.reg.kept == ("handover", ("a", "b"))  # (the status line repeats it)
         acts = job.rdv_all(["w1", "w0"], at=2)  # both at their next commit: the interrupt
         assert not of(acts, Dismiss)
         assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0), ("b", 0): ("w1", 1)}
         assert job.reg.round == 1 and job.reg.handover_pending
         acts = job.tick(3)
         assert not events(acts, "handover_pending") and not of(acts, Notify)  # said once; no reset loop
+        assert job.reg.kept == ("handover", ("a", "b"))
         job.discover({"a": 1, "b": 1, "c": 1}, at=4)  # new capacity: the hand-over goes on as before
         acts = job.rdv("w2", at=5)
-        assert of(acts, Notify) and job.reg.round == 1
+        assert of(acts, Notify) and job.reg.round == 1 and job.reg.kept is None
+
+    def test_hosts_kept_for_min_np_are_noted_while_they_are_kept(self):
+        """Discovery drops c, but without it fewer than --min-np would train: the warning is said
+        once a round, and ``kept`` (the status line's words) says so until a newcomer is ready."""
+        job = Job(np=3, min_np=3, max_np=3)
+        job.start({"a": 1, "b": 1, "c": 1})
+        acts = job.discover({"a": 1, "b": 1}, at=1)
+        assert len(events(acts, "removal_held")) == 1 and not of(acts, Notify)
+        assert job.reg.kept == ("min_np", ("c",))
+        assert words.kept(job.reg.kept, 3) == ("; host(s) c still in, for --min-np 3, until enough new workers "
+                                               "are ready")
+        assert not events(job.tick(2), "removal_held") and job.reg.kept == ("min_np", ("c",))
+        launch = of(job.discover({"a": 1, "b": 1, "d": 1}, at=3), Launch)
+        acts = job.rdv(launch[0].worker_id, at=4)  # the newcomer is ready: c can go
+        assert of(acts, Notify) == [Notify(added=True, removed=True)] and job.reg.kept is None
+        assert words.kept(None, 3) == ""
 
     def test_a_leaving_host_stays_out_when_its_notice_drops_out_of_the_next_listing(self):
         """Discovery said `draining`, then the worker got SIGTERM; the next listing lacks the word
