@@ -51,6 +51,7 @@ class Kind(str, enum.Enum):
     STATE_LOST = "state_lost"                # a round formed without any holder of the state
     WORKERS_LOST = "workers_lost"            # every worker lost to the infrastructure; resuming from disk
     NP_NEVER = "np_never"                    # a fixed host list can no longer give -np: round 0 starts with fewer
+    NP_NOT_MET = "np_not_met"                # discovery gave fewer than -np within --elastic-timeout: round 0 starts with them
     PLAIN_COMMAND = "plain_command"          # no worker called hvd.init(): plain processes, horovodrun's way
     ELASTIC_AFTER_ALL = "elastic_after_all"  # ... and then one did: the job is elastic again
     RESUMED = "resumed"                      # a round starts from the newest durable copy
@@ -163,10 +164,11 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.HANDOVER_PENDING: ("round", "message", "hosts", "why"),
     Kind.REMOVAL_HELD: ("round", "message", "hosts", "why", "min_np"),
     # usable: [[host, slots], ...]; left_s: until the wait gives up; flag: the limit's flag
-    Kind.WAITING_FOR_SLOTS: ("round", "message", "need", "ready", "usable", "left_s", "flag", "out"),
+    Kind.WAITING_FOR_SLOTS: ("round", "message", "need", "ready", "usable", "left_s", "flag", "out", "min_np"),
     Kind.STATE_LOST: ("round", "message"),
     Kind.WORKERS_LOST: ("round", "message", "limit", "min_np", "commit", "was"),
     Kind.NP_NEVER: ("round", "message", "np", "reachable", "min_np"),
+    Kind.NP_NOT_MET: ("round", "message", "np", "reachable", "min_np", "limit"),
     Kind.PLAIN_COMMAND: ("round", "message", "limit"),
     Kind.ELASTIC_AFTER_ALL: ("round", "message", "label", "seconds"),
     Kind.RESUMED: ("round", "message", "checkpoint", "commit", "saved_at", "steps_back"),

@@ -433,6 +433,9 @@ class Registry:
         # newcomer is ready) or "min_np" (without them fewer than --min-np would train). The
         # line saying so comes once a round; the status line repeats it while it holds.
         self.kept: tuple[str, tuple[str, ...]] | None = None
+        # The first round's wait for -np slots from discovery ran out with --min-np of them
+        # usable: round 0 starts with what there is (hosts that appear later join it).
+        self._np_relaxed = False
         # The blacklistings that failures in an aborted round caused, said once the round has
         # settled (every member reported or failed): if every worker turned out to be lost at
         # once, they are lifted instead, and the console never said otherwise.
@@ -730,7 +733,8 @@ class Registry:
     #: The notes a Mark may set (and ``said``, which adds to the lines said this round; ``held``,
     #: which holds a blacklisting's line until the round settles; ``held_said``, which ends that).
     _MARKS = frozenset({"plain", "_wait_started", "_wait_reminder", "_notified_target", "_device_said", "said",
-                        "held", "held_said", "_aborted_at", "_abort_reminder", "_stalls", "_stall_said", "kept"})
+                        "held", "held_said", "_aborted_at", "_abort_reminder", "_stalls", "_stall_said", "kept",
+                        "_np_relaxed"})
 
     def _drive(self, decision: Decision) -> list[Action]:
         """Run a decision: apply each step it yields, send back the answer, collect the actions."""
@@ -1469,6 +1473,17 @@ class Registry:
                                                                         "min_np": self.config.min_np},
                                                         level="warning"))
             need = self.config.min_np
+        if self._relaxes_np(need) and (self._np_relaxed or (
+                self.config.min_np <= reachable and self._wait_started is not None
+                and now - self._wait_started >= self._wait_limit())):
+            # The first round's wait for -np ran out, with --min-np slots or more usable: the job
+            # starts with them, as --min-np allows and the wait's line said, rather than fail with
+            # the slots it may train on idle (horovodrun fails); more join as discovery lists them.
+            if not self._np_relaxed:
+                yield Mark("_np_relaxed", True)
+                yield Event(Kind.NP_NOT_MET, {"np": need, "reachable": reachable, "min_np": self.config.min_np,
+                                              "limit": self._wait_limit()}, level="warning")
+            need = self.config.min_np
         if reachable < need:
             # (With a durable copy, losing every worker of a round later lets every host back:
             # waiting is not for nothing.)
@@ -1501,6 +1516,11 @@ class Registry:
             # without it, forever. They wait for it as for any slot: up to --elastic-timeout.
             yield from self._wait(need, now)
 
+    def _relaxes_np(self, need: int) -> bool:
+        """A wait for ``need`` slots is the first round's wait for -np from discovery, which
+        starts with --min-np slots or more when it runs out (``_between_rounds``)."""
+        return self.round < 0 and not self.config.fixed_hosts and self.config.min_np < need
+
     def _resumable(self, failed: list[WorkerRecord]) -> bool:
         """Every worker is gone, and a durable copy can carry on: some member of the last round
         was lost to the infrastructure (killed, silent, unreachable), not to its own exception."""
@@ -1529,7 +1549,8 @@ class Registry:
         yield Mark("_wait_reminder", now + WAIT_REMINDER)
         left = self._wait_limit() - waited
         yield Event(Kind.WAITING_FOR_SLOTS, {"need": need, "ready": ready, "usable": usable, "left_s": left,
-                                             "flag": flag, "out": self._held_out()},
+                                             "flag": flag, "out": self._held_out(),
+                                             "min_np": self.config.min_np if self._relaxes_np(need) else None},
                     level="warning" if self.round >= 0 or waited > 0 else "info")
 
     def _never_enough(self, need: int) -> Reason:

@@ -199,14 +199,20 @@ _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
                                    + (" (hosts added and removed)" if f['added'] and f['removed'] else "")),
     Kind.NP_NEVER: lambda f: (f"-np {f['np']} can never be met: a listed host failed and none can come back; "
                               f"starting with {f['reachable']} (--min-np {f['min_np']})"),
+    Kind.NP_NOT_MET: lambda f: (f"discovery listed {f['reachable']} usable slot(s), not -np {f['np']}, within "
+                                f"--elastic-timeout {f['limit']:g} s: starting with {f['reachable']} (--min-np "
+                                f"{f['min_np']}); hosts listed later join the job"),
     Kind.WORKERS_LOST: lambda f: ((f"the durable copy of commit {f['commit']} is now whole: the job resumes from it, "
                                    f"not from commit {f['was']}") if f.get("was") is not None else
                                   (f"every worker is gone; waiting up to --elastic-timeout {f['limit']:g} s for "
                                    f"--min-np {f['min_np']} slots to resume from the durable copy of commit "
                                    f"{f['commit']}")),
     Kind.WAITING_FOR_SLOTS: lambda f: (f"waiting for {f['need']} ready worker(s) (have {f['ready']}; usable hosts: "
-                                       f"{_usable(f['usable'])}{_held(f)}); giving up in {f['left_s']:.0f} s "
-                                       f"({f['flag']})"),
+                                       f"{_usable(f['usable'])}{_held(f)}); "
+                                       + (f"in {f['left_s']:.0f} s ({f['flag']}) the job starts with the slots usable "
+                                          f"then if they are --min-np {f['min_np']} or more, else gives up"
+                                          if f.get("min_np") is not None else
+                                          f"giving up in {f['left_s']:.0f} s ({f['flag']})")),
     Kind.STATE_LOST: lambda f: (f"round {f['round']} starts without any worker that held the job's state: every "
                                 f"holder is gone. The new workers start from what the script loads (its initial "
                                 f"state or its own checkpoint); training since then is redone"),

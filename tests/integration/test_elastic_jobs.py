@@ -331,6 +331,19 @@ def test_the_first_wait_for_discovered_slots_is_the_elastic_timeout(job):
     assert "timed out after 1.5 s (--elastic-timeout) waiting for 3 slots" in r.stderr, r.stderr
 
 
+def test_the_first_wait_for_np_starts_with_min_np_discovered_slots_when_it_runs_out(job):
+    """With --min-np below -np, the job starts with the slots discovery gives by then instead of
+    failing (horovodrun fails), as the wait's line says."""
+    r = job.run(["-np", "3", "--min-np", "2", "--host-discovery-script", str(PROGRESS_DISCOVERY),
+                 "--elastic-timeout", "1.5"],
+                job.train_cmd(epochs=1), **discovery(f"0:{TWO.format(s=1)}"))
+    assert r.returncode == 0, r.output
+    assert "the job starts with the slots usable then if they are --min-np 2 or more" in r.stderr, r.stderr
+    assert ("discovery listed 2 usable slot(s), not -np 3, within --elastic-timeout 1.5 s: starting with 2 "
+            "(--min-np 2)") in r.stderr, r.stderr
+    assert "round 0: 2 worker(s) on 2 host(s)" in r.stderr, r.stderr
+
+
 def test_discovery_command_line_with_arguments(job, tmp_path):
     """As with horovodrun, the discovery "script" may be a command line with arguments."""
     script = tmp_path / "discover.py"

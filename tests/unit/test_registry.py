@@ -1058,6 +1058,38 @@ class TestElasticTimeout:
         said = events(acts, "waiting_for_slots")
         assert said and "waiting for 2 ready worker(s) (have 0;" in text(said[0]), text(said[0])
 
+    def test_the_first_wait_for_np_from_discovery_starts_with_min_np_slots_when_it_runs_out(self):
+        """-np 3 --min-np 2, discovery lists 2 slots: the job used to fail at --elastic-timeout
+        (horovodrun's way) with the slots --min-np allows idle. It starts with them, as the
+        wait's line says, and a host listed later joins the running job."""
+        job = Job(np=3, min_np=2, max_np=3, elastic_timeout=60.0)
+        acts = job.discover({"a": 1, "b": 1}, at=0)
+        [said] = events(acts, "waiting_for_slots")
+        assert text(said).endswith("in 60 s (--elastic-timeout) the job starts with the slots usable then if they are "
+                                   "--min-np 2 or more, else gives up")
+        assert not of(acts, Launch) and not of(job.tick(59.9), Finish)
+        acts = job.tick(60)
+        assert [text(e) for e in events(acts, "np_not_met")] == [
+            "discovery listed 2 usable slot(s), not -np 3, within --elastic-timeout 60 s: starting with 2 (--min-np 2); "
+            "hosts listed later join the job"]
+        assert sorted(l.info.key for l in of(acts, Launch)) == [("a", 0), ("b", 0)] and not of(acts, Finish)
+        job.rdv("w0", at=61)
+        acts = job.rdv("w1", at=61.5)  # round 0 forms with both, and waits for nobody more
+        assert job.reg.round == 0 and len(of(acts, Assign)) == 2
+        assert not events(job.tick(200), "np_not_met") and not of(job.tick(300), Finish)
+        launch = of(job.discover({"a": 1, "b": 1, "c": 1}, at=301), Launch)
+        assert [l.info.key for l in launch] == [("c", 0)]
+
+    def test_the_first_wait_for_np_gives_up_below_min_np_and_with_a_fixed_host_list(self):
+        job = Job(np=3, min_np=2, elastic_timeout=60.0)
+        job.discover({"a": 1}, at=0)
+        [finish] = of(job.tick(60), Finish)
+        assert why(finish).startswith("timed out after 60 s (--elastic-timeout)") and not finish.ok
+        job = Job(np=3, min_np=3, elastic_timeout=60.0)  # (no --min-np below -np: horovodrun's wait)
+        [said] = events(job.discover({"a": 1, "b": 1}, at=0), "waiting_for_slots")
+        assert "giving up in 60 s (--elastic-timeout)" in text(said)
+        assert of(job.tick(60), Finish)
+
     def test_times_out_below_min_np(self):
         job = Job(np=2, min_np=2, elastic_timeout=60.0, start_timeout=30.0)
         job.start({"a": 1, "b": 1}, at=0)
