@@ -79,6 +79,11 @@ class KVStore:
                 return []
             if op == "check":
                 return [(token, "store_result", {"value": all(k in self.data for k in body["keys"])})]
+            if op == "delete" and "keys" in body:  # (several at once: a join's keys as it ends)
+                gone = [k for k in body["keys"] if isinstance(k, str)]
+                for key in gone:
+                    self._written.pop(key, None)
+                return [(token, "store_result", {"value": sum(self.data.pop(k, None) is not None for k in gone)})]
             if op == "delete":
                 self._written.pop(body["key"], None)
                 return [(token, "store_result", {"value": self.data.pop(body["key"], None) is not None})]

@@ -255,6 +255,8 @@ def run(func: F) -> F:
             return _run(func, state, rt, args, kwargs)
         finally:
             rt.active_state = None
+            join.sync_with(None)  # (a join() after the elastic function is a plain Horovod one)
+            join_news.pending_from(None)
 
     return wrapper  # type: ignore[return-value]  # called as func is (functools.wraps); mypy sees another type
 
@@ -352,6 +354,7 @@ def _run(func: Callable[..., Any], state: State, rt: Any, args: Any, kwargs: Any
                 log.info("rank %d/%d: reset to round %d took %.1f ms", rt.rank, rt.size, rt.round,
                          (time.monotonic() - started) * 1000)
             join_news.pending_from(getattr(state, "_sampler_news", None))  # (what a join() publishes)
+            join.sync_with(getattr(state, "sync_after_join", None))  # (what a join() ends with)
             return func(state, *args, **kwargs)
         except HorovodInternalError as exc:
             log.warning("rank %d: %s; restoring the last commit", rt.rank, exc)

@@ -35,8 +35,9 @@ from elasticrun.worker import collectives, devices, join_news, optimizer, rounds
 from elasticrun.worker import descriptors as ops
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError, HostsUpdatedInterrupt
 from elasticrun.worker.rounds import Round
+from elasticrun.worker.store import delete_keys
 
-__all__ = ["diverged", "join", "take_diverged", "tell_joined"]
+__all__ = ["diverged", "in_join_now", "join", "sync_with", "take_diverged", "tell_joined"]
 
 log = logging.getLogger("elasticrun.worker")
 
@@ -45,6 +46,8 @@ _OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max
                         "product": dist.ReduceOp.PRODUCT}
 #: How long one store wait for the next descriptor lasts before the abort check runs again.
 _WAIT_SLICE = 0.5
+#: Keys deleted in one request to the driver's store (each ~50 bytes: well under a frame).
+_DELETE_BATCH = 2000
 
 
 def _identity(shape: Any, dtype: torch.dtype, op: str, device: torch.device) -> torch.Tensor:
@@ -192,7 +195,8 @@ def join(device: int = -1) -> int:
             desc, on = _next(r, r.calls)
             if isinstance(desc, ops.End):
                 _after_join(r)
-                return desc.rank
+                last = desc.rank
+                break
             if isinstance(desc, ops.Interrupted):  # the others left for the next round: so does this rank
                 global _diverged
                 _diverged = True  # it sat out their last steps: the next sync sends it the root's replica
@@ -202,6 +206,63 @@ def join(device: int = -1) -> int:
         r.joined = False
         r.join_active = False
         r.join_gen = gen + 1
+    end = r.calls  # (the operation End came as: every rank is here)
+    _forget_keys(r, [f"{gen}/news/{r.rank}"], news=True)
+    if _sync_state(last) and r.rank == last:
+        # Every rank is past End now (the sync's collectives had them all): no descriptor is
+        # read again. The rank that wrote End deletes them, from the first rank's join on.
+        try:
+            first = int(store.get(collectives.join_key(f"{gen}/first")))
+        except Exception:  # (an aborted round's store: dropped with its round)
+            first = end
+        _forget_keys(r, [f"op{n}" for n in range(first, end + 1)] + [f"{gen}/count", f"{gen}/first"])
+    return last
+
+
+def _sync_state(last: int) -> bool:
+    """Every rank, as ``join()`` ends: the elastic state ``hvd.elastic.run`` trains takes the
+    replica of ``last``, the rank that joined last (it applied every step; a rank that joined
+    earlier applied none since), and commits it on every rank under one commit number.
+
+    Why: the ranks that kept stepping committed while the others sat in ``join()``, so the
+    replicas and their commit counts differed from here on. A durable copy is every rank's
+    shard of one commit, so none was whole again for the rest of the round (the job ended
+    "succeeded" with its newest copy epochs old), and a reset was the only thing that made
+    the replicas equal again. A state without this method (a plain ``ObjectState``) is left
+    as it is, as Horovod leaves every replica. Whether it ran (every rank then passed it)."""
+    if _state_sync is None:
+        return False
+    _state_sync(last)
+    return True
+
+
+#: The ``sync_after_join`` of the state ``hvd.elastic.run`` trains (None: no such state).
+_state_sync: Callable[[int], None] | None = None
+
+
+def sync_with(state_sync: Callable[[int], None] | None) -> None:
+    """Have every ``join()`` end with ``state_sync(last)`` (``hvd.elastic.run`` sets its state's)."""
+    global _state_sync
+    _state_sync = state_sync
+
+
+def _forget_keys(r: Round, names: list[str], news: bool = False) -> None:
+    """Delete keys this join put on the round's store (``news``: ``names[0]`` is this rank's
+    news, whose parts go too). Kept, they grew the driver's memory with every join (a rank's
+    news: megabytes for a large dataset) and every operation run beside a joined rank, for as
+    long as the round lasted. Once every rank is past End nobody reads them: the news only the
+    commits made while this rank was joined read, the descriptors only joined ranks."""
+    store = r.store
+    if store is None:
+        return
+    keys = [collectives.join_key(n) for n in names]
+    try:
+        if news:
+            keys += [collectives.join_key(f"{names[0]}/{n}") for n in range(int(store.get(keys[0])))]
+        for start in range(0, len(keys), _DELETE_BATCH):
+            delete_keys(store, f"round{r.number}", keys[start:start + _DELETE_BATCH])
+    except Exception as exc:  # (an aborted round's store: dropped with its round)
+        log.debug("join(): could not delete its keys from the round's store: %s", exc)
 
 
 #: Set by every ``join()`` that ends; cleared by the next ``TorchState.sync()`` (``take_diverged``).
@@ -237,6 +298,23 @@ def _after_join(r: Round) -> None:
     # checks again instead.
     optimizer.forget_agreed_layouts()
     _diverged = True
+
+
+def in_join_now(r: Round) -> bool:
+    """Whether some rank of round ``r`` is in ``join()`` at this rank's current operation, for
+    a commit about to hand a durable copy off: a joined rank did not save this commit, so the
+    copy would never be whole (every rank's shard of one commit); it waits for the next commit
+    after the join, which ``_sync_state`` makes the same everywhere. The same answer on every
+    rank of the commit: the first rank to join writes the operation it joined at before it
+    takes part in any, and the commit's collectives took part of every rank. One store read,
+    only when a copy is agreed (a store that cannot be read: not now)."""
+    if r.store is None or r.size == 1:
+        return False
+    key = collectives.join_key(f"{r.join_gen}/first")
+    try:
+        return r.store.check([key]) and int(r.store.get(key)) <= r.calls
+    except Exception:
+        return True
 
 
 def tell_joined(r: Round, skip_sync: bool) -> None:

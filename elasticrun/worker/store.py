@@ -33,6 +33,17 @@ def _unb64(text: str) -> bytes:
     return base64.b64decode(text)
 
 
+def delete_keys(store: dist.Store, prefix: str, keys: list[str]) -> None:
+    """Delete ``keys`` of ``store``, a ``PrefixStore(prefix, DriverStore)`` (a round's): in one
+    round trip to the driver, or one per key on any other store."""
+    under = getattr(store, "underlying_store", None)
+    if isinstance(under, DriverStore):
+        under.delete_keys([f"{prefix}/{k}" for k in keys])
+        return
+    for key in keys:
+        store.delete_key(key)
+
+
 class DriverStore(dist.Store):
     """Key/value store whose keys live in the driver. Blocking reads honour the timeout and abort."""
 
@@ -112,6 +123,12 @@ class DriverStore(dist.Store):
     def delete_key(self, key: str) -> bool:
         self._forget(key)
         return bool(self._call("delete", key=key)["value"])
+
+    def delete_keys(self, keys: list[str]) -> int:
+        """Delete ``keys`` in one round trip (not part of torch's Store); how many there were."""
+        for key in keys:
+            self._forget(key)
+        return int(self._call("delete", keys=list(keys))["value"])
 
     def num_keys(self) -> int:
         return int(self._call("num_keys")["value"])

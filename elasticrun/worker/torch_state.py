@@ -362,6 +362,18 @@ class TorchState(ObjectState):
         self.__dict__["_synced"] = True
         self._serve_newcomers()
 
+    def sync_after_join(self, last: int) -> None:
+        """As ``hvd.join()`` ends, on every rank: take rank ``last``'s replica (the rank that
+        joined last applied every step; the others none since they joined) and commit it
+        everywhere under one commit number, newer than any rank's (see ``join._sync_state``).
+        The sampler's processed sets are merged as in any sync, so what each rank recorded
+        before it joined stays processed."""
+        self.__dict__["_sync_from"] = last
+        try:
+            self.sync()
+        finally:
+            self.__dict__.pop("_sync_from", None)
+
     def mark_committed(self) -> None:
         """The live state is the commit just saved (an interrupt raised right after the save):
         the tensors' handlers note it, so that the sync after the reset need not send this
@@ -413,6 +425,10 @@ class TorchState(ObjectState):
         root = 65535 - words[0] % 65536
         if rt is not None:  # a newcomer counts the job's steps from here, as the survivors do
             rt.steps = max(rt.steps, words[2])
+        forced = self.__dict__.get("_sync_from")
+        if forced is not None:  # after join(): the last rank's replica, under a number nobody committed
+            self._commit_seq += 1
+            return int(forced), bool(words[1]), [i for i in range(r.size) if i != forced]
         held = [x == self._commit_seq + 1 for x in words[3:]]
         return root, bool(words[1]), [i for i in range(r.size) if i != root and not (held[root] and held[i])]
 

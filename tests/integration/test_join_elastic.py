@@ -1,11 +1,12 @@
 """hvd.join() inside an elastic loop, with uneven data (a rank trains more steps than another).
 
 A joined rank mirrors the others' gradient allreduces but applies none of their steps (as in
-Horovod), so the ranks leave join() with different step histories and different replicas
-until the next sync."""
+Horovod), so the ranks reach the end of join() with different step histories and replicas;
+an elastic state then takes the last rank's replica on every rank (``join._sync_state``)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -74,10 +75,45 @@ def test_a_sync_after_join_sends_the_roots_replica_to_every_rank(job):
                  "--collective-timeout", "30"], [sys.executable, SCRIPT, "kill"], timeout=150)
     assert r.returncode == 0, r.output
     assert "(rank 2)" in r.stderr and "round 1: 2 worker(s)" in r.stderr, r.stderr  # the failure happened
-    # (Not at the end: the last join() leaves the replicas apart, as in Horovod.)
     entries = [line for line in r.stdout.splitlines() if "entry rank=" in line]
     assert any("size=2 epoch=2" in line for line in entries), r.stdout  # a restore after join() was synced
     assert all(line.endswith("replicas=same") for line in entries), r.stdout
+
+
+def test_join_ends_on_the_last_ranks_replica_everywhere_and_durable_copies_go_on(job):
+    """The ranks that stepped on committed while the others sat in join(): every rank's commit
+    count and replica differed from then on, and a durable copy (each rank's shard of one
+    commit) was never whole again in the round: the job ended "succeeded" with its newest copy
+    from before the first join. Copies agreed while a rank is in join() wait for the join's end."""
+    ckpt = job.tmp / "ckpt"
+    script = job.tmp / "join_copies.py"
+    script.write_text(
+        PRELUDE +
+        "state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0, batch=0)\n"
+        "def digest():\n"
+        "    return hashlib.sha256(b''.join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()\n"
+        "@hvd.elastic.run\n"
+        "def train(state):\n"
+        "    while state.epoch < 3:\n"
+        "        while state.batch < 3 + 3 * hvd.rank():\n"
+        "            opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()\n"
+        "            state.batch += 1; time.sleep(0.1)\n"
+        "            state.commit()\n"
+        "        last = hvd.join()\n"
+        "        same = len(set(hvd.allgather_object((digest(), state.batch, state.commit_seq)))) == 1\n"
+        "        print(f'joined epoch={state.epoch} last={last} same={same} commit={state.commit_seq}', flush=True)\n"
+        "        state.epoch += 1; state.batch = 0\n"
+        "        state.commit()\n"
+        "train(state)\n")
+    r = job.run(["-np", "3", "-H", "localhost:2,127.0.0.1:1", "--checkpoint-dir", str(ckpt),
+                 "--checkpoint-interval", "0.2", "--collective-timeout", "30"], [sys.executable, str(script)], timeout=120)
+    assert r.returncode == 0, r.output
+    assert "not written" not in r.stderr and "could not send its shard" not in r.output, r.output
+    joined = [line for line in r.stdout.splitlines() if "joined epoch=" in line]
+    assert len(joined) == 9 and all("last=2 same=True" in line for line in joined), r.stdout
+    first_join = min(int(line.rsplit("commit=", 1)[1]) for line in joined if "epoch=0" in line)
+    copies = [json.loads(m.read_text())["commit"] for m in ckpt.glob("ckpt-*/manifest.json")]
+    assert copies and max(copies) > first_join, (copies, first_join, r.output)
 
 
 def test_a_rank_that_joins_before_its_first_step_of_the_round_steps_with_the_others_after(job):

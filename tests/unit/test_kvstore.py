@@ -96,3 +96,15 @@ def test_compaction_keeps_snapshots_right_when_a_counter_is_rewritten_without_en
     assert len(kv._order) <= 4 * len(kv.data) + 1024
     [(_, _, body)] = kv.handle("g", {"op": "get", "key": "r/addr", "dir": "r/", "since": 0}, now=0)
     assert body["snapshot"] == {"r/addr": b64("a"), "r/count": b64("3000")}
+
+
+def test_several_keys_are_deleted_in_one_request():
+    """A join's keys, as it ends: its news and the operations' descriptors, which otherwise
+    grew the driver's memory for as long as the round lasted."""
+    kv = KVStore()
+    for n in range(5):
+        kv.handle("s", {"op": "set", "key": f"round1/op{n}", "value": b64("x")}, now=0)
+    assert kv.handle("d", {"op": "delete", "keys": ["round1/op1", "round1/op2", "round1/none", 7]}, now=0) == [
+        ("d", "store_result", {"value": 2})]
+    assert sorted(kv.data) == ["round1/op0", "round1/op3", "round1/op4"]
+    assert kv.handle("d", {"op": "delete", "keys": 3}, now=0)[0][1] == "store_error"  # malformed, not a crash
