@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 from itertools import chain
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -133,6 +133,16 @@ def _structure_dicts(modules: list[torch.nn.Module]) -> list[Any]:
     hook registrations do not go through the registration hooks)."""
     return [d for m in modules for d in (m._parameters, m._buffers, m._modules, m._non_persistent_buffers_set,
                                          m._state_dict_hooks, m._state_dict_pre_hooks)]
+
+
+def _drop_grads(params: Iterable[torch.Tensor]) -> None:
+    """A restore's: the gradients the aborted steps left in ``.grad``. A commit holds no pending
+    gradient, and the redone step's backward adds to whatever ``.grad`` holds: a script that
+    zeroes after ``step()`` (or accumulates over several backward passes) trained the redo on
+    the aborted step's gradients too, and an inf there made a clean redo skip under a
+    GradScaler. (As ``zero_grad()``'s default: None, not zeros.)"""
+    for p in params:
+        p.grad = None
 
 
 class ModelStateHandler(StateHandler):
@@ -271,6 +281,7 @@ class ModelStateHandler(StateHandler):
 
     def restore(self) -> None:
         self._restored, self._at_commit = {}, False
+        _drop_grads(self.value.parameters())
         live = self.value.state_dict(keep_vars=True)
         fits = set(live) == set(self._buffers) | set(self._extra) and all(
             isinstance(live[k], torch.Tensor) and live[k].shape == b.shape and live[k].dtype == b.dtype
@@ -505,6 +516,7 @@ class OptimizerStateHandler(StateHandler):
         self._restored, self._at_commit = {}, False
         opt = self.value
         abandon_step(opt)  # a step in progress belongs to the failed round
+        _drop_grads(p for group in opt.param_groups for p in group["params"])
         self._restore_groups(opt)
         for group, saved in zip(opt.param_groups, self._groups):
             group.update(copy.deepcopy(saved))
@@ -715,12 +727,19 @@ class SamplerStateHandler(StateHandler):
         self.value.reset()
 
     def sync(self, root: int) -> None:
+        """Every rank's set, the union over the ranks, is the root's plus what each recorded
+        since its own last save: a rank holds the newest commit's set (the root's) or an older
+        one of the same epoch (a subset of it: commits merge every rank's batches), plus its
+        news; a newcomer holds nothing. So the root's set is broadcast and only the news is
+        gathered. (Every rank's whole set gathered to every rank cost ranks x indices of
+        memory and time as a host joined: 2.6 GB and 19 s a rank at 4 ranks and 6M indices.)"""
         s = self.value
-        gathered = collectives.allgather_object((s.epoch, sorted(s.processed_indices)), "sampler.sync")
-        epoch = gathered[root][0]
-        merged: set[int] = set()
-        for e, part in gathered:
-            if e == epoch:  # a newcomer's empty epoch-0 set must not mix into another epoch
+        r = rounds.current()
+        mine = (s.epoch, sorted(s.processed_indices)) if r.rank == root else None
+        epoch, processed = collectives.broadcast_object(mine, root_rank=root, name="sampler.sync", trusted=True)
+        merged = set(processed)
+        for e, part in collectives.allgather_object(self.news(), "sampler.sync.news"):
+            if e == epoch:  # a newcomer's empty epoch-0 news must not mix into another epoch
                 merged.update(part)
         s.load_state_dict({"epoch": epoch, "processed_indices": sorted(merged)})
 

@@ -73,6 +73,23 @@ def test_save_restore_model_and_optimizer(make_opt: Any) -> None:
     assert {k: id(v) for k, v in opt.state[model[0].weight].items()} == state_ids
 
 
+def test_a_restore_drops_the_gradients_the_aborted_step_left() -> None:
+    """A script that zeroes after step() (or accumulates backward passes) used to redo the
+    step with the aborted one's gradients added in: the commit holds no pending gradient."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TorchState(model, opt)
+    state.commit()
+    model(torch.randn(4, 4)).sum().backward()  # the step a peer's death aborted
+    assert all(p.grad is not None for p in model.parameters())
+    state.restore()
+    assert all(p.grad is None for p in model.parameters())
+    only_opt = TorchState(optimizer=opt)  # (an optimizer's parameters, with no model in the state)
+    model(torch.randn(4, 4)).sum().backward()
+    only_opt.restore()
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_restore_to_commit_without_optimizer_state() -> None:
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
