@@ -1066,7 +1066,7 @@ class Registry:
         out = {}
         for h in hosts:
             if draining.get(h) == LEAVING:
-                out[h] = "leaving"
+                out[h] = "leaving_fixed" if self.config.fixed_hosts else "leaving"
             elif draining.get(h) == NOTICE:
                 out[h] = "draining"
             elif self.hosts.is_blacklisted(h):
@@ -1253,6 +1253,18 @@ class Registry:
         plan = self._plan(target, _LIVE, holders)
         keys = frozenset(k for k, _ in plan)
         gone = sorted({h for h, _ in current - target_keys})
+        signalled = {w.id for w in self._live_members() if w.leaving}
+        staying = sorted((w for w in holders if w.id not in signalled and self.members.get(w.key) == w.id),
+                         key=self._seniority)
+        on_going = not plan and bool(signalled) and len(staying) >= self.config.min_np
+        if on_going:
+            # Every holder is on a going host and no newcomer is ready, but only some of them
+            # got SIGTERM (one worker of a multi-slot host, whose host now counts as leaving).
+            # Those leave at their next commit, as their line promised, and the others train on
+            # without them: kept until a newcomer can take the state over, they kept the
+            # signalled ones too, whose --sigterm-grace then ran out: a failure and a rollback.
+            plan = [(w.key, w) for w in staying]
+            keys = frozenset(k for k, _ in plan)
         if not plan:  # every holder is leaving and no newcomer is ready to take the state over
             if gone:
                 yield from self._say_once("handover", Event(Kind.HANDOVER_PENDING, {
@@ -1271,7 +1283,7 @@ class Registry:
         yield from self._keep(None)
         by_key = self._by_key()
         starting = any(i.key not in by_key or by_key[i.key].state is WorkerState.LAUNCHING for i in target)
-        handover = not any(w.id in {h.id for h in holders} for k, w in plan if k in target_keys)
+        handover = not any(w.id in {h.id for h in holders} for k, w in plan if k in target_keys) and not on_going
         removal = bool(current - keys)
         if starting and (handover or not removal):
             return  # newcomers first: one reset for all of them (the survivors train meanwhile)
@@ -1460,7 +1472,11 @@ class Registry:
                 # at their next commit); the hand-over comes when newcomers are ready.
                 said = "handover" in self._said
                 yield from self._stop_waiting()
-                yield from self._form_round([(w.key, w) for w in sorted(holders, key=self._seniority)])
+                # Those that got SIGTERM themselves leave now, when the others are enough
+                # (the notice in _during_round went out for that): they are dismissed.
+                kept = [w for w in holders if not w.leaving]
+                yield from self._form_round([(w.key, w) for w in sorted(kept if len(kept) >= need else holders,
+                                                                        key=self._seniority)])
                 if said:  # the same news in the round they keep training in: said (and a copy asked) once
                     yield Mark("said", "handover")
                 return

@@ -144,6 +144,7 @@ def _whitelisted(f: Mapping[str, Any]) -> str:
 _GOING = {
     "leaving": "leaving (a worker there got SIGTERM: the host is kept out until discovery stops listing it and "
                "lists it again)",
+    "leaving_fixed": "leaving (a worker there got SIGTERM: no new worker starts there)",  # (-H: no discovery)
     "draining": "listed draining by discovery",
     "blacklisted": "blacklisted",
     "undiscovered": "no longer listed by discovery",

@@ -1564,7 +1564,8 @@ class RegistryMachine(RuleBasedStateMachine):
         assert len({a.worker_id for a in assigns}) == size
         assert len({a.info.key for a in assigns}) == size
         first = self.last_round < 0
-        assert size >= (self.cfg.np if first else self.cfg.min_np)
+        # (The first round's wait for -np ran out with --min-np usable: it starts with those.)
+        assert size >= (self.cfg.np if first and not self.reg._np_relaxed else self.cfg.min_np)
         if self.cfg.max_np is not None:
             assert size <= self.cfg.max_np
         # Ranks are host by host; a local rank is the worker's slot (for its life), under local_size.
@@ -1812,6 +1813,30 @@ class TestGoingAway:
         job.discover({"a": 1, "b": 1, "c": 1}, at=4)  # new capacity: the hand-over goes on as before
         acts = job.rdv("w2", at=5)
         assert of(acts, Notify) and job.reg.round == 1 and job.reg.kept is None
+
+    def test_a_sigterm_to_one_worker_of_a_host_nobody_can_replace_is_still_a_leave(self):
+        """-H a:2, SIGTERM to rank 1 only: its host counts as leaving, every holder is on it and
+        no newcomer can come. Both were kept "until new workers are ready", so rank 1 trained on
+        until its --sigterm-grace ran out: killed, the round aborted and rolled back. Rank 1
+        leaves at its next commit, rank 0 trains on."""
+        job = Job(np=2, min_np=1, fixed_hosts=True)
+        job.start({"a": 2})
+        job.reg.leaving("w1", "SIGTERM", 1.0)
+        acts = job.tick(1)
+        assert of(acts, Notify) == [Notify(added=False, removed=True)]
+        assert [text(e) for e in events(acts, "hosts_updated")] == ["membership changing from 2 to 1 worker(s)"]
+        acts = job.rdv_all(["w1", "w0"], at=2)  # both at their next commit: the interrupt
+        assert [d.worker_id for d in of(acts, Dismiss)] == ["w1"] and not of(acts, AbortRound)
+        assert ranks(of(acts, Assign)) == {("a", 0): ("w0", 0)} and job.reg.round == 1
+        [said] = events(job.tick(2.5), "handover_pending")  # rank 0's host is going too: said, in -H words
+        assert "a leaving (a worker there got SIGTERM: no new worker starts there)" in text(said)
+        assert not of(job.exit("w1", 0, at=3), AbortRound) and job.state("w0") is WorkerState.RUNNING
+        # Below --min-np without it, the signalled worker is kept as before (no round could form).
+        job = Job(np=2, min_np=2, fixed_hosts=True)
+        job.start({"a": 2})
+        job.reg.leaving("w1", "SIGTERM", 1.0)
+        acts = job.tick(1)
+        assert not of(acts, Notify) and events(acts, "handover_pending")
 
     def test_hosts_kept_for_min_np_are_noted_while_they_are_kept(self):
         """Discovery drops c, but without it fewer than --min-np would train: the warning is said
