@@ -983,7 +983,9 @@ class ElasticDriver:
         # A lower bound: the driver hears of steps with heartbeats, and writes them down at most
         # every PROGRESS_EVERY s; what the workers trained after that is redone uncounted.
         lost = f" (at least {latest_at - m.saved_at:.1f} s of training)" if back and latest_at > m.saved_at else ""
-        log.warning("resumed from checkpoint of %s, at least %d steps back%s (commit %d, %s)", _when(m.saved_at), back,
+        # (0: no later step was heard of, and any trained after it are redone: no count to give)
+        behind = f"at least {back} steps back" if back else "no later step known to the driver"
+        log.warning("resumed from checkpoint of %s, %s%s (commit %d, %s)", _when(m.saved_at), behind,
                     lost, m.commit, durable.path)
         self._journal.write(Kind.RESUMED, round=round_, checkpoint=durable.path, commit=m.commit,
                             saved_at=m.saved_at, steps_back=back)

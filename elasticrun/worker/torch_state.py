@@ -419,7 +419,7 @@ class TorchState(ObjectState):
         v[1] = int(fetched)
         v[2] = rt.steps if rt is not None else 0
         v[3 + r.rank] = self._commit_seq + 1 if holds else 0
-        collectives.allreduce_inplace(v, torch.distributed.ReduceOp.MAX, "state.newest_commit")
+        collectives.allreduce_inplace(v, torch.distributed.ReduceOp.MAX, "sync: who holds the newest commit")
         words = v.tolist()
         self._commit_seq = words[0] // 65536
         root = 65535 - words[0] % 65536

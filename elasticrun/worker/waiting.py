@@ -105,7 +105,20 @@ def _wait(r: Round, work: Any, what: str, start: float, deadline: float, check: 
             # The group's own timeout (rounds.group_timeout) runs past ours, so this is rare
             # (this thread held up past both): still only this rank knows, so it must say so.
             raise _timeout(r, what, f" ({exc})") from exc
-        raise HorovodInternalError(f"{what} failed: {exc}") from exc
+        raise HorovodInternalError(f"{what} failed: {peer_words(exc)}") from exc
+
+
+def peer_words(exc: BaseException) -> str:
+    """gloo's error as a user reads it: without its source file and its advice (``[.../pair.cc:553]
+    Connection closed by peer [127.0.0.1]:33460. This is typically caused by a remote worker
+    crashing. ... GLHF!``): the peer that closed, and that the driver's log names the cause."""
+    text = str(exc).strip()
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    cut = text.find(" This is typically caused by")
+    if cut >= 0:
+        text = text[:cut].rstrip(".") + " (that rank's process ended or lost the network: the driver's log says which)"
+    return text[:500]
 
 
 def gives_up(r: Round) -> str:

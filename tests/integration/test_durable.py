@@ -31,7 +31,8 @@ pytestmark = pytest.mark.timeout(240)
 
 SAMPLES, EPOCHS = 240, 3
 #: The driver's line after a resume; "(about N s of training)" only when it heard of a later step.
-RESUMED = r"resumed from checkpoint of .*, at least \d+ steps back( \(at least [\d.]+ s of training\))? \(commit \d+, "
+RESUMED = (r"resumed from checkpoint of .*, (at least \d+ steps back( \(at least [\d.]+ s of training\))?|no later step "
+           r"known to the driver) \(commit \d+, ")
 
 
 def entries(log_dir: Path) -> list[dict]:

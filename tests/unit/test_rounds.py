@@ -356,3 +356,18 @@ def test_issue_holds_the_work_it_started():
     work = Flag()
     assert issuing.issue(r, lambda pg: work, "op") is work
     assert list(r.works) == [work]
+
+
+def test_gloos_peer_errors_are_worded_without_its_source_file_and_advice():
+    """A rank's line quoted gloo whole: its source path, its advice and "GLHF! 🏖️"."""
+    from elasticrun.worker.waiting import peer_words
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+                        "peer [127.0.0.1]:33460. This is typically caused by a remote worker crashing. Check the logs "
+                        "of the remote worker before reporting an error. GLHF! \U0001f3d6\ufe0f")
+    assert peer_words(gloo) == ("Connection closed by peer [127.0.0.1]:33460 (that rank's process ended or lost the "
+                                "network: the driver's log says which)")
+    assert peer_words(RuntimeError("[pair.cc:537] Read error [127.0.0.1]:6577: Connection reset by peer. This is "
+                                   "typically caused by a remote worker hanging")).startswith(
+        "Read error [127.0.0.1]:6577: Connection reset by peer (that rank's")
+    assert peer_words(RuntimeError("Timed out waiting 5000ms")) == "Timed out waiting 5000ms"
