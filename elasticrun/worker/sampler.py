@@ -131,6 +131,12 @@ class ElasticSampler(Sampler[int]):
         self.epoch: int = 0
         #: Dataset indices processed in this epoch (by this rank, plus whatever was merged).
         self.processed_indices: set[int] = set()
+        # What record_indices() added since the last _take_recorded(), and a count of the times
+        # processed_indices was replaced (set_epoch, load_state_dict): a commit then saves what
+        # is new, not the whole set again (SamplerStateHandler; seconds at millions of indices).
+        self._recorded: set[int] = set()
+        self._generation = 0
+        self._followed = False  # a handler takes the records (else they are not kept twice)
         self.rank: int = 0
         self.num_replicas: int = 1
         #: The epoch order minus processed indices, as of the last reset (no padding).
@@ -165,7 +171,7 @@ class ElasticSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch``: forget the processed set, reshuffle and repartition."""
         self.epoch = int(epoch)
-        self.processed_indices = set()
+        self._replace_processed(set())
         self.reset()
 
     def _read_world(self) -> tuple[int, int]:
@@ -248,8 +254,22 @@ class ElasticSampler(Sampler[int]):
 
     def record_indices(self, indices: Iterable[int]) -> None:
         """Mark explicit dataset indices as processed (idempotent)."""
-        self.processed_indices.update(self._checked(indices))
+        checked = self._checked(indices)
+        self.processed_indices.update(checked)
+        if self._followed:
+            self._recorded.update(checked)
         self._advance()
+
+    def _replace_processed(self, processed: set[int]) -> None:
+        self.processed_indices = processed
+        self._recorded = set()
+        self._generation += 1
+
+    def _take_recorded(self) -> tuple[int, set[int]]:
+        """(generation, what was recorded since the last call); starts the next record."""
+        recorded, self._recorded = self._recorded, set()
+        self._followed = True
+        return self._generation, recorded
 
     def merge_processed(self, other_indices: Iterable[int]) -> None:
         """Add another rank's processed indices (union). Call :meth:`reset` afterwards,
@@ -288,7 +308,7 @@ class ElasticSampler(Sampler[int]):
         else:
             processed = set(self._checked(state_dict["processed_indices"]))
         self.epoch = epoch
-        self.processed_indices = processed
+        self._replace_processed(processed)
         self.reset()
 
     def _horovod_order(self, epoch: int) -> list[int]:

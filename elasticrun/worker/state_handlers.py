@@ -695,14 +695,43 @@ class SamplerStateHandler(StateHandler):
         super().__init__(sampler)
         self._epoch = sampler.epoch
         self._processed: set[int] = set(sampler.processed_indices)
+        self._follow()
+
+    def _follow(self) -> None:
+        """From here on, the sampler's records since now are what is new to the saved set."""
+        s = self.value
+        self._set_seen = s.processed_indices
+        self._generation, _ = s._take_recorded()
+
+    def _fresh(self) -> set[int] | None:
+        """What the live set holds beyond the saved one, from the sampler's records alone
+        (O(new), not O(processed): a commit at millions of indices took seconds, all of it
+        holding the GIL, and starved the heartbeat thread past --heartbeat-timeout); None when
+        the live set is not the saved one plus those records (a new epoch, a load, a set the
+        script changed by hand): then the whole set is compared, as before."""
+        s = self.value
+        if (s.epoch != self._epoch or s.processed_indices is not self._set_seen
+                or s._generation != self._generation):
+            return None
+        fresh = {i for i in s._recorded if i not in self._processed}
+        return fresh if len(self._processed) + len(fresh) == len(s.processed_indices) else None
 
     def save(self) -> None:
-        self._epoch = self.value.epoch
-        self._processed = set(self.value.processed_indices)
+        s = self.value
+        fresh = self._fresh()
+        if fresh is not None:
+            self._processed |= fresh
+        else:
+            self._epoch = s.epoch
+            self._processed = set(s.processed_indices)
+        self._follow()
 
     def news(self) -> tuple[int, list[int]]:
         """(epoch, what this rank recorded since the last save)."""
         s = self.value
+        fresh = self._fresh()
+        if fresh is not None:
+            return s.epoch, sorted(fresh)
         if s.epoch == self._epoch and self._processed <= s.processed_indices:
             return s.epoch, sorted(s.processed_indices - self._processed)
         return s.epoch, sorted(s.processed_indices)  # a new epoch since the last save: everything
@@ -722,6 +751,7 @@ class SamplerStateHandler(StateHandler):
 
     def restore(self) -> None:
         self.value.load_state_dict({"epoch": self._epoch, "processed_indices": sorted(self._processed)})
+        self._follow()
 
     def on_reset(self) -> None:
         self.value.reset()

@@ -290,6 +290,37 @@ def test_plain_attribute_becoming_a_handled_type() -> None:
 # --------------------------------------------------------------------------- sampler
 
 
+def test_a_sampler_commit_saves_what_is_new_and_agrees_with_the_whole_comparison() -> None:
+    """A commit compared (and copied) the whole processed set to find what was new: seconds at
+    millions of indices, all of it holding the GIL. It follows the sampler's records instead;
+    a set replaced or changed by hand falls back to the whole comparison."""
+    sampler = ElasticSampler(range(100), shuffle=False, world=lambda: (0, 1))
+    h = state_handlers.SamplerStateHandler(sampler)
+    sampler.record_indices(range(10))
+    assert h.news() == (0, list(range(10)))
+    h.save()
+    sampler.record_indices([10, 11, 3])  # (3: recorded again, not new)
+    sampler.merge_processed([50, 51])  # another rank's, merged at a commit
+    assert h.news() == (0, [10, 11, 50, 51]) and h._fresh() == {10, 11, 50, 51}
+    h.save()
+    assert h._processed == set(range(12)) | {50, 51} and h.news() == (0, [])
+    sampler.record_indices([20])
+    h.restore()  # back to the commit: 20 is not processed, and nothing is new
+    assert sampler.processed_indices == h._processed and h.news() == (0, [])
+    sampler.processed_indices.add(99)  # by hand: not a record; the whole comparison sees it
+    assert h._fresh() is None and h.news() == (0, [99])
+    h.save()
+    assert 99 in h._processed and h._fresh() == set()
+    sampler.set_epoch(1)  # a new set: everything of the new epoch is new
+    sampler.record_indices([7])
+    assert h.news() == (1, [7])
+    h.save()
+    assert h._processed == {7} and h._epoch == 1
+    plain = ElasticSampler(range(100), shuffle=False, world=lambda: (0, 1))
+    plain.record_indices(range(50))
+    assert plain._recorded == set()  # (no handler follows it: its records are not kept twice)
+
+
 def test_sampler_save_restore_and_reset() -> None:
     sampler = ElasticSampler(range(10), shuffle=False)
     state = TorchState(sampler=sampler, epoch=0)
