@@ -37,7 +37,7 @@ from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
 from elasticrun.worker.rounds import Round
 from elasticrun.worker.store import delete_keys
 
-__all__ = ["diverged", "in_join_now", "join", "sync_with", "take_diverged", "tell_joined"]
+__all__ = ["diverged", "join", "sync_with", "take_diverged", "tell_joined"]
 
 log = logging.getLogger("elasticrun.worker")
 
@@ -298,23 +298,6 @@ def _after_join(r: Round) -> None:
     # checks again instead.
     optimizer.forget_agreed_layouts()
     _diverged = True
-
-
-def in_join_now(r: Round) -> bool:
-    """Whether some rank of round ``r`` is in ``join()`` at this rank's current operation, for
-    a commit about to hand a durable copy off: a joined rank did not save this commit, so the
-    copy would never be whole (every rank's shard of one commit); it waits for the next commit
-    after the join, which ``_sync_state`` makes the same everywhere. The same answer on every
-    rank of the commit: the first rank to join writes the operation it joined at before it
-    takes part in any, and the commit's collectives took part of every rank. One store read,
-    only when a copy is agreed (a store that cannot be read: not now)."""
-    if r.store is None or r.size == 1:
-        return False
-    key = collectives.join_key(f"{r.join_gen}/first")
-    try:
-        return r.store.check([key]) and int(r.store.get(key)) <= r.calls
-    except Exception:
-        return True
 
 
 def tell_joined(r: Round, skip_sync: bool) -> None:

@@ -659,8 +659,7 @@ class Runtime:
             where: dict[str, Any] = {"ts": agreed.pending}
         else:
             where = {"agreed_in": "gradient allreduce"}
-        if (committed is not None and copy is not None and copy[0] and not copy[1] and self._durable is not None
-                and not join.in_join_now(r)):  # (a rank in join() holds no shard of this commit: later)
+        if committed is not None and copy is not None and copy[0] and not copy[1] and self._durable is not None:
             self._durable.give(committed, copy_id(r.number, committed.commit_seq), self.rank, self.size, self.steps)
             self.copy_requests.served()
         interrupt, added = verdict
