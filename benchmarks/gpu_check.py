@@ -24,7 +24,7 @@ the same GPU). Rows:
 * **50 resets, NCCL**: a 1-rank ``--backend nccl`` job reset 50 times (a new round and NCCL
   group each time): allocated and reserved memory and threads after the 1st and the 50th.
 * **commit / background / restore**: ``TorchState`` of a model + Adam of about 3.2 GB (``--quick``:
-  0.4 GB) against a raw device-to-device copy of the same tensors: ``commit()`` (goal <= 2x),
+  0.4 GB; 0.1 GB with ``--device cpu``) against a raw device-to-device copy of the same tensors: ``commit()`` (goal <= 2x),
   the step after a background commit against a step without (goal <= 1.1x), ``restore()``
   (goal <= 2x).
 * **launch -> first step**: ``elasticrun -np 1 python w.py`` to the worker's first CUDA
@@ -227,7 +227,7 @@ def worker_kill(device: str, log_dir: str) -> None:
     @hvd.elastic.run
     def train(state: Any) -> None:
         with open(path, "a") as f:
-            while state.step < 400:
+            while state.step < int(os.environ.get("GPU_CHECK_STEPS", "400")):
                 F.mse_loss(model(x), x).backward()
                 opt.step()
                 opt.zero_grad()
@@ -360,13 +360,14 @@ def check_paths(device: str, size: int, backend: str, quick: bool) -> list[Row]:
     return rows
 
 
-def check_kill(device: str) -> list[Row]:
+def check_kill(device: str, steps: int = 400) -> list[Row]:
     work = tempfile.mkdtemp(prefix="gpu-check-kill-")
     events = os.path.join(work, "events.jsonl")
     cmd = [sys.executable, "-m", "elasticrun", "-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1",
            "--events", events, sys.executable, HERE, "--worker", "kill", "--device", device, "--log-dir", work]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=work,
-                            env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")),
+                            env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                                     GPU_CHECK_STEPS=str(steps)),
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 120
@@ -586,15 +587,16 @@ def main() -> int:
     rows: list[Row] = environment(a.device)
     parts: list[tuple[str, Callable[[], list[Row]]]] = [
         ("paths, 2 ranks", lambda: check_paths(a.device, 2, "auto", a.quick)),
-        ("kill", lambda: check_kill(a.device)),
-        ("resets", lambda: check_resets(a.device, 10 if a.quick else 50)),
+        # (--device cpu --quick is CI's smoke run of this script: the least that runs every part)
+        ("kill", lambda: check_kill(a.device, 150 if a.quick and a.device == "cpu" else 400)),
+        ("resets", lambda: check_resets(a.device, (5 if a.device == "cpu" else 10) if a.quick else 50)),
         ("launch", lambda: check_launch(a.device)),
     ]
     if a.device == "cuda":
         parts.insert(1, ("paths, 1 rank, NCCL", lambda: check_paths(a.device, 1, "nccl", a.quick)))
         parts.append(("NCCL cycles", lambda: check_nccl_cycles(5 if a.quick else 20)))
-    parts.append(("commit", lambda: check_commit(a.device, 0.4 if a.quick or a.device == "cpu" else 3.2,
-                                                 3 if a.quick else 7)))
+    parts.append(("commit", lambda: check_commit(a.device, (0.1 if a.device == "cpu" else 0.4) if a.quick
+                                                 else 0.4 if a.device == "cpu" else 3.2, 3 if a.quick else 7)))
     for name, run in parts:
         t0 = time.monotonic()
         try:
