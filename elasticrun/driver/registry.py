@@ -1253,10 +1253,12 @@ class Registry:
         plan = self._plan(target, _LIVE, holders)
         keys = frozenset(k for k, _ in plan)
         gone = sorted({h for h, _ in current - target_keys})
-        signalled = {w.id for w in self._live_members() if w.leaving}
-        staying = sorted((w for w in holders if w.id not in signalled and self.members.get(w.key) == w.id),
-                         key=self._seniority)
-        on_going = not plan and bool(signalled) and len(staying) >= self.config.min_np
+        on_going = False
+        if not plan:  # (only then: a decision runs after every batch of requests, at thousands of workers)
+            signalled = {w.id for w in self._live_members() if w.leaving}
+            staying = sorted((w for w in holders if w.id not in signalled and self.members.get(w.key) == w.id),
+                             key=self._seniority)
+            on_going = bool(signalled) and len(staying) >= self.config.min_np
         if on_going:
             # Every holder is on a going host and no newcomer is ready, but only some of them
             # got SIGTERM (one worker of a multi-slot host, whose host now counts as leaving).
