@@ -191,7 +191,8 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
                         "flags override ELASTICRUN_* environment variables, which override the file "
                         "(see docs/configuration.md)")
     p.add_argument("-np", "--num-proc", dest="np", type=positive_int, required=True,
-                   help="number of processes to start with (the first round waits for this many slots)")
+                   help="number of processes to start with (the first round waits for this many slots; from "
+                        "discovery, up to --elastic-timeout, then starts with --min-np or more)")
     p.add_argument("--min-np", "--min-num-proc", dest="min_np", type=positive_int,
                    help="fewest processes to keep training with (default: -np)")
     p.add_argument("--max-np", "--max-num-proc", dest="max_np", type=positive_int,
@@ -230,7 +231,8 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = ExitingParser,
                         "they train, and that sync sends only what changed since (also ELASTICRUN_PREFETCH=0)")
     p.add_argument("--elastic-timeout", type=positive_seconds, default=DEFAULT_ELASTIC_TIMEOUT, metavar="SECONDS",
                    help="how long to wait for slots before failing: --min-np after a reset, -np for the first "
-                        "round when hosts come from discovery (default 600)")
+                        "round when hosts come from discovery (which then starts with --min-np slots or more "
+                        "if it has them) (default 600)")
     p.add_argument("--start-timeout", type=positive_seconds, default=DEFAULT_START_TIMEOUT, metavar="SECONDS",
                    help="how long a started worker may take to contact the driver, and how long the first "
                         "round waits for -np slots of a fixed host list (default 30; slots from discovery: "
