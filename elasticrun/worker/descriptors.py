@@ -33,6 +33,10 @@ class Allreduce(Op):
     shape: tuple[int, ...]
     dtype: Any  # torch.dtype (pickled with the descriptor)
     op: str  # "sum", "min", "max" or "product": what a joined rank contributes depends on it
+    #: Where the step's agreement flags (worker/step_flags.py) start in the flat tensor, when it
+    #: carries them (a commit's check, the DistributedOptimizer's first bucket): a joined rank
+    #: says "busy" there, so that no durable copy is agreed while it holds no shard of the commit.
+    flags_at: int | None = None
 
 
 @dataclass(frozen=True)

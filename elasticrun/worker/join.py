@@ -35,6 +35,7 @@ from elasticrun.worker import collectives, devices, join_news, optimizer, rounds
 from elasticrun.worker import descriptors as ops
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError, HostsUpdatedInterrupt
 from elasticrun.worker.rounds import Round
+from elasticrun.worker.step_flags import StepFlags
 from elasticrun.worker.store import delete_keys
 
 __all__ = ["diverged", "join", "sync_with", "take_diverged", "tell_joined"]
@@ -97,6 +98,12 @@ def _next(r: Round, seq: int) -> tuple[ops.Op, str]:
 # device kind the others used (so it goes over the same group as theirs).
 def _allreduce(r: Round, d: ops.Allreduce, on: str) -> None:
     t = _identity(d.shape, d.dtype, d.op, _device(on))
+    if d.flags_at is not None and r.copy_requests is not None:
+        # The others agree a durable copy in these flags: this rank saved none of the commits
+        # they make while it sits here, so it has no shard to send. "busy" defers the copy to
+        # the first commit after the join (else each one due meanwhile was started by the
+        # others and failed: "durable copy not written ... was not whole").
+        t.view(-1)[d.flags_at + StepFlags.BUSY] = 1
     opts = dist.AllreduceOptions()
     opts.reduceOp = _OPS[d.op]
     _run(r, lambda pg: pg.allreduce([t], opts), d, t)

@@ -495,8 +495,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 collectives.agree(r, {"collective": "DistributedOptimizer bucket", "bucket": b.name,
                                       "numel": b.numel, "dtype": str(b.dtype)},
                                   "DistributedOptimizer (one of several)", self._dist_ps)
-            b.handle = collectives.allreduce_async_(tensor, name=b.name, op=Sum, trusted=True,
-                                                    process_set=self._dist_ps or global_process_set)
+            b.handle = collectives.allreduce_async_(
+                tensor, name=b.name, op=Sum, trusted=True, process_set=self._dist_ps or global_process_set,
+                flags_at=b.numel if self._dist_flags and _carries_flags(b) else None)
 
     def _dist_finish(self, b: _Bucket, r: Round) -> None:
         with torch.no_grad():

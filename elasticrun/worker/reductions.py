@@ -27,10 +27,12 @@ _REDUCE_AS = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32:
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: int | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set, *, trusted: bool = False) -> Handle:
+                     process_set: ProcessSet = global_process_set, *, trusted: bool = False,
+                     flags_at: int | None = None) -> Handle:
     """Start an in-place allreduce of ``tensor``; returns a handle for :func:`synchronize`.
     ``trusted``: the caller knows every rank submits the same (elasticrun's own reductions):
-    no agreement first."""
+    no agreement first. ``flags_at``: the step flags ride in ``tensor`` from there (a joined
+    rank's mirror sets "busy" in them)."""
     op = issuing.resolve_op(op, average)
     what = f"allreduce {name or tuple(tensor.shape)}"
     r = rounds.current()
@@ -48,7 +50,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     if process_set is global_process_set or process_set is None:
         size = r.size
         work = issuing.issue(r, lambda pg: pg.allreduce([data], opts), what,
-                             ops.Allreduce(data.shape, data.dtype, issuing.TORCH_OP_NAMES[torch_op]), on=data)
+                             ops.Allreduce(data.shape, data.dtype, issuing.TORCH_OP_NAMES[torch_op], flags_at), on=data)
     else:
         pg, _, size, _ = issuing.group_of(r, process_set, data)
         work = issuing.issue(r, lambda g: g.allreduce([data], opts), what, pg=pg)
@@ -77,9 +79,9 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                                         trusted=trusted))
 
 
-def allreduce_inplace(tensor: torch.Tensor, op: Any, what: str) -> None:
+def allreduce_inplace(tensor: torch.Tensor, op: Any, what: str, flags_at: int | None = None) -> None:
     """Reduce ``tensor`` in place with a torch ReduceOp and wait (check_host_updates, the
-    state's sync, barrier)."""
+    state's sync, barrier). ``flags_at``: as in :func:`allreduce_async_`."""
     r = rounds.current()
     if r.size == 1 and not issuing.on_device(r, tensor):  # every op of one rank is the identity
         waiting.solo(r, what)
@@ -87,7 +89,7 @@ def allreduce_inplace(tensor: torch.Tensor, op: Any, what: str) -> None:
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
     started = trace.now()
-    desc = ops.Allreduce(tensor.shape, tensor.dtype, issuing.TORCH_OP_NAMES[op])
+    desc = ops.Allreduce(tensor.shape, tensor.dtype, issuing.TORCH_OP_NAMES[op], flags_at)
     waiting.wait(r, issuing.issue(r, lambda pg: pg.allreduce([tensor], opts), what, desc, on=tensor), what)
     waiting.traced(r, what, started)
 

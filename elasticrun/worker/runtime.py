@@ -652,7 +652,7 @@ class Runtime:
             latest, added = updates.proposal()
             wanted, busy = self.copy_requests.local_flags(self.copy_busy())
             packed = torch.tensor(StepFlags(latest, added, wanted, busy).encode(), dtype=torch.float64)
-            collectives.allreduce_inplace(packed, dist.ReduceOp.MAX, "check_host_updates")
+            collectives.allreduce_inplace(packed, dist.ReduceOp.MAX, "check_host_updates", flags_at=0)
             agreed = StepFlags.decode(packed.tolist())  # pending: the newest timestamp any rank knows
             verdict = (updates.settle(agreed.pending), agreed.added)
             copy = (agreed.wanted, agreed.busy)

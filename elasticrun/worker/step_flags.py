@@ -19,7 +19,8 @@ class StepFlags:
     """``pending``: some rank has a host update newer than the handled ones (in the check
     point's MAX reduction: the newest timestamp any rank knows, handled or not); ``added``:
     such an update added hosts (newcomers: the reset must sync); ``wanted``: some rank was asked
-    for a durable copy; ``busy``: some rank is still sending its last one."""
+    for a durable copy; ``busy``: some rank is still sending its last one, or sits in
+    ``hvd.join()`` (it saved none of the commits made meanwhile: it has no shard of them)."""
 
     pending: float
     added: bool
@@ -28,6 +29,8 @@ class StepFlags:
 
     #: How many elements they take in a reduced buffer.
     SIZE: ClassVar[int] = 4
+    #: Where ``busy`` is among them (a joined rank sets only that one: worker/join.py).
+    BUSY: ClassVar[int] = 3
 
     def encode(self) -> list[float]:
         return [float(self.pending), float(self.added), float(self.wanted), float(self.busy)]

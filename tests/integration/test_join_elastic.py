@@ -84,8 +84,11 @@ def test_join_ends_on_the_last_ranks_replica_everywhere_and_durable_copies_go_on
     """The ranks that stepped on committed while the others sat in join(): every rank's commit
     count and replica differed from then on, and a durable copy (each rank's shard of one
     commit) was never whole again in the round: the job ended "succeeded" with its newest copy
-    from before the first join. (A copy due while a rank sits in join() still fails: that rank
-    did not save the others' commits.)"""
+    from before the first join. A copy due while a rank sits in join() (every 0.2 s here) was
+    started by the others and failed ("durable copy not written"): that rank saved none of
+    their commits. The joined rank now says "busy" in the flags the commits agree copies in,
+    whether they ride in the gradient allreduce or in the commit's own (the second commit of
+    an even batch), and the copy waits for the first commit after the join."""
     ckpt = job.tmp / "ckpt"
     script = job.tmp / "join_copies.py"
     script.write_text(
@@ -100,6 +103,8 @@ def test_join_ends_on_the_last_ranks_replica_everywhere_and_durable_copies_go_on
         "            opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()\n"
         "            state.batch += 1; time.sleep(0.1)\n"
         "            state.commit()\n"
+        "            if state.batch % 2 == 0:\n"
+        "                state.commit()  # no gradient allreduce since the last: the check's own agrees\n"
         "        last = hvd.join()\n"
         "        same = len(set(hvd.allgather_object((digest(), state.batch, state.commit_seq)))) == 1\n"
         "        print(f'joined epoch={state.epoch} last={last} same={same} commit={state.commit_seq}', flush=True)\n"
@@ -114,6 +119,7 @@ def test_join_ends_on_the_last_ranks_replica_everywhere_and_durable_copies_go_on
     last_join = max(int(line.rsplit("commit=", 1)[1]) for line in joined if "epoch=1" in line)
     copies = [json.loads(m.read_text())["commit"] for m in ckpt.glob("ckpt-*/manifest.json")]
     assert copies and max(copies) > last_join, (copies, last_join, r.output)  # written after the second join
+    assert "durable copy not written" not in r.stderr, r.stderr
 
 
 def test_a_rank_that_joins_before_its_first_step_of_the_round_steps_with_the_others_after(job):
