@@ -52,6 +52,7 @@ class Kind(str, enum.Enum):
     WORKERS_LOST = "workers_lost"            # every worker lost to the infrastructure; resuming from disk
     NP_NEVER = "np_never"                    # a fixed host list can no longer give -np: round 0 starts with fewer
     NP_NOT_MET = "np_not_met"                # discovery gave fewer than -np within --elastic-timeout: round 0 starts with them
+    NONE_REACHED = "none_reached"            # no host of the first round answered: waiting for discovery to list others
     PLAIN_COMMAND = "plain_command"          # no worker called hvd.init(): plain processes, horovodrun's way
     ELASTIC_AFTER_ALL = "elastic_after_all"  # ... and then one did: the job is elastic again
     RESUMED = "resumed"                      # a round starts from the newest durable copy
@@ -169,6 +170,7 @@ FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.WORKERS_LOST: ("round", "message", "limit", "min_np", "commit", "was"),
     Kind.NP_NEVER: ("round", "message", "np", "reachable", "min_np"),
     Kind.NP_NOT_MET: ("round", "message", "np", "reachable", "min_np", "limit"),
+    Kind.NONE_REACHED: ("round", "message", "hosts", "limit"),
     Kind.PLAIN_COMMAND: ("round", "message", "limit"),
     Kind.ELASTIC_AFTER_ALL: ("round", "message", "label", "seconds"),
     Kind.RESUMED: ("round", "message", "checkpoint", "commit", "saved_at", "steps_back"),

@@ -207,10 +207,10 @@ class ElasticDriver:
         self._store = KVStore()
         self.reply_to: Callable[[list[bytes]], None] = lambda frames: None  # until run() binds its socket
 
-    def worker_exited(self, worker_id: str, code: int) -> None:
+    def worker_exited(self, worker_id: str, code: int, detail: str = "") -> None:
         """The launcher's report that a worker ended (from any thread); ``code`` as ``subprocess``
-        gives it (-N: killed by signal N)."""
-        self._post("exit", (worker_id, code))
+        gives it (-N: killed by signal N); ``detail``: why it never started, if it did not."""
+        self._post("exit", (worker_id, code, detail) if detail else (worker_id, code))
 
     # --- plumbing --------------------------------------------------------------------------
     def _post(self, kind: str, payload: Any) -> None:

@@ -9,12 +9,17 @@ new way to start workers plugs in without touching it. Implementations: ``launch
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from elasticrun.driver.output import Output
 
-#: ``on_exit(worker_id, code)``: a worker ended; ``code`` as ``subprocess`` gives it (-N: signal N).
-OnExit = Callable[[str, int], None]
+
+class OnExit(Protocol):
+    """``on_exit(worker_id, code)``: a worker ended; ``code`` as ``subprocess`` gives it (-N:
+    signal N). ``detail``: ``words.never_started(...)`` when no worker process ever ran (a
+    remote start that failed), which the console says instead of an exit code."""
+
+    def __call__(self, worker_id: str, code: int, detail: str = "") -> None: ...
 
 
 @runtime_checkable

@@ -77,6 +77,7 @@ from elasticrun.common.events import Cause, Kind, Reason
 from elasticrun.discovery.host_manager import LEAVING, NOTICE, HostManager
 from elasticrun.driver.assignment import SlotInfo, assign, assign_keys
 from elasticrun.driver.stragglers import Pace, Straggler, StragglerDetector, eviction_pays
+from elasticrun.driver.words import UNREACHABLE
 
 
 class WorkerState(enum.Enum):
@@ -1419,7 +1420,17 @@ class Registry:
         yield from self._release_unneeded(keep)  # first: who is left decides what comes next
         live = sum(self._in[s] for s in WorkerState if s not in _GONE)
         failed = [] if live else [w for w in self.workers.values() if w.state is WorkerState.FAILED]
-        if not live and failed:
+        if not live and failed and self._unreached(failed):
+            # Discovery listed hosts that did not answer (a spot node gone, or not up yet): no
+            # worker ran, nothing was trained. The job waits for discovery to list others, as it
+            # waits for any slot, rather than end 0.2 s after its start (their hosts are out:
+            # blacklisted as any failed start).
+            if "unreached" not in self._said:
+                yield Mark("_wait_started", None)  # the wait it promises starts now
+                yield Mark("_wait_reminder", None)
+            yield from self._say_once("unreached", Event(Kind.NONE_REACHED, {
+                "hosts": sorted({w.host for w in failed}), "limit": self.config.elastic_timeout}, level="warning"))
+        elif not live and failed:
             if not self._resumable(failed):
                 yield from self._say_held(now)
                 # The failures that ended it: the latest round's (those of earlier rounds were
@@ -1452,7 +1463,8 @@ class Registry:
         # After every worker was lost, the job waits for hosts up to --elastic-timeout, as it
         # said; the known hosts failing again (they were the machines that went) must not end
         # it sooner, while discovery may still list new ones.
-        resuming = "collapse" in self._said and not self.config.fixed_hosts
+        resuming = ("collapse" in self._said or (self.round < 0 and "unreached" in self._said)) \
+            and not self.config.fixed_hosts
         if self.hosts.all_blacklisted() and self.hosts.is_permanent() and not resuming:
             yield Finish(False, Reason(Cause.ALL_BLACKLISTED, {"hosts": list(self.hosts.blacklisted())}))
             return
@@ -1538,6 +1550,15 @@ class Registry:
         """A wait for ``need`` slots is the first round's wait for -np from discovery, which
         starts with --min-np slots or more when it runs out (``_between_rounds``)."""
         return self.round < 0 and not self.config.fixed_hosts and self.config.min_np < need
+
+    def _unreached(self, failed: list[WorkerRecord]) -> bool:
+        """No round yet, and every worker tried failed to start because its host did not answer
+        (``words.UNREACHABLE``), in a job whose discovery may list others. Not a configuration
+        that fails on every host (a missing python, a refused key, a script's error): that one
+        still ends the job at once, as it would after any wait."""
+        return self.round < 0 and not self.config.fixed_hosts and all(
+            w.why is not None and w.why.cause is Cause.EXITED
+            and str(w.why.fields.get("detail", "")).startswith(UNREACHABLE) for w in failed)
 
     def _resumable(self, failed: list[WorkerRecord]) -> bool:
         """Every worker is gone, and a durable copy can carry on: some member of the last round

@@ -47,11 +47,14 @@ def plain(fields: Mapping[str, Any]) -> dict[str, Any]:
 MAX_NAMED = 8
 
 NEVER_STARTED = "never started: "
+#: The same, for a host that did not answer (refused, no route, no answer): the registry tells a
+#: machine that is gone or not up yet from a configuration that fails on every host by it.
+UNREACHABLE = NEVER_STARTED + "unreachable: "
 
 
-def never_started(why: str) -> str:
+def never_started(why: str, unreachable: bool = False) -> str:
     """The exit detail of a worker the driver could not start (worded without an exit code)."""
-    return NEVER_STARTED + why
+    return (UNREACHABLE if unreachable else NEVER_STARTED) + why
 
 
 def _some(names: list[str]) -> str:
@@ -203,6 +206,8 @@ _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
     Kind.NP_NOT_MET: lambda f: (f"discovery listed {f['reachable']} usable slot(s), not -np {f['np']}, within "
                                 f"--elastic-timeout {f['limit']:g} s: starting with {f['reachable']} (--min-np "
                                 f"{f['min_np']}); hosts listed later join the job"),
+    Kind.NONE_REACHED: lambda f: (f"no listed host could be reached ({_some(list(f['hosts']))}): waiting up to "
+                                  f"--elastic-timeout {f['limit']:g} s for discovery to list others"),
     Kind.WORKERS_LOST: lambda f: ((f"the durable copy of commit {f['commit']} is now whole: the job resumes from it, "
                                    f"not from commit {f['was']}") if f.get("was") is not None else
                                   (f"every worker is gone; waiting up to --elastic-timeout {f['limit']:g} s for "

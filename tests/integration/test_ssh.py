@@ -40,7 +40,7 @@ class _Exits:
         self.codes: dict[str, int] = {}
         self._cv = threading.Condition()
 
-    def __call__(self, worker_id: str, code: int) -> None:
+    def __call__(self, worker_id: str, code: int, detail: str = "") -> None:
         with self._cv:
             assert worker_id not in self.codes, f"{worker_id} reported twice"
             self.codes[worker_id] = code
@@ -400,6 +400,26 @@ def test_unusable_hosts_are_blacklisted_and_the_job_goes_on(job, sshd_clean):
         r.stderr
     assert "nobody@127.0.0.4: could not start worker" in r.stderr and "refused our key" in r.stderr
     assert "host 127.0.0.9 blacklisted" in r.stderr and "host nobody@127.0.0.4 blacklisted" in r.stderr
+
+
+def test_a_first_round_whose_hosts_do_not_answer_waits_for_discovery_to_list_others(job, sshd_clean):
+    """Discovery lists a spot node that is already gone (nothing listens on 127.0.0.9): its start
+    is refused. The job ended 0.2 s after its start ("all workers failed ... exited with code
+    255"), while discovery listed a usable host moments later. It now waits, saying so."""
+    calls = job.tmp / "calls"
+    script = job.tmp / "discover.sh"
+    script.write_text(f"#!/bin/sh\nn=$(cat {calls} 2>/dev/null || echo 0); echo $((n+1)) > {calls}\n"
+                      "echo 127.0.0.9:1\nif [ \"$n\" -ge 4 ]; then echo 127.0.0.2:1; fi\n")
+    script.chmod(0o755)
+    r = job.run(["-np", "1", *sshd_clean.ssh_args(), "--host-discovery-script", str(script),
+                 "--discovery-interval", "0.3", "--elastic-timeout", "60"], job.train_cmd(epochs=2))
+    assert r.returncode == 0, r.output
+    assert ("127.0.0.9[0] (rank 0) never started: unreachable: cannot connect to "
+            f"{sshd_clean.user}@127.0.0.9:{sshd_clean.port}: Connection refused") in r.stderr, r.stderr
+    assert ("no listed host could be reached (127.0.0.9): waiting up to --elastic-timeout 60 s for discovery "
+            "to list others") in r.stderr, r.stderr
+    assert "round 0: 1 worker(s) on 1 host(s)" in r.stderr and "job succeeded" in r.stderr, r.stderr
+    assert [e["size"] for e in r.log] == [1, 1], r.log
 
 
 def test_a_host_whose_handshake_hangs_at_the_start_is_named_with_its_cause(job, sshd_clean):

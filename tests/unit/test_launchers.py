@@ -39,7 +39,7 @@ class _Exits:
         self.codes: dict[str, int] = {}
         self._cv = threading.Condition()
 
-    def __call__(self, worker_id: str, code: int) -> None:
+    def __call__(self, worker_id: str, code: int, detail: str = "") -> None:
         with self._cv:
             assert worker_id not in self.codes, f"{worker_id} reported twice"
             self.codes[worker_id] = code

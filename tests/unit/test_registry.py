@@ -204,6 +204,55 @@ class TestInitialLaunch:
         assert "timed out after 600 s (--elastic-timeout)" in why(finish)
         assert "4 slots" in why(finish) and "a:2" in why(finish)
 
+    def test_first_round_hosts_that_did_not_answer_wait_for_discovery_to_list_others(self):
+        """Discovery lists a spot node that is gone (or not up yet): its SSH start is refused.
+        The job ended 0.2 s after its start ("all workers failed ... exited with code 255") while
+        discovery listed a usable host a few seconds later. Nothing ran, so it waits, as for any
+        slot: up to --elastic-timeout from when it said so, the host out (blacklisted)."""
+        job = Job(np=2, min_np=1, elastic_timeout=100.0)
+        launches = of(job.discover({"a": 1, "b": 1}, at=0), Launch)
+        assert len(launches) == 2
+        job.exit("w0", 255, at=1, detail=words.never_started("cannot connect: refused", unreachable=True))
+        acts = job.exit("w1", 255, at=2, detail=words.never_started("no answer within 5 s", unreachable=True))
+        assert not of(acts, Finish), acts
+        [said] = events(acts, "none_reached")
+        assert text(said) == ("no listed host could be reached (a, b): waiting up to --elastic-timeout 100 s for "
+                              "discovery to list others"), text(said)
+        assert job.hosts.is_blacklisted("a") and job.hosts.is_blacklisted("b")
+        assert not of(job.tick(50), Finish) and not events(job.tick(60), "none_reached")  # said once
+        launches = of(job.discover({"a": 1, "b": 1, "c": 2}, at=70), Launch)
+        assert [l.info.host for l in launches] == ["c", "c"]
+        assert of(job.rdv_all([l.worker_id for l in launches], at=71), Assign) and job.reg.round == 0
+
+    def test_the_wait_after_unreached_first_hosts_ends_at_the_elastic_timeout(self):
+        job = Job(np=1, elastic_timeout=100.0)
+        job.discover({"a": 1}, at=0)
+        job.exit("w0", 255, at=5, detail=words.never_started("refused", unreachable=True))
+        assert not of(job.tick(104.9), Finish)
+        [finish] = of(job.tick(105), Finish)
+        assert not finish.ok and "timed out after 100 s (--elastic-timeout)" in why(finish), why(finish)
+
+    @pytest.mark.parametrize("case", ["not unreachable", "fixed hosts", "one unreachable, one script", "after a round"])
+    def test_first_hosts_that_fail_otherwise_still_end_the_job_at_once(self, case):
+        """A configuration that fails on every host (python missing there, a refused key, the
+        script's own error) would fail the same after any wait; a fixed host list gets no others;
+        a job that trained has its own rules (durable copies)."""
+        job = Job(np=2, fixed_hosts=case == "fixed hosts")
+        unreachable = words.never_started("refused", unreachable=True)
+        if case == "after a round":
+            job.start({"a": 1, "b": 1}, at=0)
+            job.exit("w0", 255, at=1, detail=unreachable)
+            acts = job.exit("w1", 255, at=1, detail=unreachable)
+        else:
+            job.discover({"a": 1, "b": 1}, at=0)
+            first = words.never_started("'python3' was not found there") if case == "not unreachable" else unreachable
+            job.exit("w0", 127 if case == "not unreachable" else 255, at=1, detail=first)
+            acts = job.exit("w1", 1 if case.startswith("one") else 255, at=1,
+                            detail="" if case.startswith("one") else unreachable)
+        [finish] = of(acts, Finish)
+        assert not finish.ok and why(finish).startswith("all workers failed"), why(finish)
+        assert not events(acts, "none_reached")
+
     def test_a_fixed_list_short_of_np_fails_at_once(self):
         job = Job(np=4, start_timeout=30.0, fixed_hosts=True)
         [finish] = of(job.discover({"a": 2}, at=10), Finish)

@@ -78,6 +78,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from elasticrun.common import env as envvars
 from elasticrun.common import warmstart
 from elasticrun.common.lines import lines
+from elasticrun.driver import words
+from elasticrun.driver.launching import OnExit
 from elasticrun.driver.output import Output
 from elasticrun.driver.launch.warm import parse_ready, template_argv
 
@@ -100,11 +102,14 @@ def bootstrap_source() -> str:
 
 # --- pure helpers (unit-tested) --------------------------------------------------------------
 class LaunchError(Exception):
-    """A remote launch failed; the message names the host and the cause."""
+    """A remote launch failed; the message names the host and the cause. ``unreachable``: the
+    host did not answer (refused, no route, no answer, a handshake that never completed): a
+    machine that is gone or not up yet, not a configuration every host would fail the same way."""
 
-    def __init__(self, message: str, code: int = 255):
+    def __init__(self, message: str, code: int = 255, unreachable: bool = False):
         super().__init__(message)
         self.code = code
+        self.unreachable = unreachable
 
 
 def split_user(host: str, default_user: str | None = None) -> tuple[str, str]:
@@ -277,7 +282,7 @@ class HostConnections:
                 raise LaunchError("the job is stopping")
             timeout = deadline - time.monotonic()
             if timeout <= 0:
-                raise LaunchError(f"no time left to connect to {self.target} (--start-timeout)")
+                raise LaunchError(f"no time left to connect to {self.target} (--start-timeout)", unreachable=True)
             try:
                 sock = socket.create_connection((self.name, self.opts.port), timeout=timeout)
                 break
@@ -285,16 +290,16 @@ class HostConnections:
                 raise LaunchError(f"cannot resolve host name {self.name!r}: {exc.strerror}") from None
             except socket.timeout:
                 raise LaunchError(f"cannot connect to {self.target}: no answer within {timeout:.3g} s "
-                                  f"(--start-timeout)") from None
+                                  f"(--start-timeout)", unreachable=True) from None
             except OSError as exc:
                 why = exc.strerror or str(exc)
                 if not (patient and exc.errno in _NOT_UP_YET):
-                    raise LaunchError(f"cannot connect to {self.target}: {why}") from None
+                    raise LaunchError(f"cannot connect to {self.target}: {why}", unreachable=True) from None
                 left = deadline - time.monotonic()
                 if left < _RETRY_LAST:
                     raise LaunchError(f"cannot connect to {self.target}: {why}, for "
                                       f"{time.monotonic() - began:.0f} s of trying (is sshd running there, on "
-                                      f"port {self.opts.port}?)") from None
+                                      f"port {self.opts.port}?)", unreachable=True) from None
                 time.sleep(min(pause, left - _RETRY_LAST / 2))  # (the last try: just before the deadline)
                 pause = min(_RETRY_MAX, pause * 2)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # 65 -> 20-25 ms per connect
@@ -347,7 +352,7 @@ class HostConnections:
                 # (paramiko's own words for a timeout, "No existing session", say nothing more)
                 raise LaunchError(f"{self.target} accepted the connection but did not complete the SSH handshake "
                                   f"within {self.opts.connect_timeout:g} s (of --start-timeout "
-                                  f"{self.opts.connect_timeout / START_SHARE:g} s)") from None
+                                  f"{self.opts.connect_timeout / START_SHARE:g} s)", unreachable=True) from None
             raise LaunchError(f"SSH to {self.target} failed: {text}") from None
         if self.closed:  # the job stopped while we connected
             client.close()
@@ -429,7 +434,7 @@ class SSHLauncher:
     ``on_exit(worker_id, code)``; a launch that fails logs the host and the cause first.
     """
 
-    def __init__(self, sink: Output, on_exit: Callable[[str, int], None], options: SSHOptions):
+    def __init__(self, sink: Output, on_exit: OnExit, options: SSHOptions):
         import paramiko  # noqa: F401  (fail here, not in a worker thread, if it is missing)
 
         # paramiko logs its own view of every failure we report with the host and the cause.
@@ -468,11 +473,11 @@ class SSHLauncher:
         t.start()
 
     def _run(self, r: _Remote, command: list[str], env: dict[str, str], keys: bytes | None) -> None:
-        code = 255
+        code, detail = 255, ""
         try:
             code = self._start_and_wait(r, command, env, keys)
         except LaunchError as exc:
-            code = exc.code
+            code, detail = exc.code, words.never_started(str(exc), unreachable=exc.unreachable)
             log.error("%s: could not start worker %s over SSH: %s", r.host, r.worker_id, exc)
         except Exception as exc:  # a bug or an unexpected paramiko error: still a failed worker
             log.error("%s: could not start worker %s over SSH: %s: %s", r.host, r.worker_id,
@@ -482,7 +487,7 @@ class SSHLauncher:
             if r.channel is not None:
                 r.channel.close()
             r.finished.set()
-            self._report_exit(r, code)
+            self._report_exit(r, code, detail)
             self._forget(r)
 
     def _forget(self, r: _Remote) -> None:
@@ -500,14 +505,17 @@ class SSHLauncher:
         """The worker was started here and is not yet forgotten."""
         return worker_id in self._remotes
 
-    def _report_exit(self, r: _Remote, code: int) -> None:
+    def _report_exit(self, r: _Remote, code: int, detail: str = "") -> None:
         """``on_exit`` exactly once per worker: when the watchdog's notice says it is dying
         (before the kernel has torn it down), or when the watchdog is done."""
         with self._lock:
             if r.reported:
                 return
             r.reported = True
-        self._on_exit(r.worker_id, code)
+        if detail:
+            self._on_exit(r.worker_id, code, detail)
+        else:
+            self._on_exit(r.worker_id, code)
 
     def _start_and_wait(self, r: _Remote, command: list[str], env: dict[str, str], keys: bytes | None) -> int:
         import paramiko
