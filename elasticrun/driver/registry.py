@@ -1607,7 +1607,12 @@ class Registry:
         new_members = any(w.id not in previous for w in workers)
         must_sync = new_members or self.aborted or any(w.restored for w in workers)
         # A round that no holder joins: they all start from the same state, the script's own or
-        # the durable copy, and hold it from now on.
+        # the durable copy, and hold it from now on: the script's at once (each has it), the
+        # copy once they report a sync at a rendezvous (``has_state``). Rank 0 loads the copy
+        # and the sync sends it to the others; a rank 0 that died first (a kill, a spot loss
+        # as the job resumed) left them with the script's initial state. Counted as holders,
+        # they made the next round "not fresh": no restore, no warning, training from step 0,
+        # and the two-copy rotation replaced the copy the job had resumed from within seconds.
         fresh = not any(w.holds for w in workers)
         restore = fresh and self.durable_commit is not None
         if fresh and self.round >= 0 and not restore:
@@ -1616,7 +1621,7 @@ class Registry:
         if backend is None:  # --backend nccl where NCCL cannot run: every round would fail the same way
             yield Finish(False, Reason(Cause.NCCL_CANNOT_RUN, {"round": self.round + 1, "why": why}))
             return
-        yield NewRound(self.round + 1, tuple(w.id for w in workers) if fresh else ())
+        yield NewRound(self.round + 1, tuple(w.id for w in workers) if fresh and not restore else ())
         yield ForgetRounds(self.round)
         for info, w in zip(infos, workers):
             yield Assign(w.id, self.round, info, must_sync or restore, restore and info.rank == 0, backend)

@@ -1647,7 +1647,8 @@ class RegistryMachine(RuleBasedStateMachine):
             assert len(outside) <= 1 or (len(outside) == size and all(a.info.host in draining for a in assigns))
         else:
             assert not outside
-            self.holders |= new_ids  # a round without holders: they all start from the script's state
+            if self.reg.durable_commit is None:  # a round without holders: they all start from the script's
+                self.holders |= new_ids  # state (from a durable copy: once they report a sync)
         # Rank 0 restores the durable copy exactly when no holder joined and a copy exists.
         assert [a.restore for a in assigns] == [not alive_holders and self.reg.durable_commit is not None] + \
             [False] * (size - 1)
@@ -2169,6 +2170,30 @@ class TestDurableCopies:
         job.reg.durable(3)
         assigns = job.start({"a": 2})
         assert [(a.info.rank, a.restore) for a in assigns] == [(0, True), (1, False)]
+
+    def test_a_resume_whose_rank_0_dies_before_the_sync_restores_again(self):
+        """Rank 0 of the round that resumes from the copy loads it; the sync sends it to the
+        others. Rank 0 killed before that sync left them with the script's initial state, yet
+        they counted as holders: the next round restored nothing and said nothing, the job
+        trained from step 0 and the copy rotation replaced the copy it had resumed from."""
+        job = Job(np=2, min_np=1)
+        job.reg.durable(2142)
+        assigns = job.start({"a": 1, "b": 1})
+        assert [(a.worker_id, a.restore) for a in assigns] == [("w0", True), ("w1", False)]
+        assert job.reg.holders() == []  # nobody holds the copy before a sync
+        job.exit("w0", -9, at=1)
+        acts = job.rdv("w1", at=2, error="connection closed by peer")  # its sync failed: has_state=False
+        assigns = of(acts, Assign)
+        assert [(a.worker_id, a.info.rank, a.restore) for a in assigns] == [("w1", 0, True)], acts
+        assert not events(acts, "state_lost")
+
+    def test_a_resume_that_synced_holds_the_state_and_does_not_restore_again(self):
+        job = Job(np=2, min_np=1)
+        job.reg.durable(7)
+        job.start({"a": 1, "b": 1})
+        job.exit("w1", -9, at=1)
+        assigns = of(job.rdv("w0", at=2, has_state=True, error="peer died"), Assign)
+        assert [(a.worker_id, a.restore) for a in assigns] == [("w0", False)]
 
     def test_a_round_with_a_holder_does_not_restore(self):
         job = Job(np=2, min_np=1)
