@@ -90,6 +90,38 @@ def test_two_ranks_send_their_shards_and_a_restore_reads_the_copy_back(service, 
     assert all(torch.equal(a, b) for a, b in zip(tensors, back))
 
 
+def test_a_copy_of_a_commit_older_than_the_newest_copy_is_refused_and_the_newest_kept(service):
+    """Commits only move forward in a job: a copy of an older one is a state that went back
+    (a resume whose restore was lost). Written, the two-copy rotation would have replaced the
+    copy the job resumed from with the script's initial state within two intervals."""
+    ctx, keys, endpoint, svc, written, warned, done = service
+    t = [torch.ones(10)]
+    entries = durable.layout([("x", t[0])])
+    s = durable.DurableSender(ctx, endpoint, keys.worker, "job")
+    try:
+        def hand_off(request: int, commit: int) -> None:
+            deadline = time.monotonic() + 10
+            while s.busy and time.monotonic() < deadline:  # (the last one's reply first)
+                time.sleep(0.02)
+            assert s.hand_off(request, 0, 1, commit=commit, steps=4, tensors=t, entries=entries, meta=lambda: b"m")
+
+        hand_off(1, 2142)
+        assert done.wait(30), warned
+        for request in (2, 2, 3):  # each said once, however many ranks begin it
+            hand_off(request, 1)
+        hand_off(4, 2142)  # (the same commit again, as a stop's last copy may be: written)
+        deadline = time.monotonic() + 10
+        while len(written) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        s.close()
+    assert [d.manifest.commit for d in written] == [2142, 2142], written
+    assert svc.directory.scan().newest.manifest.commit == 2142
+    assert len(warned) == 2 and all(w.startswith(
+        "durable copy not written: it is of commit 1, older than the newest copy (ckpt-000001, commit 2142), which "
+        "is kept") for w in warned), warned
+
+
 def test_a_copy_whose_rank_never_finishes_is_dropped_and_the_old_one_stays(service, tmp_path):
     ctx, keys, endpoint, svc, written, warned, done = service
     svc._stale_after = 0.5

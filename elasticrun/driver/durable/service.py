@@ -75,6 +75,7 @@ class DurableService(threading.Thread):
         self._newest_began = -math.inf
         self._writer: ck.Writer | None = None
         self._writing: tuple[int, float] | None = None  # (request id, when its first shard came)
+        self._went_back: int | None = None  # the last request refused for a commit older than the newest copy's
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._endpoints: dict[str, str] = {}
@@ -249,6 +250,18 @@ class DurableService(threading.Thread):
                 raise ValueError(f"{copy_name(request)} was replaced by {copy_name(self._writing[0])}")
             self._fail(f"{copy_name(self._writing[0])} was not whole when {copy_name(request)} began")
         if self._writer is None:
+            commit, newest = _count(b, "commit"), self._newest
+            if newest is not None and commit < newest.manifest.commit:
+                # Commits only move forward in a job, and a round that no holder joins restores
+                # the newest copy: an older commit is a state that went back (the script's initial
+                # one). Written, it would have rotated away the copy the job resumed from.
+                if request != self._went_back:
+                    self._went_back = request
+                    self._on_failed(time.monotonic(), (
+                        f"durable copy not written: it is of commit {commit}, older than the newest copy "
+                        f"({newest.name}, commit {newest.manifest.commit}), which is kept: the workers' state "
+                        f"went back (an elasticrun bug: please report it with this log)"))
+                raise ValueError(f"commit {commit} is older than the newest copy's ({newest.manifest.commit})")
             self._writing = (request, time.monotonic())
             if self._tight:
                 try:
