@@ -288,6 +288,29 @@ def test_the_same_command_again_resumes_after_the_driver_was_killed(job):
     assert_exactly_once(history_across_runs(job, resumed["commit"]))
 
 
+def test_a_resume_whose_rank_0_dies_before_it_restores_restores_in_the_next_round(job):
+    """Rank 0 loads the copy and the sync sends it to the others: killed before that, it left
+    them with the script's initial state, which the driver took for the job's state. The job
+    trained from step 0 without a word ("resumes from it" was its last say), and the copy rotation
+    replaced the copy it had resumed from within two intervals."""
+    ckpt = job.tmp / "ckpt"
+    run_until_a_copy_then_kill_the_driver(job, ckpt, [])
+    newest = json.loads((sorted(ckpt.glob("ckpt-*"))[-1] / "manifest.json").read_text())["commit"]
+    marker = job.tmp / "die"
+    marker.touch()
+    r = job.run(["-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1", "--checkpoint-dir", str(ckpt),
+                 "--checkpoint-interval", "0.3", "--events", str(job.tmp / "events2.jsonl")],
+                sample_cmd(job, "--commit-every", "2", "--sleep", "0.03", "--die-before-run", str(marker)))
+    assert r.returncode == 0, r.output
+    assert not marker.exists() and "(rank 0) exited with code -9" in r.stderr, r.stderr
+    assert f"restored the durable copy of commit {newest} " in r.stderr, r.stderr  # in round 1
+    [resumed] = [e for e in events(job.tmp / "events2.jsonl") if e["kind"] == "resumed"]
+    assert resumed["commit"] == newest and resumed["round"] == 1, resumed
+    assert_exactly_once(history_across_runs(job, newest))
+    copies = [json.loads(m.read_text())["commit"] for m in ckpt.glob("ckpt-*/manifest.json")]
+    assert copies and min(copies) >= newest, (copies, newest)
+
+
 def test_a_commit_before_elastic_run_never_replaces_the_copy_the_job_resumes_from(job):
     """A script that commits its initial state before ``hvd.elastic.run`` (where rank 0 restores
     the durable copy) must not hand that initial state off as the newest durable copy: the

@@ -67,6 +67,9 @@ p.add_argument("--commit-before-run", action="store_true",
                help="state.commit() once before hvd.elastic.run (the script's initial state, before any resume)")
 p.add_argument("--exit-at", default=None, metavar="RANK:STEPS",
                help="that rank's script returns (exit 0) after STEPS optimizer steps, while the others train on")
+p.add_argument("--die-before-run", default=None, metavar="MARKER",
+               help="rank 0 SIGKILLs itself before hvd.elastic.run (so before it restores a durable copy) "
+                    "if MARKER exists, removing it (once)")
 args = p.parse_args()
 
 if args.slow_start:
@@ -267,6 +270,9 @@ def train(state):
 if __name__ == "__main__":  # (a DataLoader's spawn/forkserver worker imports this script again)
     if args.commit_before_run:
         state.commit()
+    if args.die_before_run and hvd.rank() == 0 and os.path.exists(args.die_before_run):
+        os.unlink(args.die_before_run)
+        os.kill(os.getpid(), signal.SIGKILL)
     train(state)
     if hvd.rank() == 0:
         with torch.no_grad():
