@@ -1105,9 +1105,9 @@ class ElasticDriver:
                      "step %d, %d reset(s)%s%s", r.round, len(members), hosts, coming, max(0.0, time.time() - since),
                      steps, r.reset_count, commit, copy)
             return
-        log.info("status: round %d, %d worker(s) on %d host(s)%s, step %d%s, %d reset(s)%s%s%s", r.round,
+        log.info("status: round %d, %d worker(s) on %d host(s)%s, step %d%s, %d reset(s)%s%s%s%s", r.round,
                  len(members), hosts, coming, steps, pace, r.reset_count, commit, copy,
-                 words.kept(r.kept, r.config.min_np))
+                 words.kept(r.kept, r.config.min_np), words.held_out(r.held_out(), r.kept))
 
     # --- the end -----------------------------------------------------------------------------
     def _conclude(self, finished: reg.Finish) -> int:

@@ -1080,7 +1080,7 @@ class Registry:
                 out[h] = "unusable"
         return out
 
-    def _held_out(self) -> dict[str, str]:
+    def held_out(self) -> dict[str, str]:
         """Hosts discovery lists that the job does not use, with why (a wait's lines name them:
         a host that is listed but left out is otherwise a mystery)."""
         usable = {h for h, _ in self.hosts.available()}
@@ -1581,14 +1581,14 @@ class Registry:
             yield Mark("_wait_reminder", None)
             # (``ready``: with slots enough, what was missing is workers that asked for a place)
             yield Finish(False, Reason(Cause.TIMED_OUT, {"limit": self._wait_limit(), "flag": flag, "need": need,
-                                                         "usable": usable, "out": self._held_out(), "ready": ready}))
+                                                         "usable": usable, "out": self.held_out(), "ready": ready}))
             return
         if self._wait_reminder is not None and now < self._wait_reminder:
             return
         yield Mark("_wait_reminder", now + WAIT_REMINDER)
         left = self._wait_limit() - waited
         yield Event(Kind.WAITING_FOR_SLOTS, {"need": need, "ready": ready, "usable": usable, "left_s": left,
-                                             "flag": flag, "out": self._held_out(),
+                                             "flag": flag, "out": self.held_out(),
                                              "min_np": self.config.min_np if self._relaxes_np(need) else None},
                     level="warning" if self.round >= 0 or waited > 0 else "info")
 

@@ -77,6 +77,14 @@ def kept(kept: tuple[str, tuple[str, ...]] | None, min_np: int) -> str:
     return f"; host(s) {_hosts(hosts)} still in: their workers hold the state until new workers can take it over"
 
 
+def held_out(out: Mapping[str, str], kept: tuple[str, tuple[str, ...]] | None) -> str:
+    """The status line's words for hosts discovery lists that the round does not use
+    (``Registry.held_out``), but those it keeps (said by :func:`kept`): a job training on 2 of
+    4 listed hosts for minutes said only "2 worker(s) on 2 host(s)"."""
+    shown = {h: why for h, why in out.items() if kept is None or h not in kept[1]}
+    return _held({"out": shown})
+
+
 def _never_enough(f: Mapping[str, Any]) -> str:
     """A fixed host list short of slots for good: what is left, what went, and what would help
     (a host that is leaving, reclaimed, is not helped by a cooldown)."""

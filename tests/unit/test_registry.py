@@ -1904,6 +1904,18 @@ class TestGoingAway:
         assert of(acts, Notify) == [Notify(added=True, removed=True)] and job.reg.kept is None
         assert words.kept(None, 3) == ""
 
+    def test_listed_hosts_the_round_does_not_use_are_named_on_the_status_line(self):
+        """A soak run trained for minutes on 2 of the 4 hosts discovery listed (one blacklisted,
+        one left after a SIGTERM): its status lines said only "2 worker(s) on 2 host(s)"."""
+        job = Job(np=3, min_np=2)
+        job.start({"a": 1, "b": 1, "c": 1})
+        assert words.held_out(job.reg.held_out(), job.reg.kept) == ""
+        job.exit("w2", -9, at=1)
+        job.rdv_all(["w0", "w1"], at=2)
+        job.discover({"a": 1, "b": 1, "c": 1}, at=3)
+        assert words.held_out(job.reg.held_out(), job.reg.kept) == "; listed but not used: c blacklisted", \
+            job.reg.held_out()
+
     def test_a_leaving_host_stays_out_when_its_notice_drops_out_of_the_next_listing(self):
         """Discovery said `draining`, then the worker got SIGTERM; the next listing lacks the word
         (a spot script that could not read the notice as the machine shut down). The host used
