@@ -357,7 +357,11 @@ def _run(func: Callable[..., Any], state: State, rt: Any, args: Any, kwargs: Any
             join.sync_with(getattr(state, "sync_after_join", None))  # (what a join() ends with)
             return func(state, *args, **kwargs)
         except HorovodInternalError as exc:
-            log.warning("rank %d: %s; restoring the last commit", rt.rank, exc)
+            # While the driver stops the job, a peer stopped first fails this rank's collective:
+            # the stop, not news (a user saw "failed ...; restoring the last commit" after
+            # "received SIGTERM: stopping 2 worker(s)").
+            log.log(logging.DEBUG if rt.job_ending else logging.WARNING, "rank %d: %s; restoring the last commit",
+                    rt.rank, exc)
             rt.emit(Kind.FAILURE_DETECTED, error=str(exc)[:300])
             started = time.monotonic()
             state.restore()

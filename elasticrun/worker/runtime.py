@@ -311,6 +311,11 @@ class Runtime:
             return [devices.gpu_name(self.device.index or 0)]
         return self._gpus
 
+    @property
+    def job_ending(self) -> bool:
+        """The driver said it stops the job: a peer's collective failing now is that stop."""
+        return self._driver_stopping
+
     def copy_busy(self) -> bool:
         """This rank cannot hand a durable copy off now: its last one is still being sent, or
         it does not hold the job's state yet (a commit before ``elastic.run`` synced it, or
