@@ -219,12 +219,13 @@ def check_writable_dir(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path}: cannot write in it: {_reason(exc)}") from None
 
 
-def read_bounded(path: str, limit: int, timeout: float = READ_TIMEOUT_S) -> bytes:
+def read_bounded(path: str, limit: int, timeout: float | None = None) -> bytes:
     """At most ``limit + 1`` bytes of the file the user named (the caller refuses more),
     within ``timeout`` whatever it is: a regular file is read at once; a pipe or FIFO
     (``--hostfile <(make_hosts)``) until its end, which must come within ``timeout`` (the
     open never waits for a writer). OSError otherwise (``TimeoutError`` for the deadline),
     with a ``strerror`` to show."""
+    timeout = READ_TIMEOUT_S if timeout is None else timeout  # (read at the call: a test may shorten it)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         data = bytearray()

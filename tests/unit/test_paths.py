@@ -127,6 +127,22 @@ def test_a_fifo_that_never_ends_is_an_error_at_the_deadline_not_a_hang(tmp_path:
             os.close(held)
 
 
+def test_a_config_file_fifo_that_never_ends_is_one_line_at_the_deadline(tmp_path: Path, monkeypatch, capsys):
+    """--config-file reads through read_bounded too (the --hostfile case runs end to end in
+    tests/integration/test_cli.py, with the real 10 s)."""
+    from elasticrun.common import paths
+    from elasticrun.driver.cli.command import parse_settings
+
+    fifo = tmp_path / "cluster.toml"
+    os.mkfifo(fifo)
+    monkeypatch.setattr(paths, "READ_TIMEOUT_S", 0.3)
+    with pytest.raises(SystemExit) as exit_:
+        parse_settings(["-np", "1", "-H", "localhost", "--config-file", str(fifo), "python", "x.py"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (f"elasticrun: error: --config-file {fifo}: it did not end within 0.3 s (a "
+                                       f"pipe or FIFO that is never closed?) (see elasticrun --help)\n")
+
+
 def test_a_directory_and_endless_devices_are_refused_or_cut(tmp_path: Path):
     with pytest.raises(IsADirectoryError):
         read_bounded(str(tmp_path), 1000)
