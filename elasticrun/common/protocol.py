@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,13 @@ MAC_BYTES = 32
 #: Frames larger than this are refused (ZeroMQ also drops the connection of a peer that
 #: sends one, via ``zmq.MAXMSGSIZE``). Control messages are small; 1 MiB is generous.
 MAX_FRAME_BYTES = 1 << 20
+#: Senders a Codec keeps a replay entry for (~90 B each), the least recently heard dropped first.
+#: Each worker process sends under new random ids, so a job that replaces workers for days kept
+#: every one it ever heard (a soak: +330 entries for 143 worker starts, never freed). Far above
+#: the live senders of the largest job (3 a worker: 12,288 at 4,096 workers); an entry dropped
+#: is of a sender silent the longest, whose old frames (MAC'd with the job's secret) could then
+#: pass once more.
+MAX_SENDERS = 65536
 
 # One encoder and one decoder for every frame: ``json.dumps``/``loads`` build or look these up
 # per call, and the one-shot ``hmac.digest`` runs in C where ``hmac.new(...).digest()`` builds
@@ -104,7 +112,7 @@ class Codec:
     job_id: str
     sender: str
     _counter: Any = field(default_factory=lambda: itertools.count(1), repr=False)
-    _last_seen: dict[str, int] = field(default_factory=dict, repr=False)
+    _last_seen: OrderedDict[str, int] = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def encode(self, type_: str, body: dict[str, Any] | None = None, to: str | None = None) -> bytes:
@@ -148,9 +156,13 @@ class Codec:
         if to is not None and to != self.sender:
             raise ProtocolError(f"message addressed to {_short(to)}, not to {self.sender!r}", "wrong recipient")
         with self._lock:
-            if seq <= self._last_seen.get(sender, 0):
+            seen = self._last_seen
+            if seq <= seen.get(sender, 0):
                 raise ProtocolError(f"replayed or reordered frame from {_short(sender)} (seq {_short(seq)})", "replayed")
-            self._last_seen[sender] = seq
+            seen[sender] = seq
+            seen.move_to_end(sender)
+            if len(seen) > MAX_SENDERS:
+                seen.popitem(last=False)
         return Message(type=type_, sender=sender, seq=seq, body=body, to=to)
 
     def encode_with_blob(self, type_: str, body: dict[str, Any], blob: bytes | memoryview,

@@ -240,6 +240,24 @@ def test_forget_drops_the_replay_entry():
     assert rx.decode(restarted.encode("m")).seq == 1
 
 
+def test_the_replay_table_keeps_the_senders_heard_most_recently(monkeypatch):
+    """Each worker process sends under new ids: a job replacing workers for days kept an entry
+    for every sender it ever heard (a soak: +330 for 143 worker starts). The table is bounded,
+    dropping the sender silent the longest; one still talking keeps its replay protection."""
+    monkeypatch.setattr(protocol, "MAX_SENDERS", 4)
+    rx = Codec(SECRET, JOB, "driver")
+    live = Codec(SECRET, JOB, "worker-live")
+    old = live.encode("m")
+    rx.decode(old)
+    for n in range(10):
+        rx.decode(Codec(SECRET, JOB, f"worker-{n}").encode("m"))
+        rx.decode(live.encode("m"))  # heard again after each newcomer
+    assert len(rx._last_seen) == 4 and "worker-live" in rx._last_seen
+    assert list(rx._last_seen) == ["worker-7", "worker-8", "worker-9", "worker-live"]
+    with pytest.raises(ProtocolError, match="replayed"):
+        rx.decode(old)
+
+
 @given(order=st.permutations(range(6)))
 def test_out_of_order_delivery_only_accepts_increasing(order):
     tx, rx = pair()
