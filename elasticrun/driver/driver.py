@@ -210,7 +210,7 @@ class ElasticDriver:
     def worker_exited(self, worker_id: str, code: int, detail: str = "") -> None:
         """The launcher's report that a worker ended (from any thread); ``code`` as ``subprocess``
         gives it (-N: killed by signal N); ``detail``: why it never started, if it did not."""
-        self._post("exit", (worker_id, code, detail) if detail else (worker_id, code))
+        self._post("exit", (worker_id, code, detail))
 
     # --- plumbing --------------------------------------------------------------------------
     def _post(self, kind: str, payload: Any) -> None:

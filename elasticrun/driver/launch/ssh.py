@@ -512,10 +512,7 @@ class SSHLauncher:
             if r.reported:
                 return
             r.reported = True
-        if detail:
-            self._on_exit(r.worker_id, code, detail)
-        else:
-            self._on_exit(r.worker_id, code)
+        self._on_exit(r.worker_id, code, detail)
 
     def _start_and_wait(self, r: _Remote, command: list[str], env: dict[str, str], keys: bytes | None) -> int:
         import paramiko
