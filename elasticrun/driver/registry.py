@@ -459,7 +459,7 @@ class Registry:
         # trickle into a round need not scan them all for what it asks of each one:
         self._in: dict[WorkerState, int] = dict.fromkeys(WorkerState, 0)  # workers in each state
         self._busy: dict[tuple[str, int], int] = {}  # slot -> its processes that have not exited
-        self._holding = 0  # workers with ``holds`` (it is never cleared)
+        self._holding = 0  # workers with ``holds`` (never cleared while the record is kept)
         # Lower bounds of when a timeout can trip: silence and --start-timeout are judged on
         # ``heard`` time, a goodbye's EXIT_GRACE on ``now``. ``_timeouts`` scans the workers
         # only once one has passed and sets them exact; anything that makes a deadline lowers them.
@@ -850,6 +850,7 @@ class Registry:
                     and now - w.ended_at >= FORGET_AFTER and w.id not in members):
                 del self.workers[w.id]
                 self._in[w.state] -= 1
+                self._holding -= w.holds
 
     def _rescan(self) -> None:
         """What decides which timeouts can trip changed (first contact, a plain job, a round):
