@@ -7,23 +7,25 @@ trained would be trained again. :class:`ElasticSampler` instead remembers which 
 indices were processed in the current epoch and, on every :meth:`~ElasticSampler.reset`,
 partitions only the indices that are left over the ranks that exist now.
 
-Pure Python plus ``torch.Generator``: no I/O, no threads, no collectives. Synchronising
-the processed set between ranks is the caller's job (the elastic ``TorchState`` handler),
-see :class:`ElasticSampler`.
+Pure data plus torch: no I/O, no threads, no collectives. Synchronising the processed set
+between ranks is the caller's job (the elastic ``TorchState`` handler), see
+:class:`ElasticSampler`. The processed set is an :class:`~elasticrun.worker.index_set.IndexSet`
+(one byte per sample) and a reset works on tensors, so that a dataset of tens of millions of
+samples costs no step that holds the GIL for long (the heartbeat thread needs it).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import random
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableSet, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
 from elasticrun.worker import rounds
+from elasticrun.worker.index_set import IndexSet, Records, to_list
 
 log = logging.getLogger("elasticrun.worker")
 
@@ -129,18 +131,21 @@ class ElasticSampler(Sampler[int]):
         self._world = world
 
         self.epoch: int = 0
-        #: Dataset indices processed in this epoch (by this rank, plus whatever was merged).
-        self.processed_indices: set[int] = set()
+        #: Dataset indices processed in this epoch (by this rank, plus whatever was merged): a
+        #: set-like :class:`IndexSet` (a plain ``set`` assigned here is taken in at the next reset).
+        self.processed_indices: MutableSet[int] = IndexSet(len(dataset))
         # What record_indices() added since the last _take_recorded(), and a count of the times
         # processed_indices was replaced (set_epoch, load_state_dict): a commit then saves what
         # is new, not the whole set again (SamplerStateHandler; seconds at millions of indices).
-        self._recorded: set[int] = set()
+        self._recorded = Records(len(dataset))
         self._generation = 0
         self._followed = False  # a handler takes the records (else they are not kept twice)
         self.rank: int = 0
         self.num_replicas: int = 1
-        #: The epoch order minus processed indices, as of the last reset (no padding).
-        self.remaining_indices: list[int] = []
+        # The epoch order minus processed indices, as of the last reset (no padding); its list
+        # is made when asked for (remaining_indices).
+        self._remaining = torch.empty(0, dtype=torch.int64)
+        self._remaining_list: list[int] | None = None
         #: This rank's partition of ``remaining_indices`` (padded or cut, see class doc).
         self.indices: list[int] = []
         # Length of the leading part of ``indices`` that is processed: where the next pass
@@ -162,17 +167,35 @@ class ElasticSampler(Sampler[int]):
         partition.
         """
         self.rank, self.num_replicas = self._read_world()
-        done = self.processed_indices
-        self.remaining_indices = [i for i in self._epoch_order() if i not in done]
-        self.indices = self._equalised(self.remaining_indices)[self.rank :: self.num_replicas]
+        order = self._epoch_order()
+        self._remaining = order[self._done().keep_mask(order)]
+        self._remaining_list = None
+        self.indices = to_list(self._equalised(self._remaining)[self.rank :: self.num_replicas])
         self._consumed = 0
         self._pass_start = 0
+
+    @property
+    def remaining_indices(self) -> list[int]:
+        """The epoch order minus the processed indices, as of the last reset (no padding)."""
+        if self._remaining_list is None:
+            self._remaining_list = to_list(self._remaining)
+        return self._remaining_list
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch``: forget the processed set, reshuffle and repartition."""
         self.epoch = int(epoch)
-        self._replace_processed(set())
+        self._replace_processed(IndexSet(len(self.dataset)))
         self.reset()
+
+    def _done(self) -> IndexSet:
+        """The processed set as an :class:`IndexSet` of the dataset's length; a plain set the
+        script assigned to ``processed_indices`` is taken in (and replaces it)."""
+        done = self.processed_indices
+        n = len(self.dataset)
+        if not (isinstance(done, IndexSet) and done.n == n):
+            done = IndexSet(n, done)
+            self.processed_indices = done
+        return done
 
     def _read_world(self) -> tuple[int, int]:
         provider = self._world if self._world is not None else _world_provider
@@ -182,23 +205,27 @@ class ElasticSampler(Sampler[int]):
             raise ValueError(f"invalid world: rank {rank} of size {size}")
         return rank, size
 
-    def _epoch_order(self) -> list[int]:
+    def _epoch_order(self) -> torch.Tensor:
         """The order of this epoch; the same on every rank for the same seed and epoch."""
         n = len(self.dataset)
         if not self.shuffle:
-            return list(range(n))
+            return torch.arange(n, dtype=torch.int64)
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        return torch.randperm(n, generator=generator).tolist()
+        return torch.randperm(n, generator=generator)
 
-    def _equalised(self, remaining: list[int]) -> list[int]:
+    def _equalised(self, remaining: torch.Tensor) -> torch.Tensor:
         """Pad (or cut, with drop_last) ``remaining`` to a multiple of the world size."""
-        n = self.num_replicas
+        n, k = self.num_replicas, remaining.numel()
         if self.drop_last:
-            return remaining[: len(remaining) - len(remaining) % n]
-        total = -(-len(remaining) // n) * n
-        # cycle() also covers the case of fewer remaining indices than ranks.
-        return list(itertools.islice(itertools.cycle(remaining), total))
+            return remaining[: k - k % n]
+        total = -(-k // n) * n
+        if total == k:
+            return remaining
+        if total - k <= k:  # the first few again
+            return torch.cat((remaining, remaining[: total - k]))
+        # Repeated from the start: fewer indices remain than there are ranks.
+        return remaining.repeat(-(-total // k))[:total]
 
     # ------------------------------------------------------------------ iteration
 
@@ -255,19 +282,22 @@ class ElasticSampler(Sampler[int]):
     def record_indices(self, indices: Iterable[int]) -> None:
         """Mark explicit dataset indices as processed (idempotent)."""
         checked = self._checked(indices)
-        self.processed_indices.update(checked)
+        self._done().put_checked(checked)
         if self._followed:
-            self._recorded.update(checked)
+            if self._recorded.n != len(self.dataset):  # (the dataset grew: the handler compares all)
+                self._recorded = Records(len(self.dataset))
+                self._generation += 1
+            self._recorded.add(checked)
         self._advance()
 
-    def _replace_processed(self, processed: set[int]) -> None:
+    def _replace_processed(self, processed: IndexSet) -> None:
         self.processed_indices = processed
-        self._recorded = set()
+        self._recorded = Records(len(self.dataset))
         self._generation += 1
 
-    def _take_recorded(self) -> tuple[int, set[int]]:
+    def _take_recorded(self) -> tuple[int, Records]:
         """(generation, what was recorded since the last call); starts the next record."""
-        recorded, self._recorded = self._recorded, set()
+        recorded, self._recorded = self._recorded, Records(len(self.dataset))
         self._followed = True
         return self._generation, recorded
 
@@ -285,15 +315,28 @@ class ElasticSampler(Sampler[int]):
         return out
 
     def _advance(self) -> None:
-        done = self.processed_indices
-        while self._consumed < len(self.indices) and self.indices[self._consumed] in done:
-            self._consumed += 1
+        done, ind, c = self.processed_indices, self.indices, self._consumed
+        if isinstance(done, IndexSet) and done.n == len(self.dataset):
+            b = done._bytes  # (one byte read an index: this runs at every recorded batch)
+            while c < len(ind) and b[ind[c]]:
+                c += 1
+        else:
+            while c < len(ind) and ind[c] in done:
+                c += 1
+        self._consumed = c
 
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch and processed indices as plain, picklable data (a sorted list of ints)."""
-        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices)}
+        return {"epoch": self.epoch, "processed_indices": self._done().sorted_list()}
+
+    def _durable_state_dict(self) -> dict[str, Any]:
+        """What a durable copy saves: the processed set as one bit per sample in a uint8 tensor,
+        which the copy writes raw beside the model (a list of millions of ints was pickled in one
+        call holding the GIL: seconds at 20M). :meth:`load_state_dict` reads it."""
+        done = self._done()
+        return {"epoch": self.epoch, "dataset_length": done.n, "processed_bits": done.packed_tensor()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Replace epoch and processed set with ``state_dict``'s, then :meth:`reset`.
@@ -303,10 +346,21 @@ class ElasticSampler(Sampler[int]):
         ``random.Random(seed + epoch)``. A checkpoint a Horovod job saved is read that way, so
         the samples it trained in that epoch are not trained again (and none is skipped)."""
         epoch = int(state_dict["epoch"])
+        n = len(self.dataset)
         if "processed_indices" not in state_dict and "processed_num" in state_dict:
-            processed = set(self._horovod_order(epoch)[:max(0, int(state_dict["processed_num"]))])
+            processed = IndexSet(n, self._horovod_order(epoch)[:max(0, int(state_dict["processed_num"]))])
+        elif "processed_indices" not in state_dict and "processed_bits" in state_dict:
+            saved_n = int(state_dict["dataset_length"])
+            if saved_n != n:
+                raise ValueError(f"the saved sampler state is of a dataset of {saved_n} samples; this sampler's "
+                                 f"dataset has {n}")
+            processed = IndexSet.unpacked(n, state_dict["processed_bits"])
         else:
-            processed = set(self._checked(state_dict["processed_indices"]))
+            processed = IndexSet(n, state_dict["processed_indices"])
+        self._load(epoch, processed)
+
+    def _load(self, epoch: int, processed: IndexSet) -> None:
+        """Take ``processed`` (not copied) as epoch ``epoch``'s set and repartition."""
         self.epoch = epoch
         self._replace_processed(processed)
         self.reset()

@@ -22,6 +22,7 @@ from elasticrun.worker.broadcast import load_keeping_groups
 from elasticrun.worker.copier import DeviceCopy
 from elasticrun.worker.elastic import ObjectState
 from elasticrun.worker.process_sets import ProcessSet, global_process_set
+from elasticrun.worker.sampler import ElasticSampler
 # The handler API, importable from here as before the split.
 from elasticrun.worker.state_handlers import (
     HandlerFactory,
@@ -275,7 +276,9 @@ class TorchState(ObjectState):
             if not hasattr(h.value, "state_dict"):
                 raise NotImplementedError(f"durable copies need state_dict()/load_state_dict() on {name!r} "
                                           f"({type(h.value).__name__})")
-            handlers[name] = h.value.state_dict()
+            # (a sampler's processed set as a tensor of bits, written raw: see _durable_state_dict)
+            handlers[name] = (h.value._durable_state_dict() if isinstance(h.value, ElasticSampler)
+                              else h.value.state_dict())
         return {"objects": dict(self._saved_state), "handlers": handlers}
 
     def load_durable_state(self, saved: dict[str, Any]) -> None:
