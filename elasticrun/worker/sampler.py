@@ -25,12 +25,19 @@ import torch
 from torch.utils.data import Sampler
 
 from elasticrun.worker import rounds
-from elasticrun.worker.index_set import IndexSet, Records, to_list
+from elasticrun.worker.index_set import SLICE, IndexSet, Records, to_list
 
 log = logging.getLogger("elasticrun.worker")
 
 #: Returns ``(rank, size)`` of the current world; called on every reset.
 WorldProvider = Callable[[], tuple[int, int]]
+
+
+def _slices(part: torch.Tensor, start: int) -> Iterator[int]:
+    """The ints of ``part`` from ``start``, made a slice at a time (a pass over millions of
+    indices never holds them all as Python ints, nor the GIL for one long ``tolist``)."""
+    for a in range(start, part.numel(), SLICE):
+        yield from part[a:a + SLICE].tolist()
 
 
 def _world_provider() -> tuple[int, int]:
@@ -146,8 +153,13 @@ class ElasticSampler(Sampler[int]):
         # is made when asked for (remaining_indices).
         self._remaining = torch.empty(0, dtype=torch.int64)
         self._remaining_list: list[int] | None = None
-        #: This rank's partition of ``remaining_indices`` (padded or cut, see class doc).
-        self.indices: list[int] = []
+        # This rank's partition of the remaining indices (padded or cut, see class doc); its
+        # list is made when asked for (indices): a pass reads it in slices.
+        self._part = torch.empty(0, dtype=torch.int64)
+        self._part_list: list[int] | None = None
+        # The epoch order last drawn, by (length, shuffle, seed, epoch): a restore and the sync
+        # after it partition the same epoch (a permutation of 20M takes 0.7 s).
+        self._order: tuple[tuple[int, bool, int, int], torch.Tensor] | None = None
         # Length of the leading part of ``indices`` that is processed: where the next pass
         # over the sampler resumes.
         self._consumed = 0
@@ -170,9 +182,17 @@ class ElasticSampler(Sampler[int]):
         order = self._epoch_order()
         self._remaining = order[self._done().keep_mask(order)]
         self._remaining_list = None
-        self.indices = to_list(self._equalised(self._remaining)[self.rank :: self.num_replicas])
+        self._part = self._equalised(self._remaining)[self.rank :: self.num_replicas].contiguous()
+        self._part_list = None
         self._consumed = 0
         self._pass_start = 0
+
+    @property
+    def indices(self) -> list[int]:
+        """This rank's partition of ``remaining_indices`` (padded or cut, see the class doc)."""
+        if self._part_list is None:
+            self._part_list = to_list(self._part)
+        return self._part_list
 
     @property
     def remaining_indices(self) -> list[int]:
@@ -208,11 +228,17 @@ class ElasticSampler(Sampler[int]):
     def _epoch_order(self) -> torch.Tensor:
         """The order of this epoch; the same on every rank for the same seed and epoch."""
         n = len(self.dataset)
+        key = (n, bool(self.shuffle), int(self.seed), self.epoch)
+        if self._order is not None and self._order[0] == key:
+            return self._order[1]
         if not self.shuffle:
-            return torch.arange(n, dtype=torch.int64)
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        return torch.randperm(n, generator=generator)
+            order = torch.arange(n, dtype=torch.int64)
+        else:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=generator)
+        self._order = (key, order)
+        return order
 
     def _equalised(self, remaining: torch.Tensor) -> torch.Tensor:
         """Pad (or cut, with drop_last) ``remaining`` to a multiple of the world size."""
@@ -238,22 +264,23 @@ class ElasticSampler(Sampler[int]):
         indices again, as Horovod's sampler (and torch's DistributedSampler) does: a script
         that forgets ``set_epoch`` trains on repeated data, never silently on none.
         """
-        if self.indices and self._consumed >= len(self.indices):
+        total = self._part.numel()
+        if total and self._consumed >= total:
             if self._repeat_said != self.epoch:
                 self._repeat_said = self.epoch
                 log.warning("ElasticSampler: another pass over epoch %d, whose samples were all recorded, without "
                             "set_epoch(): the same samples again (as Horovod's sampler does); call "
                             "sampler.set_epoch(epoch) when an epoch starts", self.epoch)
             self._pass_start = 0
-            return iter(self.indices)
+            return _slices(self._part, 0)
         self._pass_start = self._consumed
-        return iter(self.indices[self._consumed :])
+        return _slices(self._part, self._consumed)
 
     def __len__(self) -> int:
         """Number of indices of this pass: fixed when it starts, as Horovod's ``num_samples``
         is between resets (a learning-rate warmup computes ``batch_idx / len(loader)`` at every
         step: a length that shrank as batches were recorded made it run ahead)."""
-        return len(self.indices) - self._pass_start
+        return self._part.numel() - self._pass_start
 
     # ------------------------------------------------------------------ recording
 
@@ -273,7 +300,7 @@ class ElasticSampler(Sampler[int]):
         if batch_idx < 0 or batch_size < 1:
             raise ValueError(f"invalid batch {batch_idx} of size {batch_size}")
         start = self._pass_start + batch_idx * batch_size
-        return self.indices[start : start + batch_size]
+        return self._part[start : start + batch_size].tolist()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
         """Mark this rank's batch ``batch_idx`` (of the current pass) as processed."""
@@ -315,15 +342,21 @@ class ElasticSampler(Sampler[int]):
         return out
 
     def _advance(self) -> None:
-        done, ind, c = self.processed_indices, self.indices, self._consumed
-        if isinstance(done, IndexSet) and done.n == len(self.dataset):
-            b = done._bytes  # (one byte read an index: this runs at every recorded batch)
-            while c < len(ind) and b[ind[c]]:
-                c += 1
-        else:
-            while c < len(ind) and ind[c] in done:
-                c += 1
-        self._consumed = c
+        """Move past the partition's leading indices that are processed: a window at a time,
+        growing (it runs at every recorded batch, and after a merge of millions)."""
+        part, c, total = self._part, self._consumed, self._part.numel()
+        if c >= total:
+            return
+        done = self._done()._view()
+        window = 1024
+        while c < total:
+            missing = (done[part[c:c + window]] == 0).nonzero()
+            if missing.numel():
+                c += int(missing[0])
+                break
+            c += window
+            window = min(window * 2, SLICE)
+        self._consumed = min(c, total)
 
     # ------------------------------------------------------------------ state
 
@@ -376,9 +409,9 @@ class ElasticSampler(Sampler[int]):
     @property
     def num_samples(self) -> int:
         """Indices this rank is given between two resets (Horovod's attribute)."""
-        return len(self.indices)
+        return self._part.numel()
 
     @property
     def total_size(self) -> int:
         """``num_samples`` over every rank (Horovod's attribute): the remaining indices, padded."""
-        return len(self.indices) * self.num_replicas
+        return self._part.numel() * self.num_replicas
