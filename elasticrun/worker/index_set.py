@@ -57,13 +57,6 @@ class IndexSet(MutableSet[int]):
 
     # ------------------------------------------------------------------ construction
 
-    @classmethod
-    def of(cls, n: int, indices: Iterable[int]) -> IndexSet:
-        """A new set of ``indices`` (an :class:`IndexSet` of the same ``n`` is copied whole)."""
-        if isinstance(indices, IndexSet) and indices.n == n:
-            return indices.copy()
-        return cls(n, indices)
-
     def copy(self) -> IndexSet:
         """An independent copy (one ``memcpy`` of ``n`` bytes)."""
         out = IndexSet.__new__(IndexSet)
@@ -137,21 +130,22 @@ class IndexSet(MutableSet[int]):
     def __len__(self) -> int:
         return self._count
 
+    def _parts(self) -> Iterator[list[int]]:
+        """The indices in increasing order, a list per slice of the bytes."""
+        if self._count:
+            view = self._view()
+            for a in range(0, self.n, SLICE):
+                yield (view[a:a + SLICE].nonzero().view(-1) + a).tolist()
+
     def __iter__(self) -> Iterator[int]:
-        n = self.n
-        if not self._count:
-            return
-        view = self._view()
-        for a in range(0, n, SLICE):
-            yield from (view[a:a + SLICE].nonzero().view(-1) + a).tolist()
+        for part in self._parts():
+            yield from part
 
     def sorted_list(self) -> list[int]:
         """The indices in increasing order, as a list (what ``sorted(s)`` gives, in slices)."""
         out: list[int] = []
-        if self._count:
-            view = self._view()
-            for a in range(0, self.n, SLICE):
-                out.extend((view[a:a + SLICE].nonzero().view(-1) + a).tolist())
+        for part in self._parts():
+            out.extend(part)
         return out
 
     def __eq__(self, other: object) -> bool:
@@ -246,7 +240,6 @@ class IndexSet(MutableSet[int]):
         self._count += added
         return added
 
-
     def _merge(self, other: IndexSet) -> int:
         if not other._count:
             return 0
@@ -279,14 +272,20 @@ class IndexSet(MutableSet[int]):
         return torch.frombuffer(self._bytes, dtype=torch.uint8)
 
 
+def slices(t: torch.Tensor, start: int = 0) -> Iterator[list[int]]:
+    """``t[start:].tolist()`` of a 1-D tensor, a list per slice: one ``tolist`` of millions
+    held the GIL for seconds."""
+    for a in range(start, t.numel(), SLICE):
+        yield t[a:a + SLICE].tolist()
+
+
 def to_list(t: torch.Tensor) -> list[int]:
-    """``t.tolist()`` of a 1-D tensor, in slices: one ``tolist`` of millions held the GIL for
-    seconds."""
+    """``t.tolist()`` of a 1-D tensor, in slices."""
     if t.numel() <= SLICE:
         return t.tolist()
     out: list[int] = []
-    for a in range(0, t.numel(), SLICE):
-        out.extend(t[a:a + SLICE].tolist())
+    for part in slices(t):
+        out.extend(part)
     return out
 
 

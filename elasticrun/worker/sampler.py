@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import Sampler
 
 from elasticrun.worker import rounds
-from elasticrun.worker.index_set import SLICE, IndexSet, Records, to_list
+from elasticrun.worker.index_set import SLICE, IndexSet, Records, slices, to_list
 
 log = logging.getLogger("elasticrun.worker")
 
@@ -33,11 +33,11 @@ log = logging.getLogger("elasticrun.worker")
 WorldProvider = Callable[[], tuple[int, int]]
 
 
-def _slices(part: torch.Tensor, start: int) -> Iterator[int]:
+def _ints(part: torch.Tensor, start: int) -> Iterator[int]:
     """The ints of ``part`` from ``start``, made a slice at a time (a pass over millions of
     indices never holds them all as Python ints, nor the GIL for one long ``tolist``)."""
-    for a in range(start, part.numel(), SLICE):
-        yield from part[a:a + SLICE].tolist()
+    for ints in slices(part, start):
+        yield from ints
 
 
 def _world_provider() -> tuple[int, int]:
@@ -272,9 +272,9 @@ class ElasticSampler(Sampler[int]):
                             "set_epoch(): the same samples again (as Horovod's sampler does); call "
                             "sampler.set_epoch(epoch) when an epoch starts", self.epoch)
             self._pass_start = 0
-            return _slices(self._part, 0)
+            return _ints(self._part, 0)
         self._pass_start = self._consumed
-        return _slices(self._part, self._consumed)
+        return _ints(self._part, self._consumed)
 
     def __len__(self) -> int:
         """Number of indices of this pass: fixed when it starts, as Horovod's ``num_samples``
