@@ -12,8 +12,11 @@ what gloo's object collectives do around the wire), ``after sync`` (the next com
 compares the whole set), ``durable copy`` (the sampler's part of a durable copy as rank 0 makes
 it on the training thread: its state split from its tensors, which are written raw, and the rest
 pickled; an older tree's is its ``state_dict()``), ``set_epoch``,
-and ``epoch commit``: 90% of the next epoch recorded with no commit, then one (a script that
-commits once an epoch).
+``join news`` (90% of the next epoch recorded with no commit, then ``hvd.join()``'s publishing
+of those indices on the round's store, here a dict, and another rank's reading of them), ``join
+merge`` (that rank's merge of them into its own sampler, which each of its commits does while
+the other sits in ``join()``), and ``epoch commit``: the commit after them (a script that commits
+once an epoch).
 
 ``GIL`` is the longest a thread that wakes every millisecond waited to run during the step: a
 worker's heartbeat thread waits as long, and a worker silent for ``--heartbeat-timeout`` (5 s
@@ -39,7 +42,8 @@ from typing import Any, Callable
 import _trees
 import torch
 
-STEPS = ("commit", "restore", "sync", "after sync", "durable copy", "set_epoch", "epoch commit")
+STEPS = ("commit", "restore", "sync", "after sync", "durable copy", "set_epoch", "join news", "join merge",
+         "epoch commit")
 
 
 class Ticker:
@@ -90,6 +94,29 @@ def durable_part(sampler: Any) -> None:
     cloudpickle.dumps(structure)
 
 
+class DictStore:
+    """The round's store, as a dict (what join() sets and gets, without the wire)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: Any) -> None:
+        self.data[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+
+def join_news_round_trip(handler: Any, got: dict[str, Any]) -> None:
+    """A rank joins and publishes what it recorded since its last commit; another reads it."""
+    from elasticrun.worker import join_news
+
+    r = SimpleNamespace(store=DictStore(), rank=0, number=1, join_gen=1)
+    join_news.pending_from(lambda: {"sampler": handler.news()})
+    join_news.publish(r, 1)
+    got.update(join_news.published(r, 0))
+
+
 def measure(size: int) -> dict[str, Any]:
     from elasticrun.worker import collectives, rounds
     from elasticrun.worker.sampler import ElasticSampler
@@ -128,6 +155,14 @@ def measure(size: int) -> dict[str, Any]:
     got["set_epoch"] = ticker.timed(lambda: sampler.set_epoch(1))
     for a in range(0, done, 65536):
         sampler.record_indices(order[a:min(done, a + 65536)])
+    read: dict[str, Any] = {}
+    got["join news"] = ticker.timed(lambda: join_news_round_trip(handler, read))
+    assert read["sampler"][1] == handler.news()[1], "the news read is not the news published"
+    other = ElasticSampler(range(size), shuffle=True, seed=1, world=lambda: (1, 4))
+    other.set_epoch(1)
+    got["join merge"] = ticker.timed(lambda: other.merge_processed(read["sampler"][1]))
+    assert len(other.processed_indices) == len(read["sampler"][1])
+    del other
     got["epoch commit"] = ticker.timed(commit)
     ticker.stop()
     got["MB"] = memory

@@ -25,7 +25,8 @@ import torch
 from torch.utils.data import Sampler
 
 from elasticrun.worker import rounds
-from elasticrun.worker.index_set import SLICE, IndexSet, Records, slices, to_list
+from elasticrun.worker import index_set
+from elasticrun.worker.index_set import SLICE, IndexSet, Records, checked_int64, slices, to_list
 
 log = logging.getLogger("elasticrun.worker")
 
@@ -309,7 +310,11 @@ class ElasticSampler(Sampler[int]):
     def record_indices(self, indices: Iterable[int]) -> None:
         """Mark explicit dataset indices as processed (idempotent)."""
         checked = self._checked(indices)
-        self._done().put_checked(checked)
+        done = self._done()
+        if isinstance(checked, torch.Tensor):
+            done.put_tensor(checked)
+        else:
+            done.put_checked(checked)
         if self._followed:
             if self._recorded.n != len(self.dataset):  # (the dataset grew: the handler compares all)
                 self._recorded = Records(len(self.dataset))
@@ -333,8 +338,13 @@ class ElasticSampler(Sampler[int]):
         on every rank, so the partitions reflect the merged set."""
         self.record_indices(other_indices)
 
-    def _checked(self, indices: Iterable[int]) -> list[int]:
+    def _checked(self, indices: Iterable[int]) -> list[int] | torch.Tensor:
+        """``indices`` checked to lie in the dataset: a list while they are few (a batch), an
+        int64 tensor for thousands (another rank's news at a commit: a list comprehension over
+        millions took seconds)."""
         n = len(self.dataset)
+        if isinstance(indices, torch.Tensor) or (isinstance(indices, (list, tuple, range)) and len(indices) >= index_set.SMALL):
+            return checked_int64(indices, n)
         out = [int(i) for i in indices]
         bad = [i for i in out if not 0 <= i < n]
         if bad:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(autouse=True)
 def small_slices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(index_set, "SLICE", 7)
-    monkeypatch.setattr(index_set, "_SMALL", 5)
+    monkeypatch.setattr(index_set, "SMALL", 5)
     monkeypatch.setattr(Records, "FOLD", 11)
 
 
@@ -113,17 +113,60 @@ def test_only_changes_by_hand_count_as_edits() -> None:
     assert s.edits == 4
 
 
+@pytest.mark.parametrize("given", [
+    list(range(0, 40, 3)), tuple(range(12)), range(3, 50, 2), [3.0, 5, True, "7", 9, 11], iter(range(30)),
+    torch.arange(0, 60, 4), torch.tensor([2.0, 4.0, 6.0, 8.0, 10.0, 12.0]), [], torch.zeros(0)])
+def test_checked_int64_is_int_of_each_in_slices(given: object) -> None:
+    """What a list comprehension of ``int(i)`` gave (floats, bools, numeric strings), as one
+    int64 tensor built a slice at a time."""
+    expected = [int(i) for i in (given.clone() if isinstance(given, torch.Tensor) else given)]  # type: ignore[attr-defined]
+    if not isinstance(given, torch.Tensor) and not isinstance(given, (list, tuple, range)):
+        given = iter(expected)
+    t = index_set.checked_int64(given, N)  # type: ignore[arg-type]
+    assert t.dtype == torch.int64 and t.tolist() == expected
+
+
+@pytest.mark.parametrize("bad", [[1, 2, 3, 4, 5, 6, 7, 8, N], [-1] * 9, [1, 2, 3, 4, 5, 6, 7, 8, 2**70],
+                                 torch.tensor([1, 2, -3])])
+def test_checked_int64_refuses_an_index_out_of_range_by_name(bad: object) -> None:
+    with pytest.raises(ValueError, match=f"indices out of range for a dataset of {N}: \\[(-|{N}|{2**70})"):
+        index_set.checked_int64(bad, N)  # type: ignore[arg-type]
+
+
+def test_a_sampler_merges_thousands_as_it_records_a_batch() -> None:
+    """A merge of another rank's news (thousands: a tensor) and a batch's record (a list) leave
+    the sampler, its records and its handler's news the same."""
+    merged = ElasticSampler(range(N), shuffle=True, seed=3, world=lambda: (1, 3))
+    batched = ElasticSampler(range(N), shuffle=True, seed=3, world=lambda: (1, 3))
+    hm, hb = SamplerStateHandler(merged), SamplerStateHandler(batched)
+    hm.save()
+    hb.save()
+    news = list(range(0, N, 2))
+    merged.merge_processed(news)  # (over SMALL: a tensor)
+    for i in news:
+        batched.merge_processed([i])  # (one at a time: a list)
+    assert merged.processed_indices == batched.processed_indices == set(news)
+    assert hm.news() == hb.news() == (0, news)
+    assert list(merged) == list(batched)
+    with pytest.raises(ValueError, match="out of range"):
+        merged.merge_processed(list(range(N - 3, N + 3)))
+    assert merged.processed_indices == set(news)
+
+
 def test_to_list_in_slices_is_tolist() -> None:
     t = torch.randperm(50)
     assert to_list(t) == t.tolist() and to_list(t[::3]) == t[::3].tolist() and to_list(t[:0]) == []
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.lists(st.integers(0, N - 1), max_size=9), max_size=6), st.sets(st.integers(0, N - 1)))
-def test_records_give_what_is_new_to_a_set_before_and_after_they_fold(parts: list, done: set) -> None:
+@given(st.lists(st.tuples(st.lists(st.integers(0, N - 1), max_size=9), st.booleans()), max_size=6),
+       st.sets(st.integers(0, N - 1)))
+def test_records_give_what_is_new_to_a_set_before_and_after_they_fold(records: list, done: set) -> None:
+    """A record is a batch's list or (a merge of thousands) a tensor: both are what is new."""
     r = Records(N)
-    for p in parts:
-        r.add(p)
+    parts = [p for p, _ in records]
+    for p, as_tensor in records:
+        r.add(torch.tensor(p, dtype=torch.int64) if as_tensor else p)
     recorded = {i for p in parts for i in p}
     assert r.absent_from(IndexSet(N, done)) == sorted(recorded - done)
     assert len(r) >= len(recorded)
