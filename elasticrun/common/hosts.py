@@ -95,6 +95,13 @@ class HostList:
         self.hosts[host] = max(slots, previous or 0)
 
 
+def _lines(text: str) -> list[str]:
+    """The text's lines, without the byte-order mark an editor on Windows puts at the start
+    of a file saved as UTF-8 (its first host was "not a valid host name" for an invisible
+    character)."""
+    return text.removeprefix("\ufeff").splitlines()
+
+
 #: The word after a host that says it is about to go away (see HostList.draining).
 DRAINING = "draining"
 
@@ -108,7 +115,7 @@ def parse_discovery_output(text: str, default_slots: int) -> HostList:
     bounds the text (ScriptDiscovery reads at most 1 MiB) and the number of hosts.
     """
     result = HostList()
-    for number, raw in enumerate(text.splitlines(), start=1):
+    for number, raw in enumerate(_lines(text), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
@@ -153,7 +160,7 @@ def parse_hostfile(text: str, default_slots: int, name: str = "hostfile") -> dic
     form); a bad line or a host listed twice is an error."""
     hosts: dict[str, int] = {}
     first_line: dict[str, int] = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
+    for number, raw in enumerate(_lines(text), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue

@@ -194,7 +194,7 @@ def _why_not_started(path: str, exc: OSError) -> str:
     """Why exec of the script at ``path`` failed, in words that lead to the fix. The kernel's
     own error misleads for a script: "No such file or directory" for a file that is there
     means its ``#!`` interpreter is missing (with CRLF line endings it is ``/bin/sh\\r``), and
-    "Exec format error" means it has no ``#!`` line."""
+    "Exec format error" means it has no ``#!`` line, or one behind a byte-order mark."""
     if exc.errno not in (errno.ENOENT, errno.ENOEXEC) or not os.path.isfile(path):
         return str(exc.strerror)
     try:
@@ -202,6 +202,9 @@ def _why_not_started(path: str, exc: OSError) -> str:
             first = f.readline(256).rstrip(b"\n")
     except OSError:
         return str(exc.strerror)
+    if exc.errno == errno.ENOEXEC and first.startswith(b"\xef\xbb\xbf#!"):
+        return ("it starts with a byte-order mark, before its #! line (an editor's UTF-8 BOM: save it without "
+                "one, or run sed -i '1s/^\\xEF\\xBB\\xBF//' on it)")
     if exc.errno == errno.ENOEXEC and not first.startswith((b"#!", b"\x7fELF")):
         return "it has no #! line (add one, e.g. #!/bin/sh)"
     if exc.errno == errno.ENOENT and first.startswith(b"#!"):

@@ -62,6 +62,8 @@ def test_a_file_that_is_not_executable(tmp_path: Path) -> None:
     ("#!/no/such/interpreter -x\necho localhost:2\n",
      r"could not be started: its #! interpreter '/no/such/interpreter' was not found$"),
     ("echo localhost:2\n", r"could not be started: it has no #! line \(add one, e.g. #!/bin/sh\)$"),
+    ("\ufeff#!/bin/sh\necho localhost:2\n",  # saved as UTF-8 with a BOM: the kernel sees no #!
+     r"could not be started: it starts with a byte-order mark, before its #! line \(an editor's UTF-8 BOM"),
 ])
 def test_a_script_the_kernel_cannot_run_says_why(tmp_path: Path, text: str, message: str) -> None:
     """Not the kernel's "No such file or directory" for a file that is there, or "Exec format error"."""

@@ -167,6 +167,13 @@ class TestParseDiscoveryOutput:
         assert result.hosts == {"a": 2, "b": 1}
         assert result.errors == []
 
+    def test_a_byte_order_mark_at_the_start_is_not_part_of_the_first_host(self):
+        """A hosts file saved as UTF-8 by an editor on Windows, which a script cats."""
+        result = parse_discovery_output("\ufeffa:2\r\nb:1\r\n", 1)
+        assert result.hosts == {"a": 2, "b": 1} and result.errors == []
+        later = parse_discovery_output("a:2\n\ufeffb:1\n", 1)  # (anywhere else it is a bad name, named)
+        assert later.hosts == {"a": 2} and "line 2: '\\ufeffb:1'" in later.errors[0]
+
     def test_invalid_lines_reported_with_number_and_text_and_skipped(self):
         text = "a:2\nb:x\n\nc:0\nbad host\nd:1\n"
         result = parse_discovery_output(text, 1)
@@ -341,6 +348,9 @@ class TestParseHostfile:
 
     def test_user_at_host(self):
         assert parse_hostfile("me@a slots=2\n", 1) == {"me@a": 2}
+
+    def test_a_byte_order_mark_at_the_start_is_not_part_of_the_first_host(self):
+        assert parse_hostfile("\ufeffa slots=2\r\nb:1\r\n", 1) == {"a": 2, "b": 1}
 
     def test_a_host_listed_twice_is_refused(self):
         with pytest.raises(HostSpecError, match=r"^my.hosts line 3: host 'a' is listed twice \(first on line 1\)$"):
