@@ -230,3 +230,17 @@ def test_horovods_imagenet_loop_order_trains_every_sample_once_across_a_resize(j
     bn = next(line for line in r.stdout.splitlines() if line.startswith("[0]<stdout>:bn "))
     _, tracked, _, applied = bn.split(":", 1)[1].split()
     assert tracked == applied, bn  # BatchNorm counted no batch whose step was never applied
+
+
+def test_exactly_once_with_batches_of_thousands_through_a_kill(job):
+    """Batches of 1,200 and a commit every 2: each commit merges the other ranks' thousands of
+    indices, which a sampler takes as one int64 tensor (worker/index_set.checked_int64), as do
+    the restore and the sync after a worker is SIGKILLed (the smaller tests' batches take the
+    list path). Every sample of every epoch still trained once."""
+    samples = 36_000  # 10 batches per rank and epoch at 3 ranks; any remainder splits evenly over 1-3
+    r = job.run(["-np", "3", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1,127.0.0.2:1"],
+                sample_cmd(job, "--samples", str(samples), "--batch-size", "1200", "--commit-every", "2",
+                           "--kill", "127.0.0.2:0@0:5"))  # (the later --samples is the one argparse keeps)
+    assert r.returncode == 0, r.output
+    assert "exited with code -9" in r.stderr, r.stderr
+    assert_each_sample_once(committed(job.tmp / "samples"), EPOCHS, samples)
