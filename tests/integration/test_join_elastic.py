@@ -221,3 +221,43 @@ def test_batches_a_rank_trained_before_join_stay_processed_when_its_host_is_remo
     for line in after:
         processed = set(eval(line.split("processed=")[1]))
         assert trained <= processed, (sorted(trained - processed), line)
+
+
+@pytest.mark.parametrize("batch", [150, 3000])
+def test_what_a_rank_recorded_before_join_reaches_the_others_commits_whole(job, batch):
+    """A rank that never committed records thousands of indices, then joins: what it publishes
+    (int64s at 150 a batch, sparse in 40,000; bits below its largest index at 3,000: worker/join_news.py)
+    is merged by each of the others' commits while it sits in join(), and after the last one
+    every rank holds every index recorded, once, and nothing else."""
+    script = job.tmp / "join_news.py"
+    script.write_text(PRELUDE +
+        f"sampler = hvd.elastic.ElasticSampler(range(40_000), shuffle=True, seed=5)\n"
+        "state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, batch=0)\n"
+        "mine = []\n"
+        "@hvd.elastic.run\n"
+        "def train(state):\n"
+        "    steps = 3 if hvd.rank() == 1 else 5\n"
+        "    while state.batch < steps:\n"
+        "        opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()\n"
+        f"        got = sampler.get_indices(state.batch, {batch})\n"
+        "        mine.extend(got)\n"
+        f"        sampler.record_batch(state.batch, {batch})\n"
+        "        state.batch += 1\n"
+        "        if hvd.rank() == 0 and state.batch > 3:\n"
+        "            state.commit()  # (rank 1 sits in join(): its news merged here)\n"
+        "            print(f'rank 0 committed {len(sampler.processed_indices)} beside a joined rank', flush=True)\n"
+        "    hvd.join()\n"
+        "    state.commit()\n"
+        "train(state)\n"
+        "everyone = hvd.allgather_object(sorted(mine))\n"
+        "recorded = sorted(i for part in everyone for i in part)\n"
+        "done = sampler.processed_indices\n"
+        "print(f'rank={hvd.rank()} whole={sorted(done) == recorded} repeated={len(recorded) - len(set(recorded))} '\n"
+        "      f'processed={len(done)}', flush=True)\n")
+    r = job.run(["-np", "2", "-H", "localhost:2"], [sys.executable, str(script)], timeout=120)
+    assert r.returncode == 0, r.output
+    # rank 0's 4 batches and rank 1's 3 (what it published as it joined), then its fifth
+    assert f"rank 0 committed {7 * batch} beside a joined rank" in r.stdout, r.output
+    assert f"rank 0 committed {8 * batch} beside a joined rank" in r.stdout, r.output
+    for rank in (0, 1):
+        assert f"rank={rank} whole=True repeated=0 processed={8 * batch}" in r.stdout, r.output
