@@ -106,6 +106,11 @@ def _timed_out(f: Any) -> str:
     return head + f"slots; usable hosts: {_usable(f['usable'])}{_held(f)}"
 
 
+def _slots(n: int) -> str:
+    """"1 slot", "4 slots"."""
+    return f"{n} slot" if n == 1 else f"{n} slots"
+
+
 def _usable(available: Any) -> str:
     """``[(host, slots), ...]`` as "a:2, b:1" ("none" when empty)."""
     return _some([f"{h}:{s}" for h, s in available]) or "none"
@@ -185,9 +190,9 @@ _EVENTS: dict[Kind, Callable[[Mapping[str, Any]], str]] = {
     Kind.HOST_DRAINING: lambda f: (f"host {f['host']} is about to go (discovery lists it draining): its workers "
                                    f"leave at their next commit"),
     Kind.HOST_WHITELISTED: _whitelisted,
-    Kind.HOST_ADDED: lambda f: f"host {f['host']} added ({f['slots']} slots)",
+    Kind.HOST_ADDED: lambda f: f"host {f['host']} added ({_slots(f['slots'])})",
     Kind.HOST_REMOVED: lambda f: f"host {f['host']} removed",
-    Kind.HOST_RESIZED: lambda f: f"host {f['host']} now has {f['slots']} slots",
+    Kind.HOST_RESIZED: lambda f: f"host {f['host']} now has {_slots(f['slots'])}",
     Kind.HOSTS_MORE: lambda f: ("and in the same listing, not named: "
                                 + ", ".join(f"{f[k]} more host(s) {w}" for k, w in (
                                     ("added", "added"), ("removed", "removed"), ("resized", "resized"),

@@ -191,7 +191,7 @@ def test_a_job_on_two_nodes_then_a_third_added_mid_run_joins(job, cluster, nodes
     ev = events(job.tmp / "events.jsonl")
     started = [e["host"] for e in ev if e["kind"] == "worker_started"]
     assert sorted(started) == sorted([nodes[0].node_id, nodes[1].node_id, third.node_id]), started
-    assert f"host {third.node_id} added (1 slots)" in r.stderr, r.stderr
+    assert f"host {third.node_id} added (1 slot)" in r.stderr, r.stderr
     assert "aborted" not in r.stderr  # growing is no failure
 
 

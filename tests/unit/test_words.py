@@ -98,3 +98,9 @@ def test_a_second_membership_change_in_a_round_says_again_and_what():
                                                    "from_size": 3, "to_size": 3, "again": True}))
     assert first == "membership changing from 3 to 2 worker(s)"
     assert then == "membership changing again, now from 3 to 3 worker(s) (hosts added and removed)"
+
+
+def test_a_hosts_slots_are_counted_in_good_english():
+    assert words.event(Event(Kind.HOST_ADDED, {"host": "a", "slots": 1})) == "host a added (1 slot)"
+    assert words.event(Event(Kind.HOST_ADDED, {"host": "a", "slots": 4})) == "host a added (4 slots)"
+    assert words.event(Event(Kind.HOST_RESIZED, {"host": "a", "slots": 1})) == "host a now has 1 slot"
