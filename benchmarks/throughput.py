@@ -1,17 +1,23 @@
 """Training throughput: elasticrun's DistributedOptimizer against torch DDP, side by side.
 
     python benchmarks/throughput.py [--np 2] [--fp16] [--hidden 1024] [--layers 4] [--batch-size 64]
-                                    [--block 10] [--blocks 30]
+                                    [--block 10] [--blocks 30] [--separate-optimizers]
 
-One elasticrun job of ``--np`` ranks on this machine. Every rank builds the same MLP three
-times and trains the three copies in alternating blocks of ``--block`` steps (which copy goes
-first rotates), so that all modes share the processes, the moment and the machine's drift:
+One elasticrun job of ``--np`` ranks on this machine. Every rank builds the same MLP for DDP
+and for elasticrun and trains the three modes in alternating blocks of ``--block`` steps (which
+mode goes first rotates), so that all modes share the processes, the moment and the machine's
+drift:
 
   (a) torch DistributedDataParallel, on a gloo default group formed beside the job's own
       (``MASTER_ADDR``/``MASTER_PORT`` from ``hvd.init()``); ``--fp16``: its fp16 compress hook
   (b) ``hvd.DistributedOptimizer`` (``--fp16``: ``compression=hvd.Compression.fp16``)
   (c) (b) inside ``hvd.elastic.run``, committing every ``--commit-every`` steps and calling
       ``state.check_host_updates()`` every other step
+
+(b) and (c) train one model with one ``DistributedOptimizer``, as a script has. With
+``--separate-optimizers`` each has its own: a process with two DistributedOptimizers (a GAN's
+generator and discriminator) checks with the other ranks that they reduce the same bucket
+before each bucket is summed, which this measures.
 
 Each block's time per step is measured on rank 0 (every rank runs the same steps); the ratio
 of a mode is the median, over the rounds of blocks, of DDP's block time over its own (above 1:
@@ -66,11 +72,16 @@ def worker(args) -> None:
     opt_ddp = torch.optim.SGD(ddp.parameters(), lr=0.01)
     compression = hvd.Compression.fp16 if args.fp16 else hvd.Compression.none
     models, opts = {}, {}
-    for mode in ("hvd", "elastic"):
+    # (b) and (c) train one model with one DistributedOptimizer, as a script has: a process with
+    # two checks each bucket with the other ranks before it is summed (optimizer.py, _LIVE),
+    # which --separate-optimizers measures.
+    for mode in ("hvd", "elastic") if args.separate_optimizers else ("hvd",):
         models[mode] = build(args)
         opts[mode] = hvd.DistributedOptimizer(torch.optim.SGD(models[mode].parameters(), lr=0.01),
                                               named_parameters=models[mode].named_parameters(),
                                               compression=compression)
+    if not args.separate_optimizers:
+        models["elastic"], opts["elastic"] = models["hvd"], opts["hvd"]
     state = hvd.elastic.TorchState(model=models["elastic"], optimizer=opts["elastic"], step=0)
 
     def step_ddp() -> None:
@@ -127,6 +138,9 @@ def main() -> None:
     p.add_argument("--block", type=int, default=10, help="steps per block")
     p.add_argument("--blocks", type=int, default=30, help="blocks per mode")
     p.add_argument("--commit-every", type=int, default=10)
+    p.add_argument("--separate-optimizers", action="store_true",
+                   help="(b) and (c) each with its own model and DistributedOptimizer: two in one process, as a "
+                        "GAN's script has, which check every bucket with the other ranks")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -135,12 +149,14 @@ def main() -> None:
     cmd = [sys.executable, "-m", "elasticrun", "-np", str(args.np), "-H", f"localhost:{args.np}", "--log-level",
            "WARNING", sys.executable, HERE, "--worker", "--hidden", str(args.hidden), "--layers", str(args.layers),
            "--batch-size", str(args.batch_size), "--block", str(args.block), "--blocks", str(args.blocks),
-           "--commit-every", str(args.commit_every)] + (["--fp16"] if args.fp16 else [])
+           "--commit-every", str(args.commit_every)] + (["--fp16"] if args.fp16 else []) + (
+           ["--separate-optimizers"] if args.separate_optimizers else [])
     times = json_result(cmd, "{", timeout=1800)["times"]
     params = (64 * args.hidden + args.hidden) + (args.layers - 1) * (args.hidden ** 2 + args.hidden) + args.hidden * 10 + 10
     print(f"MLP {args.layers}x{args.hidden} ({params * 4 / 1e6:.1f} MB of fp32 gradients), batch {args.batch_size} per "
           f"rank, {args.np} ranks{', fp16 compression' if args.fp16 else ''}; {args.blocks} rounds of {args.block}-step "
-          f"blocks, modes alternating in one job")
+          f"blocks, modes alternating in one job"
+          + ("; (b) and (c) with a DistributedOptimizer each" if args.separate_optimizers else ""))
     print(f"{'mode':<55} {'samples/s':>10} {'vs DDP':>7}  middle half")
     labels = {"ddp": "(a) torch DDP, gloo" + (" + fp16_compress_hook" if args.fp16 else ""),
               "hvd": "(b) hvd.DistributedOptimizer" + (" (Compression.fp16)" if args.fp16 else ""),
