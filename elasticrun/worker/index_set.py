@@ -265,8 +265,11 @@ class IndexSet(MutableSet[int]):
             raise _out_of_range(n, bad)
         return self.put_checked(checked)
 
-    def put_checked(self, indices: list[int]) -> int:
-        """:meth:`put` of ints already known to lie in ``[0, n)`` (a sampler's checked record)."""
+    def put_checked(self, indices: list[int] | torch.Tensor) -> int:
+        """:meth:`put` of ints, or an int64 tensor, already known to lie in ``[0, n)`` (a
+        sampler's checked record)."""
+        if isinstance(indices, torch.Tensor):
+            return self.put_tensor(indices)
         if len(indices) >= SMALL:
             return self.put(indices)
         b, added = self._bytes, 0
@@ -326,13 +329,6 @@ def to_list(t: torch.Tensor) -> list[int]:
     return out
 
 
-def _put_checked(s: IndexSet, checked: list[int] | torch.Tensor) -> None:
-    if isinstance(checked, torch.Tensor):
-        s.put_tensor(checked)
-    else:
-        s.put_checked(checked)
-
-
 class Records:
     """The indices a sampler recorded since a point (its last commit), as its batches'
     lists while they are few (a commit then costs what is new, not the epoch), folded into an
@@ -353,11 +349,13 @@ class Records:
 
     def add(self, checked: list[int] | torch.Tensor) -> None:
         """Record ``checked``: ints or an int64 tensor, known to lie in ``[0, n)``."""
+        if isinstance(checked, torch.Tensor) and checked.numel() < SMALL:
+            checked = checked.tolist()  # (so that a tensor is never one of a few records: see absent_from)
         if self._mask is None and self._size + len(checked) > self.FOLD:
             self._mask = self._folded()
             self._parts, self._size = [], 0
         if self._mask is not None:
-            _put_checked(self._mask, checked)
+            self._mask.put_checked(checked)
             return
         self._parts.append(checked)
         self._size += len(checked)
@@ -369,13 +367,13 @@ class Records:
     def _folded(self) -> IndexSet:
         mask = IndexSet(self.n)
         for part in self._parts:
-            _put_checked(mask, part)
+            mask.put_checked(part)
         return mask
 
     def absent_from(self, done: IndexSet) -> list[int]:
         """The recorded indices not in ``done`` (an :class:`IndexSet` of the same ``n``), in
         increasing order."""
-        if self._mask is None and self._size < SMALL and not any(isinstance(p, torch.Tensor) for p in self._parts):
+        if self._mask is None and self._size < SMALL:  # (lists only: a tensor record holds SMALL or more)
             b = done._bytes
             return sorted({i for part in self._parts for i in part if not b[i]})
         return (self._mask if self._mask is not None else self._folded()).minus(done)

@@ -310,11 +310,7 @@ class ElasticSampler(Sampler[int]):
     def record_indices(self, indices: Iterable[int]) -> None:
         """Mark explicit dataset indices as processed (idempotent)."""
         checked = self._checked(indices)
-        done = self._done()
-        if isinstance(checked, torch.Tensor):
-            done.put_tensor(checked)
-        else:
-            done.put_checked(checked)
+        self._done().put_checked(checked)
         if self._followed:
             if self._recorded.n != len(self.dataset):  # (the dataset grew: the handler compares all)
                 self._recorded = Records(len(self.dataset))
