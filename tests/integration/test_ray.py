@@ -216,8 +216,10 @@ def test_a_node_that_dies_mid_run_fails_over_and_the_survivor_recovers_in_place(
 
 
 def test_a_node_ray_drains_leaves_at_the_next_step_without_a_rollback(job, cluster, nodes):
+    # Rank 0 holds at epoch 2, batch 10 (checking for host updates) until the drained node has left,
+    # so training cannot run out before the drain is heard however slowly the machine runs it.
     run(job, cluster, ray_args(cluster, "-np", "2", "--min-np", "1"),
-        sample_cmd(job, "--commit-every", "1000", "--sleep", "0.05"))
+        sample_cmd(job, "--commit-every", "1000", "--sleep", "0.05", "--await-size=2:10:1"))
     wait_for(lambda: progress(job) >= 1003, 120, "training in epoch 1")
     cluster.drain(nodes[1])
     wait_for(lambda: any(e["kind"] == "round_formed" and e.get("size") == 1 for e in events(job.tmp / "events.jsonl")),
