@@ -196,8 +196,10 @@ def test_a_job_on_two_nodes_then_a_third_added_mid_run_joins(job, cluster, nodes
 
 
 def test_a_node_that_dies_mid_run_fails_over_and_the_survivor_recovers_in_place(job, cluster, nodes):
-    run(job, cluster, ray_args(cluster, "-np", "2", "--min-np", "1"), sample_cmd(job, "--commit-every", "2",
-                                                                                "--sleep", "0.05"))
+    # Rank 0 holds at epoch 2, batch 10 until the world is down to 1: a slow removal of the node
+    # cannot let training end first.
+    run(job, cluster, ray_args(cluster, "-np", "2", "--min-np", "1"),
+        sample_cmd(job, "--commit-every", "2", "--sleep", "0.05", "--await-size=2:10:1"))
     wait_for(lambda: progress(job) >= 1005, 120, "training in epoch 1")
     cluster.kill(nodes[1], job.tag)
     r = job.finish(timeout=180)
