@@ -26,8 +26,8 @@ from elasticrun.worker.descriptors import Op
 from elasticrun.worker.exceptions import CollectiveTimeout, HorovodInternalError
 from elasticrun.worker.rounds import Round
 
-__all__ = ["DONE", "Done", "Handle", "Polled", "Works", "handle", "join_key", "look_for_join", "poll", "publish",
-           "solo", "synchronize", "traced", "wait"]
+__all__ = ["DONE", "Done", "Handle", "Polled", "Works", "first_slice", "handle", "join_key", "learn", "look_for_join",
+           "next_slice", "poll", "publish", "solo", "synchronize", "traced", "wait"]
 
 _POLL = 0.0001
 _SLOW_POLL = 0.001
@@ -41,6 +41,18 @@ _SLOW_AFTER = 0.05
 # throughout cost 3 to 5 % of a training step), while an abort is still seen within a quarter
 # of the time waited.
 _SLICES = tuple(timedelta(milliseconds=ms) for ms in (1, 2, 3, 4))
+# Each slice that ends wakes the thread, though, and with more ranks than cores a wake takes a
+# core from a rank that computes: a large gradient bucket waited on for ~18 ms (4 ranks on 2
+# cores) woke ~6 times, and that cost 3-4 % of a step against DDP, which waits without waking
+# (benchmarks/README.md, "Wait slices"). So a wait that took _LONG or more the last time it ran
+# (by its name: a bucket is the same bucket every step) first sleeps up to twice that, at most
+# _LONG_FIRST, and only past it is sliced as above. The cost is seeing an abort up to that much
+# later in such a wait when its collective does not fail by itself (a dead peer's collective fails
+# as its sockets close); short waits, the ones a small model's recovery races, keep their slices.
+_LONG = 0.010
+_LONG_FIRST = 0.025
+_USUAL: dict[str, float] = {}  # what -> the seconds its last completed wait took
+_USUAL_MAX = 4096  # names made up per call (a user's shape-named tensors) stop being learnt there
 # A collective waiting this long looks (on the round's store) whether a peer called join()
 # and now waits for descriptors; then again after as long as it has waited, at most 0.2 s.
 _JOIN_CHECK = 0.01
@@ -77,6 +89,7 @@ def wait(r: Round, work: Any, what: str) -> None:
 
 def _wait(r: Round, work: Any, what: str, start: float, deadline: float, check: float, stall: float,
           polled: bool) -> None:
+    first = first_slice(_USUAL.get(what, 0.0))
     while not ((not polled or not r.abort_reason()) and work.is_completed()):
         reason = r.abort_reason()
         if reason:
@@ -93,11 +106,12 @@ def _wait(r: Round, work: Any, what: str, start: float, deadline: float, check: 
         target = work.pending() if isinstance(work, Works) else work
         if isinstance(target, dist.Work):
             try:
-                target.wait(_SLICES[min(3, int((now - start) * 250))])
+                target.wait(next_slice(now - start, first))
             except Exception:  # the slice ended (or the work failed: is_completed() says so)
                 pass
         else:
             time.sleep(_POLL if now - start < _SLOW_AFTER else _SLOW_POLL)
+    learn(what, time.monotonic() - start)
     try:
         work.wait()
     except Exception as exc:  # gloo reports a dead peer as RuntimeError / DistBackendError
@@ -106,6 +120,27 @@ def _wait(r: Round, work: Any, what: str, start: float, deadline: float, check: 
             # (this thread held up past both): still only this rank knows, so it must say so.
             raise _timeout(r, what, f" ({exc})") from exc
         raise HorovodInternalError(f"{what} failed: {peer_words(exc)}") from exc
+
+
+def first_slice(usual: float) -> float:
+    """Seconds a wait sleeps before its first look for an abort, given how long the last wait of
+    the same name took: none for a short one, twice that (at most _LONG_FIRST) for a long one."""
+    return min(_LONG_FIRST, 2 * usual) if usual >= _LONG else 0.0
+
+
+def next_slice(waited: float, first: float) -> timedelta:
+    """The next slice of a wait that has waited ``waited`` s: the rest of its first slice (at
+    least 1 ms: gloo takes whole milliseconds, and 0 would not be a slice), then 1 to 4 ms
+    growing with the time waited past it."""
+    if waited < first:
+        return timedelta(seconds=max(0.001, first - waited))
+    return _SLICES[min(3, int((waited - first) * 250))]
+
+
+def learn(what: str, seconds: float) -> None:
+    """Remember how long a completed wait of this name took (bounded: _USUAL_MAX names)."""
+    if what in _USUAL or len(_USUAL) < _USUAL_MAX:
+        _USUAL[what] = seconds
 
 
 def peer_words(exc: BaseException) -> str:

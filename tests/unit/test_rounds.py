@@ -371,3 +371,63 @@ def test_gloos_peer_errors_are_worded_without_its_source_file_and_advice():
                                    "typically caused by a remote worker hanging")).startswith(
         "Read error [127.0.0.1]:6577: Connection reset by peer (that rank's")
     assert peer_words(RuntimeError("Timed out waiting 5000ms")) == "Timed out waiting 5000ms"
+
+
+def test_a_wait_that_is_long_as_a_rule_sleeps_through_its_first_slices_and_a_short_one_does_not() -> None:
+    """A large bucket's wait (tens of ms where ranks share cores) is not woken every millisecond
+    to look for an abort: it first sleeps up to twice what it took last time (at most 25 ms),
+    then slices as a short wait does from its start: 1 ms, growing to 4 ms."""
+    assert waiting.first_slice(0.0) == waiting.first_slice(0.004) == waiting.first_slice(0.0099) == 0.0
+    assert waiting.first_slice(0.010) == pytest.approx(0.020)
+    assert waiting.first_slice(0.012) == pytest.approx(0.024)
+    assert waiting.first_slice(0.5) == waiting.first_slice(60.0) == pytest.approx(0.025)
+    ms = lambda waited, first: waiting.next_slice(waited, first).total_seconds() * 1000  # noqa: E731
+    assert [ms(w, 0.0) for w in (0.0, 0.0039, 0.004, 0.008, 0.012, 5.0)] == [1, 1, 2, 3, 4, 4]
+    assert ms(0.0, 0.024) == pytest.approx(24) and ms(0.02, 0.024) == pytest.approx(4)
+    assert ms(0.0238, 0.024) == 1  # never under a millisecond: gloo's wait takes whole ones
+    assert [ms(0.024 + w, 0.024) for w in (0.0, 0.004, 0.008, 0.012)] == [1, 2, 3, 4]
+
+
+def test_what_waits_took_is_learnt_by_name_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(waiting, "_USUAL", {})
+    monkeypatch.setattr(waiting, "_USUAL_MAX", 3)
+    r = make_round()
+    waiting.wait(r, Work(0.012), "allreduce (0,)")  # a completed wait is learnt under its name
+    assert 0.012 <= waiting._USUAL["allreduce (0,)"] < 5
+    for k in range(5):
+        waiting.learn(f"allreduce ({k},)", 0.02)
+    assert set(waiting._USUAL) == {"allreduce (0,)", "allreduce (1,)", "allreduce (2,)"}
+    waiting.learn("allreduce (1,)", 0.001)  # a name already known is still updated
+    assert waiting._USUAL["allreduce (1,)"] == 0.001
+    waiting.wait(r, Work(0.001), "allreduce (9,)")  # a wait of a name past the bound is not learnt
+    assert "allreduce (9,)" not in waiting._USUAL
+
+
+def test_an_abort_during_a_long_waits_first_slice_is_seen_when_it_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real gloo, two ranks in this process, rank 1 never joins: the name's last wait took 0.2 s,
+    so this one sleeps 25 ms before it looks; an abort 5 ms in is seen then, not at the timeout."""
+    import torch
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    groups: dict[int, Any] = {}
+    threads = [threading.Thread(target=lambda k=k: groups.__setitem__(
+        k, dist.ProcessGroupGloo(store, k, 2, rounds.group_timeout(20.0)))) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert set(groups) == {0, 1}, "the two-rank gloo group did not form"
+    monkeypatch.setattr(waiting, "_USUAL", {"allreduce bucket": 0.2})
+    aborted: dict[int, str] = {}
+    r = make_round(7, aborted, timeout=20, pg=groups[0])
+    work = groups[0].allreduce([torch.ones(4)])
+    threading.Timer(0.005, aborted.__setitem__, (7, "rank 1 died")).start()
+    started = time.monotonic()
+    with pytest.raises(HorovodInternalError, match=r"allreduce bucket abandoned: round 7 was aborted \(rank 1 died\)"):
+        waiting.wait(r, work, "allreduce bucket")
+    took = time.monotonic() - started
+    assert 0.02 <= took < 2.0, took  # at the first slice's end (25 ms), not at once and not at the timeout
+    assert waiting._USUAL["allreduce bucket"] == 0.2  # an abandoned wait teaches nothing
+    groups[1].allreduce([torch.ones(4)]).wait()  # rank 1 joins at last: the work left running ends
+    work.wait()
