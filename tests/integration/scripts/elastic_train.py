@@ -29,6 +29,9 @@ p.add_argument("--fail", action="append", default=[],
 p.add_argument("--marker-dir", default=None)
 p.add_argument("--await-size", action="append", default=[],
                help="EPOCH:SIZE: at the start of EPOCH, wait (checking for host updates) until size() == SIZE")
+p.add_argument("--await-rendezvous", action="append", default=[],
+               help="EPOCH:COUNT: at the start of EPOCH, wait (checking for host updates) until this process "
+                    "has been through COUNT rendezvous (a change that leaves the size as it was)")
 p.add_argument("--ported-broadcast", action="store_true",
                help="call Horovod's broadcast_parameters before the elastic function, as a ported script may")
 p.add_argument("--prepare-epochs", type=int, default=0,
@@ -51,7 +54,11 @@ if args.prepare_epochs and rt.joining:
     first, deadline = epoch_now(), time.monotonic() + 60
     launched_for = (hvd.rank(), hvd.size())  # the planned place: no round joined for it
     assert rt.round == -1 and launched_for[1] >= 2, f"a newcomer takes no place at hvd.init(): {rt.current_round}"
-    while epoch_now() < first + args.prepare_epochs:
+    # Never past the epoch before one rank 0 holds at (--await-size): that epoch is the last it
+    # announces until this worker is in (a newcomer that started late, on a slow machine).
+    holds = [int(spec.split(":")[0]) for spec in args.await_size if int(spec.split(":")[0]) > first]
+    target = min([first + args.prepare_epochs] + [h - 1 for h in holds])
+    while epoch_now() < target:
         if time.monotonic() > deadline:
             sys.exit(f"the survivors stalled at epoch {epoch_now()} while {rt.hostname} prepared")
         time.sleep(0.02)
@@ -99,6 +106,16 @@ def await_size(state) -> None:
         while hvd.size() != size:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the world never reached size {size} at epoch {epoch}")
+            time.sleep(0.05)
+            state.check_host_updates()
+    for spec in args.await_rendezvous:
+        epoch, count = map(int, spec.split(":"))
+        if state.epoch != epoch:
+            continue
+        deadline = time.monotonic() + 90
+        while rt.rendezvous_count < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"this process never reached rendezvous {count} at epoch {epoch}")
             time.sleep(0.05)
             state.check_host_updates()
 
