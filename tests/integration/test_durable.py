@@ -159,11 +159,14 @@ def test_a_sigterm_before_hvd_init_is_a_leave_and_the_host_may_come_back(job):
     leave: its host is going. It used to get the host blacklisted for good, so a pod that
     Kubernetes brings back under its name never got a worker again. Now the host is moved out
     and, once discovery lists it anew, it trains with the job."""
-    schedule = "0:localhost:1;1002:localhost:1,127.0.0.1:1;1012:localhost:1;1018:localhost:1,127.0.0.1:1"
+    # Listed at batch 2 of epoch 1, absent from 12 to 30 (the driver must see it gone after the
+    # leave to take it back), listed again from 30; rank 0 holds at epoch 2, batch 10 until it is in.
+    schedule = "0:localhost:1;1002:localhost:1,127.0.0.1:1;1012:localhost:1;1030:localhost:1,127.0.0.1:1"
     ev_path = job.tmp / "events.jsonl"
     r = job.run(["-np", "1", "--max-np", "2", "--host-discovery-script", str(PROGRESS_DISCOVERY),
                  "--discovery-interval", "0.1", "--events", str(ev_path)],
-                sample_cmd(job, "--commit-every", "2", "--sleep", "0.05", "--sigterm-at-start", "127.0.0.1"),
+                sample_cmd(job, "--commit-every", "2", "--sleep", "0.05", "--sigterm-at-start", "127.0.0.1",
+                           "--await-size=2:10:2"),
                 HOSTS_SCHEDULE=schedule)
     assert r.returncode == 0, r.output
     err = r.stderr
@@ -409,7 +412,9 @@ def test_a_job_that_ends_while_its_last_copy_is_awaited_ends_as_it_ended(job):
     job.start(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "--checkpoint-dir", str(ckpt),
                "--checkpoint-interval", "600"],
               sample_cmd(job, "--no-commit", "--sleep", "0.05"))
-    last = (EPOCHS - 1) * 1000 + SAMPLES // 2 // 6 - 3  # three batches before the end (2 ranks, batches of 6)
+    # Twelve batches before the end (2 ranks, batches of 6): with no commit there is never a copy to
+    # write, so the driver waits for one while the last batches train, however fast they go.
+    last = (EPOCHS - 1) * 1000 + SAMPLES // 2 // 6 - 12
     wait_for(lambda: progress(job) >= last, 120, "the last batches")
     os.kill(job.proc.pid, signal.SIGTERM)
     out, err = job.proc.communicate(timeout=90)

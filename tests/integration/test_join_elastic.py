@@ -29,8 +29,9 @@ PRELUDE = ("import hashlib, time, torch, torch.nn.functional as F\nimport elasti
 def _uneven_every_step(marker: Path, at_size: int) -> str:
     """Uneven data with a commit every step: each epoch rank k trains 4 + 6k batches, then
     calls join(). At batch 6 of epoch 0, in a round of ``at_size`` ranks, the last rank makes
-    ``marker`` (discovery then lists other hosts) and gives the driver 3 s to hear of it, while
-    rank 0 sits in join(). Each entry into the loop prints whether the replicas are the same."""
+    ``marker`` (discovery then lists other hosts) and waits for the driver's news of it (Horovod's
+    ``state._host_messages``), while rank 0 sits in join(). Each entry into the loop prints
+    whether the replicas are the same."""
     return (PRELUDE +
             "state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0, batch=0)\n"
             "def same():\n"
@@ -46,7 +47,9 @@ def _uneven_every_step(marker: Path, at_size: int) -> str:
             f"            if state.epoch == 0 and hvd.size() == {at_size} and hvd.rank() == {at_size - 1} "
             "and state.batch == 6:\n"
             f"                open({str(marker)!r}, 'w').close()\n"
-            "                time.sleep(3)  # the driver hears of the change\n"
+            "                t = time.monotonic() + 60  # until the driver's news of the change is here\n"
+            "                while state._host_messages.empty() and time.monotonic() < t:\n"
+            "                    time.sleep(0.05)\n"
             "            state.commit()\n"
             "        hvd.join()\n"
             "        state.epoch += 1; state.batch = 0\n"
@@ -204,7 +207,9 @@ def test_batches_a_rank_trained_before_join_stay_processed_when_its_host_is_remo
         "        state.batch += 1\n"
         f"        if hvd.rank() == 0 and state.batch == 7:\n"
         f"            open({str(marker)!r}, 'w').close()\n"
-        "            time.sleep(3)  # the driver hears of the change\n"
+        "            t = time.monotonic() + 60  # until the driver's news of the change is here\n"
+        "            while state._host_messages.empty() and time.monotonic() < t:\n"
+        "                time.sleep(0.05)\n"
         "        if state.batch % 3 == 0:\n"
         "            state.commit()\n"
         "    if hvd.rank() == 2:\n"
