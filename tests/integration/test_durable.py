@@ -138,7 +138,7 @@ def test_a_host_discovery_lists_as_draining_is_out_at_the_next_commit(job):
     schedule = "0:localhost:1,127.0.0.1:1,127.0.0.2:1;1004:localhost:1,127.0.0.1:1,127.0.0.2:1 draining"
     r = job.run(["-np", "3", "--min-np", "2", "--host-discovery-script", str(PROGRESS_DISCOVERY),
                  "--discovery-interval", "0.1", "--events", str(job.tmp / "events.jsonl")],
-                sample_cmd(job, "--commit-every", "2", "--sleep", "0.05"), HOSTS_SCHEDULE=schedule)
+                sample_cmd(job, "--commit-every", "2", "--sleep", "0.05", "--await-size=2:5:2"), HOSTS_SCHEDULE=schedule)
     assert r.returncode == 0, r.output
     assert "host 127.0.0.2 is about to go (discovery lists it draining)" in r.stderr, r.stderr
     assert "aborted" not in r.stderr

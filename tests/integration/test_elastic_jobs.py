@@ -75,7 +75,7 @@ def test_a_newcomer_off_the_script_fails_alone_and_the_survivors_train_on(job):
     schedule = f"0:{TWO.format(s=1)};2:{THREE.format(s=1)}"
     r = job.run(["-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", str(PROGRESS_DISCOVERY),
                  "--discovery-interval", "0.2"],
-                job.train_cmd("--ported-broadcast", "--await-rendezvous=4:3", epochs=6), **discovery(schedule))
+                job.train_cmd("--ported-broadcast", "--await-round=4:2", epochs=6), **discovery(schedule))
     assert r.returncode == 0, r.output
     assert sizes(r.log) == [2] * 6, r.log
     assert all(e["rank"] == 0 and e["host"] == "localhost" for e in r.log)

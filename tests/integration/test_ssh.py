@@ -366,7 +366,9 @@ def test_a_lost_ssh_session_is_a_failure_and_the_host_comes_back_after_its_coold
     connection comes first is a race this test does not steer; tests/unit/test_remote_bootstrap.py
     checks the watchdog's word and the handler that heeds it."""
     job.start(["-np", "2", "--min-np", "1", "-H", "127.0.0.2:1,127.0.0.3:1", "--blacklist-cooldown-range", "1", "2",
-               *sshd_clean.ssh_args()], job.train_cmd("--await-size=6:2", epochs=9, sleep=0.1))
+               *sshd_clean.ssh_args()],
+              # at epoch 6, held until the failure's round (1) and the comeback's (2) have formed
+              job.train_cmd("--await-round=6:2", "--await-size=6:2", epochs=9, sleep=0.1))
     _wait_for(lambda: job.log.exists() and '"epoch": 1' in job.log.read_text() or job.proc.poll() is not None,
               60, "epoch 1")
     assert job.proc.poll() is None, "the job ended before the check meant anything"

@@ -29,9 +29,9 @@ p.add_argument("--fail", action="append", default=[],
 p.add_argument("--marker-dir", default=None)
 p.add_argument("--await-size", action="append", default=[],
                help="EPOCH:SIZE: at the start of EPOCH, wait (checking for host updates) until size() == SIZE")
-p.add_argument("--await-rendezvous", action="append", default=[],
-               help="EPOCH:COUNT: at the start of EPOCH, wait (checking for host updates) until this process "
-                    "has been through COUNT rendezvous (a change that leaves the size as it was)")
+p.add_argument("--await-round", action="append", default=[],
+               help="EPOCH:ROUND: at the start of EPOCH, wait (checking for host updates) until the job's round "
+                    "is ROUND or later (a change that leaves the size as it was; the same number on every rank)")
 p.add_argument("--ported-broadcast", action="store_true",
                help="call Horovod's broadcast_parameters before the elastic function, as a ported script may")
 p.add_argument("--prepare-epochs", type=int, default=0,
@@ -97,7 +97,18 @@ def maybe_fail(epoch: int) -> None:
 
 
 def await_size(state) -> None:
-    """Hold training at an epoch until the world has the expected size (makes tests deterministic)."""
+    """Hold training at an epoch until the job has reached the expected round and the world
+    has the expected size (makes tests deterministic)."""
+    for spec in args.await_round:
+        epoch, number = map(int, spec.split(":"))
+        if state.epoch != epoch:
+            continue
+        deadline = time.monotonic() + 90
+        while rt.round < number:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the job never reached round {number} at epoch {epoch}")
+            time.sleep(0.05)
+            state.check_host_updates()
     for spec in args.await_size:
         epoch, size = map(int, spec.split(":"))
         if state.epoch != epoch:
@@ -106,16 +117,6 @@ def await_size(state) -> None:
         while hvd.size() != size:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the world never reached size {size} at epoch {epoch}")
-            time.sleep(0.05)
-            state.check_host_updates()
-    for spec in args.await_rendezvous:
-        epoch, count = map(int, spec.split(":"))
-        if state.epoch != epoch:
-            continue
-        deadline = time.monotonic() + 90
-        while rt.rendezvous_count < count:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"this process never reached rendezvous {count} at epoch {epoch}")
             time.sleep(0.05)
             state.check_host_updates()
 
