@@ -24,6 +24,23 @@ def make_round(number: int = 3, aborted: dict[int, str] | None = None, timeout: 
                  aborted=aborted if aborted is not None else {}, emit=lambda kind, **f: log.append((kind, f)), pg=pg)
 
 
+def two_rank_gloo(timeout: float) -> dict[int, Any]:
+    """A real two-rank gloo group in this process (one thread forms each rank): rank 0's
+    collectives wait for a rank 1 that only joins when the test says so."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    groups: dict[int, Any] = {}
+    threads = [threading.Thread(target=lambda k=k: groups.__setitem__(
+        k, dist.ProcessGroupGloo(store, k, 2, rounds.group_timeout(timeout)))) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert set(groups) == {0, 1}, "the two-rank gloo group did not form"
+    return groups
+
+
 class Work:
     """A collective in flight: completes after ``after`` seconds, or raises at wait()."""
 
@@ -154,15 +171,7 @@ def test_a_rounds_gloo_group_times_out_after_the_wait_loop_does() -> None:
 
     assert rounds.group_timeout(2.0).total_seconds() == 3.0
     assert rounds.group_timeout(60.0).total_seconds() == 66.0
-    store = dist.HashStore()
-    groups: dict[int, Any] = {}
-    threads = [threading.Thread(target=lambda k=k: groups.__setitem__(
-        k, dist.ProcessGroupGloo(store, k, 2, rounds.group_timeout(0.2)))) for k in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert set(groups) == {0, 1}, "the two-rank gloo group did not form"
+    groups = two_rank_gloo(0.2)
     r = make_round(timeout=0.2, pg=groups[0])
     work = groups[0].allreduce([torch.ones(4)])
     started = time.monotonic()
@@ -409,15 +418,7 @@ def test_an_abort_during_a_long_waits_first_slice_is_seen_when_it_ends(monkeypat
     import torch
     import torch.distributed as dist
 
-    store = dist.HashStore()
-    groups: dict[int, Any] = {}
-    threads = [threading.Thread(target=lambda k=k: groups.__setitem__(
-        k, dist.ProcessGroupGloo(store, k, 2, rounds.group_timeout(20.0)))) for k in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert set(groups) == {0, 1}, "the two-rank gloo group did not form"
+    groups = two_rank_gloo(20.0)
     monkeypatch.setattr(waiting, "_USUAL", {"allreduce bucket": 0.2})
     aborted: dict[int, str] = {}
     r = make_round(7, aborted, timeout=20, pg=groups[0])
