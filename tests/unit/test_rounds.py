@@ -167,7 +167,6 @@ def test_a_rounds_gloo_group_times_out_after_the_wait_loop_does() -> None:
     gives up first, with its own words, whatever the machine's load (the group's timeout
     trails it by at least a second)."""
     import torch
-    import torch.distributed as dist
 
     assert rounds.group_timeout(2.0).total_seconds() == 3.0
     assert rounds.group_timeout(60.0).total_seconds() == 66.0
@@ -416,7 +415,6 @@ def test_an_abort_during_a_long_waits_first_slice_is_seen_when_it_ends(monkeypat
     """Real gloo, two ranks in this process, rank 1 never joins: the name's last wait took 0.2 s,
     so this one sleeps 25 ms before it looks; an abort 5 ms in is seen then, not at the timeout."""
     import torch
-    import torch.distributed as dist
 
     groups = two_rank_gloo(20.0)
     monkeypatch.setattr(waiting, "_USUAL", {"allreduce bucket": 0.2})
