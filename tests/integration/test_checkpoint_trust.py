@@ -244,7 +244,8 @@ def test_a_second_job_on_a_directory_in_use_exits_2_naming_the_holder(job, tmp_p
 
     ckpt = job.tmp / "ckpt"
     job.start([*TWO_HOSTS, "--checkpoint-dir", str(ckpt), "--checkpoint-interval", "0.3"],
-              sample_cmd(job, "--epochs", "2", "--commit-every", "2", "--sleep", "0.05"))
+              # (5 epochs: still training when the second job, a new interpreter, looks on a slow machine)
+              sample_cmd(job, "--epochs", "5", "--commit-every", "2", "--sleep", "0.05"))
     wait_for(lambda: progress(job) >= 3 and list(ckpt.glob("ckpt-*")), 90, "the first job's first copy")
     before = sorted(p.name for p in ckpt.glob("ckpt-*"))
     second = Job(tmp_path_factory.mktemp("second"))

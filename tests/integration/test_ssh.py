@@ -331,7 +331,7 @@ def test_two_ssh_hosts_one_added_one_removed(job, sshd_clean):
     schedule = "0:127.0.0.2:1,127.0.0.3:1;2:127.0.0.2:1,127.0.0.3:1,127.0.0.4:1;4:127.0.0.2:1,127.0.0.4:1"
     job.start(["-np", "2", "--min-np", "1", "--max-np", "3", *sshd_clean.ssh_args(),
                "--host-discovery-script", str(PROGRESS_DISCOVERY), "--discovery-interval", "0.2"],
-              job.train_cmd("--await-size=3:3", "--await-size=5:2", epochs=12, sleep=0.05), HOSTS_SCHEDULE=schedule)
+              job.train_cmd("--await-size=3:3", "--await-size=5:2", epochs=20, sleep=0.05), HOSTS_SCHEDULE=schedule)
     _wait_for(lambda: job.log.exists() and '"epoch": 5' in job.log.read_text() or job.proc.poll() is not None,
               60, "epoch 5")
     _wait_for(lambda: not _on_host(job.tag, "127.0.0.3"), 5, "the removed host's worker to exit")
@@ -339,7 +339,7 @@ def test_two_ssh_hosts_one_added_one_removed(job, sshd_clean):
     r = job.finish()
     assert r.returncode == 0, r.output
     by_epoch = {e["epoch"]: e for e in r.log}
-    assert sorted(by_epoch) == list(range(12)), r.log
+    assert sorted(by_epoch) == list(range(20)), r.log
     assert [by_epoch[e]["size"] for e in (0, 3, 5)] == [2, 3, 2], r.log
     assert all(e["rank"] == 0 and e["host"] == "127.0.0.2" for e in r.log)  # rank 0 never moved
     assert r.log[-1]["rendezvous"] >= 3  # initial + grow + shrink, in the same remote process
