@@ -96,29 +96,27 @@ def maybe_fail(epoch: int) -> None:
         raise RuntimeError(f"injected failure on {me}")
 
 
+def _hold(state, reached, what: str) -> None:
+    """Wait (checking for host updates, so that the change can come) until ``reached()``."""
+    deadline = time.monotonic() + 90
+    while not reached():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} at epoch {state.epoch}")
+        time.sleep(0.05)
+        state.check_host_updates()
+
+
 def await_size(state) -> None:
     """Hold training at an epoch until the job has reached the expected round and the world
     has the expected size (makes tests deterministic)."""
     for spec in args.await_round:
         epoch, number = map(int, spec.split(":"))
-        if state.epoch != epoch:
-            continue
-        deadline = time.monotonic() + 90
-        while rt.round < number:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the job never reached round {number} at epoch {epoch}")
-            time.sleep(0.05)
-            state.check_host_updates()
+        if state.epoch == epoch:
+            _hold(state, lambda: rt.round >= number, f"the job never reached round {number}")
     for spec in args.await_size:
         epoch, size = map(int, spec.split(":"))
-        if state.epoch != epoch:
-            continue
-        deadline = time.monotonic() + 90
-        while hvd.size() != size:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the world never reached size {size} at epoch {epoch}")
-            time.sleep(0.05)
-            state.check_host_updates()
+        if state.epoch == epoch:
+            _hold(state, lambda: hvd.size() == size, f"the world never reached size {size}")
 
 
 @hvd.elastic.run
